@@ -1,0 +1,85 @@
+"""ShardPlan: what the planner decides and what the operator and the worker both read.
+
+The plan is the contract between the planner (pure), the renderer (pods from the plan) and the
+worker (which layers and which slice of each weight a rank owns). It travels to the pods as
+`plan.json` in a ConfigMap, so both sides validate it with this one model.
+
+Rank layout inside one replica (one torch.distributed group per replica):
+    world_size = tensor * pipeline
+    rank       = stage * tensor + tp_rank        (tp_rank = the GPU index inside the stage's pod)
+Replicas are independent groups; training averages gradients across them (data parallel).
+"""
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class StagePlacement(_Model):
+    """One pipeline stage of one replica: one pod on one node, holding `tensor` GPUs."""
+
+    replica: int = Field(ge=0)
+    stage: int = Field(ge=0)
+    node: str
+    gpus: int = Field(ge=1, description="GPUs the pod asks for: the tensor-parallel degree")
+    layer_start: int = Field(ge=0, description="first decoder layer this stage owns")
+    layer_end: int = Field(ge=0, description="one past the last decoder layer this stage owns")
+    embedding: bool = Field(description="this stage holds the token embedding (stage 0)")
+    head: bool = Field(description="this stage holds the final norm and LM head (last stage)")
+    params: int = Field(0, ge=0, description="parameters this stage holds, for balance reporting")
+    domains: dict[str, str] = Field(default_factory=dict,
+                                    description="topology key -> value of the node, tightest first")
+
+    @property
+    def layers(self) -> range:
+        return range(self.layer_start, self.layer_end)
+
+
+class ReplicaPlan(_Model):
+    replica: int = Field(ge=0)
+    domain: str = Field("", description="the tightest topology domain holding every stage")
+    cost: int = Field(0, ge=0, description="topology boundaries crossed between consecutive stages")
+    explanation: str = ""
+
+
+class ShardPlan(_Model):
+    tensor: int = Field(ge=1)
+    pipeline: int = Field(ge=1)
+    replicas: int = Field(ge=0)
+    num_layers: int = Field(ge=1)
+    placements: list[StagePlacement] = Field(default_factory=list)
+    groups: list[ReplicaPlan] = Field(default_factory=list)
+    cost: int = Field(0, ge=0, description="sum of the replicas' costs")
+    shrunk: bool = Field(False, description="fewer replicas or another layout than asked, for lack of capacity")
+    notes: list[str] = Field(default_factory=list)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor * self.pipeline
+
+    def stages_of(self, replica: int) -> list[StagePlacement]:
+        return sorted((p for p in self.placements if p.replica == replica), key=lambda p: p.stage)
+
+    def placement(self, replica: int, stage: int) -> StagePlacement:
+        for p in self.placements:
+            if p.replica == replica and p.stage == stage:
+                return p
+        raise KeyError(f"plan has no replica {replica} stage {stage}")
+
+    @model_validator(mode="after")
+    def _stages_cover_layers(self) -> "ShardPlan":
+        for r in {p.replica for p in self.placements}:
+            stages = self.stages_of(r)
+            if [p.stage for p in stages] != list(range(self.pipeline)):
+                raise ValueError(f"replica {r} must have stages 0..{self.pipeline - 1}")
+            edge = 0
+            for p in stages:
+                if p.layer_start != edge or p.layer_end <= p.layer_start:
+                    raise ValueError(f"replica {r} stage {p.stage}: layers must be contiguous and non-empty")
+                edge = p.layer_end
+            if edge != self.num_layers:
+                raise ValueError(f"replica {r}: stages cover {edge} of {self.num_layers} layers")
+        return self

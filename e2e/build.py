@@ -1,0 +1,206 @@
+"""Build the pinned Kubernetes binaries from their Go modules into a cache outside the repo.
+
+Every binary comes from the Go module proxy through a small wrapper module, so the build needs only
+`go` and the proxy: no git clone, no Docker. The cache folder is keyed by a hash of the pins, so a
+changed pin builds afresh and an unchanged one is reused in well under a second.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+# One recent Kubernetes minor that kwok v0.8.0 supports (it defaults to 1.36).
+KUBERNETES = "v1.36.3"
+ETCD = "v3.6.16"
+KWOK = "v0.8.0"
+HELM = "v3.22.0"
+GO_MIN = (1, 26)
+
+K8S_BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
+ALL_BINARIES = ("etcd", *K8S_BINARIES, "kwok", "helm")
+
+
+class BuildError(RuntimeError):
+    """A build step failed; the message names the step and its log file."""
+
+
+def pins() -> dict[str, str]:
+    return {"kubernetes": KUBERNETES, "etcd": ETCD, "kwok": KWOK, "helm": HELM}
+
+
+def cache_root() -> Path:
+    base = os.environ.get("SHARDWISE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "shardwise")
+    return Path(base)
+
+
+def bin_dir() -> Path:
+    digest = hashlib.sha256(json.dumps(pins(), sort_keys=True).encode()).hexdigest()[:12]
+    return cache_root() / "bin" / digest
+
+
+def missing_binaries(directory: Path | None = None) -> list[str]:
+    directory = directory or bin_dir()
+    return [b for b in ALL_BINARIES if not os.access(directory / b, os.X_OK)]
+
+
+@dataclass
+class _Step:
+    name: str
+    module_dir: Path
+    go_mod: str
+    packages: list[str]
+    ldflags: str = ""
+
+
+def _go_env(work: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(CGO_ENABLED="0", GOFLAGS="-mod=mod -buildvcs=false", GOTOOLCHAIN="local",
+               GOWORK="off")
+    return env
+
+
+def _check_go() -> None:
+    go = shutil.which("go")
+    if not go:
+        raise BuildError("go: not found on PATH; install Go >= %d.%d to build the local control plane"
+                         % GO_MIN)
+    out = subprocess.run([go, "env", "GOVERSION"], capture_output=True, text=True).stdout.strip()
+    try:
+        major, minor = (int(x) for x in out.removeprefix("go").split(".")[:2])
+    except ValueError:
+        return
+    if (major, minor) < GO_MIN:
+        raise BuildError(f"go: {out} is too old; Kubernetes {KUBERNETES} needs go{GO_MIN[0]}.{GO_MIN[1]}")
+
+
+def _kubernetes_replaces(work: Path, log) -> str:
+    """k8s.io/kubernetes points its staging modules at ./staging; pin each to the published v0.N.M."""
+    env = _go_env(work)
+    out = subprocess.run(["go", "mod", "download", "-json", f"k8s.io/kubernetes@{KUBERNETES}"],
+                         cwd=work, env=env, capture_output=True, text=True)
+    log.write(out.stdout + out.stderr)
+    if out.returncode != 0:
+        raise BuildError(f"downloading k8s.io/kubernetes@{KUBERNETES} failed (exit {out.returncode})")
+    gomod = Path(json.loads(out.stdout)["GoMod"]).read_text()
+    staging_version = "v0." + KUBERNETES.removeprefix("v1.")
+    lines = []
+    for line in gomod.splitlines():
+        parts = line.split()
+        if len(parts) == 3 and parts[1] == "=>" and parts[2].startswith("./staging/"):
+            lines.append(f"\t{parts[0]} => {parts[0]} {staging_version}")
+    if not lines:
+        raise BuildError("k8s.io/kubernetes go.mod has no staging replace lines; the pin layout changed")
+    return "replace (\n" + "\n".join(lines) + "\n)\n"
+
+
+def _k8s_ldflags() -> str:
+    major, minor, _ = KUBERNETES.removeprefix("v").split(".")
+    flags = ["-s", "-w"]
+    for pkg in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version"):
+        flags += [f"-X {pkg}.gitVersion={KUBERNETES}", f"-X {pkg}.gitMajor={major}",
+                  f"-X {pkg}.gitMinor={minor}", f"-X {pkg}.gitTreeState=clean",
+                  f"-X {pkg}.buildDate=1970-01-01T00:00:00Z"]
+    return " ".join(flags)
+
+
+def _steps(work: Path, log) -> list[_Step]:
+    header = "module shardwise.dev/build/{name}\n\ngo 1.26.0\n\nrequire {mod} {ver}\n"
+    return [
+        _Step("etcd", work / "etcd",
+              header.format(name="etcd", mod="go.etcd.io/etcd/server/v3", ver=ETCD),
+              ["go.etcd.io/etcd/server/v3"], "-s -w"),
+        _Step("kubernetes", work / "kubernetes",
+              header.format(name="kubernetes", mod="k8s.io/kubernetes", ver=KUBERNETES)
+              + _kubernetes_replaces(work, log),
+              [f"k8s.io/kubernetes/cmd/{b}" for b in K8S_BINARIES], _k8s_ldflags()),
+        _Step("kwok", work / "kwok",
+              header.format(name="kwok", mod="sigs.k8s.io/kwok", ver=KWOK),
+              ["sigs.k8s.io/kwok/cmd/kwok"],
+              f"-s -w -X sigs.k8s.io/kwok/pkg/consts.Version={KWOK}"),
+        _Step("helm", work / "helm",
+              header.format(name="helm", mod="helm.sh/helm/v3", ver=HELM),
+              ["helm.sh/helm/v3/cmd/helm"],
+              f"-s -w -X helm.sh/helm/v3/internal/version.version={HELM}"),
+    ]
+
+
+def _run_with_progress(cmd: list[str], cwd: Path, env: dict, log, label: str, say) -> int:
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    done = threading.Event()
+
+    def heartbeat() -> None:
+        while not done.wait(30):
+            say(f"  … {label}: still working ({time.monotonic() - start:.0f}s)")
+
+    t = threading.Thread(target=heartbeat, daemon=True)
+    t.start()
+    try:
+        return proc.wait()
+    finally:
+        done.set()
+
+
+def build(force: bool = False, say=print) -> Path:
+    """Build whatever is missing from the cache and return the folder holding the binaries."""
+    target = bin_dir()
+    missing = ALL_BINARIES if force else missing_binaries(target)
+    if not missing:
+        return target
+    _check_go()
+    target.mkdir(parents=True, exist_ok=True)
+    work = cache_root() / "src"
+    work.mkdir(parents=True, exist_ok=True)
+    log_path = cache_root() / "build.log"
+    say(f"building {', '.join(missing)} into {target} (log: {log_path}); "
+        "this takes several minutes on two cores")
+    with open(log_path, "a") as log:
+        env = _go_env(work)
+        for step in _steps(work, log):
+            wanted = [p for p in step.packages if p.rsplit("/", 1)[-1] in missing
+                      or (step.name == "etcd" and "etcd" in missing)]
+            if not wanted:
+                continue
+            step.module_dir.mkdir(parents=True, exist_ok=True)
+            (step.module_dir / "go.mod").write_text(step.go_mod)
+            t0 = time.monotonic()
+            say(f"[{step.name}] downloading modules")
+            rc = _run_with_progress(["go", "mod", "download"], step.module_dir, env, log,
+                                    f"{step.name} download", say)
+            if rc != 0:
+                raise BuildError(f"[{step.name}] go mod download failed (exit {rc}); see {log_path}")
+            with tempfile.TemporaryDirectory(dir=target) as out:
+                cmd = ["go", "build", "-trimpath", "-ldflags", step.ldflags, "-o", out + "/", *wanted]
+                say(f"[{step.name}] compiling {' '.join(p.rsplit('/', 1)[-1] for p in wanted)}")
+                log.write(f"\n$ (cd {step.module_dir}) {' '.join(cmd)}\n")
+                log.flush()
+                rc = _run_with_progress(cmd, step.module_dir, env, log, f"{step.name} compile", say)
+                if rc != 0:
+                    raise BuildError(f"[{step.name}] go build failed (exit {rc}); see {log_path}")
+                for produced in Path(out).iterdir():
+                    name = "etcd" if step.name == "etcd" else produced.name
+                    os.replace(produced, target / name)
+            say(f"[{step.name}] done in {time.monotonic() - t0:.0f}s")
+    (target / "versions.json").write_text(json.dumps(pins(), indent=2) + "\n")
+    left = missing_binaries(target)
+    if left:
+        raise BuildError(f"build finished but {', '.join(left)} is missing from {target}; see {log_path}")
+    return target
+
+
+if __name__ == "__main__":
+    try:
+        print(build(force="--force" in sys.argv))
+    except BuildError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,63 @@
+"""The one `shardwise` command. Each subcommand lives in the part of the product it belongs to.
+
+A subcommand's module is imported only when that subcommand runs, so the operator image (no torch)
+and the worker image (no kopf) each carry the same CLI. Every module named here provides
+`add_arguments(parser)` and `run(args) -> int`, and keeps heavy imports inside `run`.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "plan": ("shardwise.operator.plan_cmd", "compute a topology-aware sharding plan for a ShardedModel"),
+    "crds": ("shardwise.crds.cmd", "generate or check the CRD YAML from the API models"),
+    "operator": ("shardwise.operator.cmd", "run the Kubernetes operator"),
+    "generate": ("shardwise.worker.cmd_generate", "generate text with a sharded model on local processes"),
+    "serve": ("shardwise.worker.cmd_serve", "serve a sharded model over an OpenAI-compatible HTTP API"),
+    "train": ("shardwise.worker.cmd_train", "train a sharded model and write sharded checkpoints"),
+    "worker": ("shardwise.worker.cmd_worker", "run one rank of a ShardedModel pod (torchrun variables + plan)"),
+    "dev": ("shardwise.e2e.dev_cmd", "start, inspect and stop the local Kubernetes control plane"),
+    "demo": ("shardwise.e2e.demo_cmd", "run the operator and a sharded SmolLM2 on a local cluster"),
+}
+
+
+def _usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: shardwise <command> [options]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "Run `shardwise <command> --help` for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    if argv[0] == "--version":
+        from shardwise import __version__
+        print(f"shardwise {__version__}")
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"shardwise: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module_name, help_ = COMMANDS[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        # The operator image has no torch and the worker image no kopf: say which extra is missing.
+        print(f"shardwise {name}: needs a dependency that is not installed ({e.name or e}); "
+              f"install it with `pip install 'shardwise[operator,worker]'`", file=sys.stderr)
+        return 2
+    parser = argparse.ArgumentParser(prog=f"shardwise {name}", description=help_)
+    module.add_arguments(parser)
+    args = parser.parse_args(rest)
+    try:
+        return int(module.run(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
