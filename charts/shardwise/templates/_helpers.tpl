@@ -1,0 +1,80 @@
+{{/* Name of the chart, overridable. */}}
+{{- define "shardwise.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Full name: release-qualified unless the release name already holds the chart name. */}}
+{{- define "shardwise.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+Name of the cluster-scoped objects (ClusterRole, ClusterRoleBinding). They are shared by the whole
+cluster, so they carry the namespace too: two releases of the same name in two namespaces don't clash.
+*/}}
+{{- define "shardwise.clusterName" -}}
+{{- printf "%s-%s" (include "shardwise.fullname" .) .Release.Namespace | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "shardwise.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "shardwise.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "shardwise.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end }}
+
+{{- define "shardwise.labels" -}}
+helm.sh/chart: {{ include "shardwise.chart" . }}
+{{ include "shardwise.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: shardwise
+{{- end }}
+
+{{- define "shardwise.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "shardwise.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* The operator image: a digest wins over a tag; the tag defaults to the chart's appVersion. */}}
+{{- define "shardwise.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+{{- end }}
+
+{{/* Arguments of `shardwise operator run`, one per line. */}}
+{{- define "shardwise.operatorArgs" -}}
+- operator
+- run
+{{- range .Values.operator.watchNamespaces }}
+- --namespace={{ . }}
+{{- else }}
+- --all-namespaces
+{{- end }}
+- --health-port={{ .Values.operator.healthPort }}
+- --metrics-port={{ .Values.operator.metricsPort }}
+- --log-level={{ .Values.operator.logLevel }}
+- --worker-image={{ .Values.operator.workerImage }}
+- --lease-namespace={{ .Release.Namespace }}
+{{- range .Values.operator.extraArgs }}
+- {{ . | quote }}
+{{- end }}
+{{- end }}
