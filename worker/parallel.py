@@ -1,0 +1,209 @@
+"""Tensor parallelism applied to the unchanged model (model.py).
+
+Per block (Megatron layout, one all-reduce per sub-layer):
+    attention:    wq, wk, wv column-parallel (heads split across ranks), wo row-parallel
+    feed_forward: w1, w3 column-parallel, w2 row-parallel
+The input of each sub-layer goes through `copy_to_tp` (identity forward, all-reduce of the
+gradient backward) and its output through `reduce_from_tp` (all-reduce forward, identity backward),
+so the same code serves inference and training.
+
+The embedding and LM head are split along the vocabulary (padded to a multiple of the degree):
+each rank looks up the ids it owns and the partial embeddings are summed; each rank computes its
+slice of the logits and they are gathered. A tied head shares the embedding's slice.
+
+`apply_tensor_parallel` works on a model on the meta device (before loading) or on a loaded
+one (it then slices the weights). It records in `model.tp_shards` how each parameter is split, so
+loaders read only the rank's slice and checkpoints can be resharded.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class CommStats:
+    """Wall time and bytes this process spent in collectives and point-to-point transfers."""
+    seconds: float = 0.0
+    bytes: int = 0
+    calls: int = 0
+
+    def add(self, t0: float, tensor: torch.Tensor) -> None:
+        self.seconds += time.perf_counter() - t0
+        self.bytes += tensor.numel() * tensor.element_size()
+        self.calls += 1
+
+
+COMM = CommStats()
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A parameter holds rows/cols [rank*size/world, (rank+1)*size/world) of `dim` of the full one.
+
+    `padded` is the full size along `dim` after padding to a multiple of `world` (vocabulary
+    splits); positions past the real size are zeros."""
+    dim: int
+    rank: int
+    world: int
+    padded: int = 0
+
+    def bounds(self, full: int) -> tuple[int, int]:
+        size = max(full, self.padded) // self.world
+        return self.rank * size, (self.rank + 1) * size
+
+
+def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    t0 = time.perf_counter()
+    dist.all_reduce(x, group=group)
+    COMM.add(t0, x)
+    return x
+
+
+def all_gather_last(x: torch.Tensor, group, world: int) -> torch.Tensor:
+    t0 = time.perf_counter()
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    COMM.add(t0, x)
+    return torch.cat(parts, dim=-1)
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce(x.contiguous(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad.contiguous(), ctx.group), None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, world, rank):
+        ctx.rank, ctx.size = rank, x.shape[-1]
+        return all_gather_last(x, group, world)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[..., ctx.rank * ctx.size:(ctx.rank + 1) * ctx.size].contiguous(), None, None, None
+
+
+def _narrow_param(p: nn.Parameter, shard: Shard) -> nn.Parameter:
+    """The rank's slice of p; on the meta device only the shape changes."""
+    full = p.shape[shard.dim]
+    padded = max(full, shard.padded)
+    start, stop = shard.bounds(full)
+    if p.is_meta:
+        shape = list(p.shape)
+        shape[shard.dim] = stop - start
+        return nn.Parameter(torch.empty(shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
+    data = p.data
+    if padded > full:
+        pad = [0, 0] * (data.dim() - 1 - shard.dim) + [0, padded - full]
+        data = F.pad(data, pad)
+    return nn.Parameter(data.narrow(shard.dim, start, stop - start).clone(), requires_grad=p.requires_grad)
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, weight: nn.Parameter, vocab_start: int, group):
+        super().__init__()
+        self.weight = weight
+        self.vocab_start, self.group = vocab_start, group
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside[..., None], 0)
+        return _ReduceFromTP.apply(out, self.group)
+
+
+class VocabParallelHead(nn.Module):
+    def __init__(self, weight: nn.Parameter, vocab_size: int, group, world: int, rank: int):
+        super().__init__()
+        self.weight = weight
+        self.vocab_size, self.group, self.world, self.rank = vocab_size, group, world, rank
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = _CopyToTP.apply(h, self.group)
+        logits = _GatherFromTP.apply(F.linear(h, self.weight), self.group, self.world, self.rank)
+        return logits[..., :self.vocab_size]
+
+
+def tp_degrees(num_heads: int, num_kv_heads: int, limit: int = 64) -> list[int]:
+    """Tensor-parallel degrees that split both the query and the key/value heads evenly."""
+    return [d for d in range(1, limit + 1) if num_heads % d == 0 and num_kv_heads % d == 0]
+
+
+def check_tensor_parallel(config, tp: int) -> None:
+    if tp < 1 or config.num_heads % tp or config.num_kv_heads % tp:
+        ok = ", ".join(map(str, tp_degrees(config.num_heads, config.num_kv_heads)))
+        raise ValueError(f"tensor parallel degree {tp} does not divide the model's {config.num_heads} "
+                         f"attention heads and {config.num_kv_heads} key/value heads; use one of: {ok}")
+
+
+def apply_tensor_parallel(model: nn.Module, rank: int, world: int, group=None) -> nn.Module:
+    """Split `model` (model.Transformer, whole or one stage) for TP rank `rank` of `world`."""
+    config = model.config
+    check_tensor_parallel(config, world)
+    shards: dict[str, Shard] = {}
+    if world == 1:
+        model.tp_shards, model.tp_rank, model.tp_world = shards, 0, 1
+        return model
+    col, row = Shard(0, rank, world), Shard(1, rank, world)
+    for idx, block in model.layers.items():
+        att, ffn = block.attention, block.feed_forward
+        for name, lin, shard in (("attention.wq", att.wq, col), ("attention.wk", att.wk, col),
+                                 ("attention.wv", att.wv, col), ("attention.wo", att.wo, row),
+                                 ("feed_forward.w1", ffn.w1, col), ("feed_forward.w3", ffn.w3, col),
+                                 ("feed_forward.w2", ffn.w2, row)):
+            lin.weight = _narrow_param(lin.weight, shard)
+            lin.in_features, lin.out_features = lin.weight.shape[1], lin.weight.shape[0]
+            shards[f"layers.{idx}.{name}.weight"] = shard
+        att.n_heads //= world
+        att.n_kv_heads //= world
+        for sub in (att, ffn):
+            sub.register_forward_pre_hook(lambda _m, args: (_CopyToTP.apply(args[0], group),) + args[1:])
+            sub.register_forward_hook(lambda _m, _args, out: _ReduceFromTP.apply(out, group))
+
+    vocab = config.vocab_size
+    vshard = Shard(0, rank, world, padded=-(-vocab // world) * world)
+    emb_weight = None
+    if model.tok_embeddings is not None:
+        emb_weight = _narrow_param(model.tok_embeddings.weight, vshard)
+        model.tok_embeddings = VocabParallelEmbedding(emb_weight, vshard.bounds(vocab)[0], group)
+        shards["tok_embeddings.weight"] = vshard
+    if model.output is not None:
+        tied = config.tie_word_embeddings and emb_weight is not None
+        head_weight = emb_weight if tied else _narrow_param(model.output.weight, vshard)
+        model.output = VocabParallelHead(head_weight, vocab, group, world, rank)
+        shards["output.weight"] = vshard
+    model.tp_shards, model.tp_rank, model.tp_world = shards, rank, world
+    return model
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the parameters this rank holds (a tied weight counts once)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
