@@ -1,0 +1,124 @@
+"""Renderer: what a ShardPlan becomes in Kubernetes objects (pure; no cluster)."""
+from __future__ import annotations
+
+import json
+
+from shardwise.crds.plan import ReplicaPlan, ShardPlan, StagePlacement
+from shardwise.operator import renderer
+
+
+def _body(**spec):
+    base = {"model": {"uri": "pvc://models/smollm2"}, "parallelism": {"tensor": 2, "pipeline": 2, "replicas": 2},
+            "serving": {"port": 8080}}
+    base.update(spec)
+    return {"apiVersion": "shardwise.dev/v1alpha1", "kind": "ShardedModel",
+            "metadata": {"name": "llama", "namespace": "prod", "uid": "uid-1", "generation": 3},
+            "spec": base}
+
+
+def _plan(replicas=2, pipeline=2, tensor=2, layers=30):
+    placements = []
+    for r in range(replicas):
+        edge = 0
+        for s in range(pipeline):
+            end = layers if s == pipeline - 1 else edge + layers // pipeline
+            placements.append(StagePlacement(replica=r, stage=s, node=f"node-{r}-{s}", gpus=tensor,
+                                             layer_start=edge, layer_end=end, embedding=s == 0,
+                                             head=s == pipeline - 1))
+            edge = end
+    return ShardPlan(tensor=tensor, pipeline=pipeline, replicas=replicas, num_layers=layers,
+                     placements=placements, groups=[ReplicaPlan(replica=r) for r in range(replicas)])
+
+
+def test_one_pod_per_replica_and_stage_pinned_to_its_node_with_tp_gpus():
+    plan = _plan()
+    objects = renderer.render_all(_body(), plan)
+    pods = [o for o in objects if o["kind"] == "Pod"]
+    assert len(pods) == 4
+    for pod in pods:
+        labels = pod["metadata"]["labels"]
+        r, s = int(labels["shardwise.dev/replica"]), int(labels["shardwise.dev/stage"])
+        assert labels["shardwise.dev/model"] == "llama"
+        term = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert term["nodeSelectorTerms"][0]["matchFields"][0]["values"] == [f"node-{r}-{s}"]
+        res = pod["spec"]["containers"][0]["resources"]
+        assert res["requests"]["nvidia.com/gpu"] == "2" == res["limits"]["nvidia.com/gpu"]
+        assert pod["spec"]["restartPolicy"] == "Never"
+    assert sorted(p["metadata"]["name"] for p in pods) == [
+        "llama-r0-s0-a0", "llama-r0-s1-a0", "llama-r1-s0-a0", "llama-r1-s1-a0"]
+
+
+def test_worker_gets_rendezvous_env_and_command():
+    plan = _plan()
+    pod = renderer.render_pod(_body(), plan, plan.placement(1, 1), attempt=4)
+    c = pod["spec"]["containers"][0]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["SHARDWISE_REPLICA"]["value"] == "1" and env["SHARDWISE_STAGE"]["value"] == "1"
+    assert env["MASTER_ADDR"]["value"] == "llama-r1-s0.llama-ranks.prod.svc.cluster.local"
+    assert env["MASTER_PORT"]["value"] == str(renderer.MASTER_PORT)
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert c["command"] + c["args"] == ["shardwise", "worker", "--plan", "/etc/shardwise/plan.json",
+                                        "--model", "/models/models/smollm2", "--port", "8080"]
+    assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": 8080}
+    # The pod's DNS name is what MASTER_ADDR of its replica points at (stage 0), stable across attempts.
+    assert pod["spec"]["hostname"] == "llama-r1-s1" and pod["spec"]["subdomain"] == "llama-ranks"
+    assert pod["metadata"]["name"] == "llama-r1-s1-a4"
+    assert pod["metadata"]["labels"]["shardwise.dev/attempt"] == "4"
+
+
+def test_everything_is_owned_by_the_model():
+    objects = renderer.render_all(_body(), _plan())
+    assert {o["kind"] for o in objects} == {"Pod", "Service", "ConfigMap", "PodDisruptionBudget"}
+    for o in objects:
+        (ref,) = o["metadata"]["ownerReferences"]
+        assert ref["uid"] == "uid-1" and ref["kind"] == "ShardedModel" and ref["controller"] is True
+        assert o["metadata"]["namespace"] == "prod"
+
+
+def test_configmap_carries_the_plan_the_worker_validates():
+    plan = _plan()
+    cm = renderer.render_configmap(_body(), plan)
+    assert ShardPlan.model_validate(json.loads(cm["data"]["plan.json"])) == plan
+
+
+def test_services_headless_publishes_unready_and_serving_selects_stage_zero():
+    headless = renderer.render_headless_service(_body())
+    assert headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"]["publishNotReadyAddresses"] is True
+    serving = renderer.render_serving_service(_body())
+    assert serving["spec"]["selector"] == {"shardwise.dev/model": "llama", "shardwise.dev/stage": "0"}
+    assert serving["spec"]["ports"][0]["port"] == 8080
+
+
+def test_custom_gpu_resource_user_resources_and_tolerations_are_kept():
+    body = _body(gpu={"resource": "amd.com/gpu"}, resources={"requests": {"cpu": "4", "memory": "16Gi"}},
+                 placement={"tolerations": [{"key": "gpu", "operator": "Exists"}],
+                            "nodeSelector": {"pool": "a100"}}, image="example/worker:1")
+    plan = _plan(replicas=1, pipeline=1, tensor=8)
+    pod = renderer.render_pod(body, plan, plan.placement(0, 0), attempt=0)
+    res = pod["spec"]["containers"][0]["resources"]
+    assert res["requests"] == {"cpu": "4", "memory": "16Gi", "amd.com/gpu": "8"}
+    assert "nvidia.com/gpu" not in res["limits"]
+    assert pod["spec"]["tolerations"] == [{"key": "gpu", "operator": "Exists"}]
+    assert pod["spec"]["nodeSelector"] == {"pool": "a100"}
+    assert pod["spec"]["containers"][0]["image"] == "example/worker:1"
+
+
+def test_replica_hash_changes_only_for_the_replanned_replica():
+    plan = _plan()
+    moved = plan.model_copy(deep=True)
+    moved.placements[3].node = "elsewhere"  # replica 1, stage 1
+    moved = ShardPlan.model_validate(moved.model_dump())
+    assert renderer.replica_hash(plan, 0) == renderer.replica_hash(moved, 0)
+    assert renderer.replica_hash(plan, 1) != renderer.replica_hash(moved, 1)
+    assert renderer.plan_hash(plan) != renderer.plan_hash(moved)
+
+
+def test_pdb_lets_a_drain_take_at_most_one_replica():
+    assert renderer.render_pdb(_body(), replicas=3, pipeline=2)["spec"]["minAvailable"] == 4
+    assert renderer.render_pdb(_body(), replicas=1, pipeline=2)["spec"]["maxUnavailable"] == 1
+
+
+def test_plain_path_uri_is_passed_through_without_a_volume():
+    path, volume, mount = renderer.model_volume("/data/model.gguf")
+    assert (path, volume, mount) == ("/data/model.gguf", None, None)
