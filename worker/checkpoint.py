@@ -1,0 +1,424 @@
+"""Sharded, layout-independent training checkpoints on torch.distributed.checkpoint (DCP).
+
+Format. Every tensor is stored under its *full* name ("model/layers.3.attn.wq.weight") with its
+*full* shape; each rank writes only the slice it holds, described by its offsets into the full
+tensor. DCP's own metadata then records, per tensor, which stored chunk covers which region, so a
+reader with any other layout asks for the region it needs and DCP reads exactly the overlapping
+parts of the stored chunks (resharding). We describe slices with plain offsets rather than DTensor
+because the worker's tensor parallelism is written with plain tensors and explicit collectives:
+no DeviceMesh has to exist to save or load, the same reader serves inference ranks (which load
+without any process group), and uneven or oddly-placed slices need no special case. Replicated
+slices (norms, a replicated embedding, optimizer steps) are written once: DCP's planner drops
+duplicates that have the same name and offsets.
+
+Commit protocol. A checkpoint is written into `.tmp-step-NNNNNNNN/`; when every rank's data and
+DCP's `.metadata` are on disk, rank 0 writes `meta.json` and `COMPLETE` (file list with sizes),
+fsyncs them and renames the folder to `step-NNNNNNNN/`. A reader only considers folders with the
+final name *and* a COMPLETE marker whose listed files all exist with the listed sizes, so a
+checkpoint cut off anywhere in the middle of a write is never loaded.
+
+Asynchronous save. `save()` copies this rank's slices to CPU (the only part training waits for),
+then a background thread runs the DCP write on a dedicated gloo group (so its collectives never
+interleave with the training collectives) and commits. The next `save()` first waits for the
+previous write to finish.
+"""
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import os
+import re
+import shutil
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata, MetadataIndex, TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType, TensorWriteData, LoadPlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+FORMAT = "shardwise-checkpoint/1"
+MARKER = "COMPLETE"
+META = "meta.json"
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be used: one line that names the checkpoint and what is wrong."""
+
+
+@dataclasses.dataclass
+class Slice:
+    """The part of one full tensor that this rank holds: `tensor` sits at `offsets` in `full_shape`."""
+
+    tensor: torch.Tensor
+    full_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+    @classmethod
+    def whole(cls, tensor: torch.Tensor) -> "Slice":
+        return cls(tensor, tuple(tensor.shape), (0,) * tensor.dim())
+
+    @classmethod
+    def split(cls, tensor: torch.Tensor, full_shape: tuple[int, ...] | torch.Size,
+              rank: int, parts: int) -> "Slice":
+        """The slice of rank `rank` of `parts` equal contiguous parts (or the whole tensor if unsplit)."""
+        full_shape = tuple(full_shape)
+        local = tuple(tensor.shape)
+        if local == full_shape:
+            return cls.whole(tensor)
+        dims = [d for d, (a, b) in enumerate(zip(local, full_shape)) if a != b]
+        if len(local) != len(full_shape) or len(dims) != 1:
+            raise ValueError(f"slice of shape {local} is not one part of {full_shape}")
+        d = dims[0]
+        chunk = -(-full_shape[d] // parts)  # torch.chunk: ceil-sized parts, the last may be short
+        start = rank * chunk
+        if local[d] != max(0, min(chunk, full_shape[d] - start)):
+            raise ValueError(f"slice of shape {local} is not part {rank}/{parts} of {full_shape}")
+        offsets = tuple(start if i == d else 0 for i in range(len(full_shape)))
+        return cls(tensor, full_shape, offsets)
+
+    def chunk(self) -> ChunkStorageMetadata:
+        return ChunkStorageMetadata(offsets=torch.Size(self.offsets), sizes=self.tensor.shape)
+
+
+# ---------------------------------------------------------------- DCP planners for offset slices
+
+class _SliceSavePlanner(DefaultSavePlanner):
+    """Writes each Slice as one chunk of its full tensor (DCP dedups identical replicated chunks)."""
+
+    def __init__(self, slices: dict[str, Slice]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False,
+                         dedup_save_to_lowest_rank=True)
+        self.slices = slices
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for fqn, s in self.slices.items():
+            offsets = torch.Size(s.offsets)
+            items.append(WriteItem(
+                index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=offsets, sizes=s.tensor.shape),
+                    properties=TensorProperties.create_from_tensor(s.tensor),
+                    size=torch.Size(s.full_shape))))
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        return self.slices[index.fqn].tensor
+
+
+class _SliceLoadPlanner(DefaultLoadPlanner):
+    """Reads, for each wanted Slice, the parts of the stored chunks that overlap it."""
+
+    def __init__(self, slices: dict[str, Slice], where: str):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=True)
+        self.slices = slices
+        self.where = where
+
+    def create_local_plan(self) -> LoadPlan:
+        stored = self.metadata.state_dict_metadata
+        items = []
+        for fqn, s in self.slices.items():
+            md = stored.get(fqn)
+            if not isinstance(md, TensorStorageMetadata):
+                raise CheckpointError(f"checkpoint {self.where} has no tensor {fqn!r}: "
+                                      f"it was written for a different model")
+            if tuple(md.size) != tuple(s.full_shape):
+                raise CheckpointError(f"checkpoint {self.where}: {fqn!r} has shape {tuple(md.size)}, "
+                                      f"this model needs {tuple(s.full_shape)}: it was written for a different model")
+            items += create_read_items_for_chunk_list(fqn, md, [s.chunk()])
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return self.slices[index.fqn].tensor
+
+
+def write_slices(path: str | Path, slices: dict[str, Slice], group: dist.ProcessGroup | None) -> None:
+    """Collective over `group`: every rank writes its slices; the coordinator writes DCP metadata."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({k: s.tensor for k, s in slices.items()}, storage_writer=dcp.FileSystemWriter(str(path)),
+                 planner=_SliceSavePlanner(slices), process_group=group,
+                 no_dist=group is None and not dist.is_initialized())
+
+
+def read_slices(path: str | Path, slices: dict[str, Slice]) -> None:
+    """Fill each Slice's tensor in place from the checkpoint at `path`; no process group needed."""
+    try:
+        with warnings.catch_warnings():  # "loading in a single process" is exactly what we ask for
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({k: s.tensor for k, s in slices.items()}, storage_reader=dcp.FileSystemReader(str(path)),
+                     planner=_SliceLoadPlanner(slices, str(path)), no_dist=True)
+    except CheckpointError:
+        raise
+    except Exception as e:  # DCP wraps a rank's failure as (exception, traceback): unwrap for one line
+        failures = getattr(e, "failures", None)
+        if failures:
+            e = next(iter(failures.values()))
+            e = e[0] if isinstance(e, tuple) else e
+        if isinstance(e, CheckpointError):
+            raise e from None
+        raise CheckpointError(f"checkpoint {path} cannot be read: {type(e).__name__}: {e}".splitlines()[0]) from None
+
+
+def stored_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Full name -> full shape of every tensor in a checkpoint (reads only DCP's metadata)."""
+    md = dcp.FileSystemReader(str(path)).read_metadata()
+    return {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+
+
+# ---------------------------------------------------------------- the checkpoint folder
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durable(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def committed(root: str | Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every committed checkpoint under `root`, oldest first (marker present)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _STEP_DIR.match(p.name)
+        if m and (p / MARKER).is_file():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def verify(path: Path) -> dict:
+    """Check a committed checkpoint's files against its COMPLETE marker; return its meta.json."""
+    try:
+        marker = json.loads((path / MARKER).read_text())
+        meta = json.loads((path / META).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path}: marker or meta.json unreadable ({e})") from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {path}: unknown format {meta.get('format')!r}")
+    for name, size in marker.get("files", {}).items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint {path}: file {name} is missing")
+        if f.stat().st_size != size:
+            raise CheckpointError(f"checkpoint {path}: file {name} has {f.stat().st_size} bytes, expected {size}")
+    return meta
+
+
+def commit(tmp: Path, final: Path, meta: dict) -> None:
+    """Make a fully written checkpoint visible: meta + marker, fsync, then one atomic rename."""
+    _write_durable(tmp / META, json.dumps(meta, indent=1, sort_keys=True))
+    files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file() and p.name != MARKER}
+    _write_durable(tmp / MARKER, json.dumps({"step": meta["step"], "files": files}, sort_keys=True))
+    _fsync_dir(tmp)
+    if final.exists():  # a stale copy of the same step (written before a crash): replace it
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+
+
+def prune(root: Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` committed checkpoints, and leftovers of cut-off writes."""
+    removed = []
+    done = committed(root)
+    for _, p in done[:-keep] if keep > 0 else []:
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p)
+    return removed
+
+
+def clean_partial(root: Path) -> None:
+    """Remove folders a crash left behind mid-write (run before the first save of a new run)."""
+    if not root.is_dir():
+        return
+    for p in root.iterdir():
+        if p.name.startswith(".tmp-step-") or (_STEP_DIR.match(p.name) and not (p / MARKER).exists()):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def rng_to_text(state: torch.Tensor) -> str:
+    return base64.b64encode(state.numpy().tobytes()).decode()
+
+
+def rng_from_text(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8).clone()
+
+
+# ---------------------------------------------------------------- training-side manager
+
+class CheckpointManager:
+    """Saves (asynchronously) and loads the training state of one rank.
+
+    `group` is a gloo process group over all ranks used only by checkpoint writes; `rank` is this
+    rank's global rank (rank 0 commits). `model_meta` describes the model (config); a checkpoint
+    whose model_meta differs is refused with a clear error.
+    """
+
+    def __init__(self, root: str | Path, *, rank: int, group: dist.ProcessGroup | None,
+                 model_meta: dict, keep: int = 3, asynchronous: bool = True,
+                 log: Callable[[str], None] | None = None):
+        self.root = Path(root)
+        self.rank = rank
+        self.group = group
+        self.model_meta = model_meta
+        self.keep = keep
+        self.asynchronous = asynchronous
+        self.log = log or (lambda msg: None)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_blocking_s = 0.0   # time training waited in the last save()
+        self.last_write_s = 0.0      # time the last write took end to end
+        self.last_committed: tuple[int, float] | None = None  # (step, unix time)
+        if rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            clean_partial(self.root)
+
+    # -- save
+    def save(self, step: int, slices: dict[str, Slice], extra: dict) -> None:
+        t0 = time.perf_counter()
+        self.wait()
+        # The copy is what training waits for; afterwards the optimizer may change the tensors.
+        cpu = {k: dataclasses.replace(s, tensor=s.tensor.detach().to("cpu", copy=True)) for k, s in slices.items()}
+        meta = {"format": FORMAT, "step": step, "time": time.time(), "model": self.model_meta, **extra}
+        if self.asynchronous:
+            self._thread = threading.Thread(target=self._write, args=(step, cpu, meta, t0),
+                                            name=f"checkpoint-{step}", daemon=True)
+            self._thread.start()
+        else:
+            self._write(step, cpu, meta, t0)
+        self.last_blocking_s = time.perf_counter() - t0
+
+    def _write(self, step: int, slices: dict[str, Slice], meta: dict, t0: float) -> None:
+        tmp = self.root / f".tmp-{step_dir_name(step)}"
+        try:
+            if self.rank == 0:
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+                tmp.mkdir(parents=True)
+            if self.group is not None:
+                dist.barrier(group=self.group)  # the folder exists before anyone writes into it
+            else:
+                tmp.mkdir(parents=True, exist_ok=True)
+            write_slices(tmp, slices, self.group)
+            delay = float(os.environ.get("SHARDWISE_CHECKPOINT_COMMIT_DELAY_S", "0") or 0)
+            if delay:  # fault injection: widen the window between "written" and "committed"
+                time.sleep(delay)
+            if self.rank == 0:
+                commit(tmp, self.root / step_dir_name(step), meta)
+                for p in prune(self.root, self.keep):
+                    self.log(f"removed old checkpoint {p.name}")
+                self.log(f"checkpoint {step_dir_name(step)} committed")
+            self.last_committed = (step, meta["time"])
+            self.last_write_s = time.perf_counter() - t0
+        except BaseException as e:  # surfaced on the next save()/wait() in the training thread
+            self._error = e
+
+    def wait(self) -> None:
+        """Block until the write in flight (if any) is committed; re-raise its failure."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise CheckpointError(f"checkpoint write failed: {type(e).__name__}: {e}") from e
+
+    # -- load
+    def load_latest(self, slices: dict[str, Slice]) -> dict | None:
+        """Fill `slices` from the newest usable checkpoint and return its meta; None if there is none.
+
+        A checkpoint that fails verification or reading is skipped with a warning (falling back to
+        the previous one); a checkpoint of a different model is an error, never silently skipped.
+        """
+        for step, path in reversed(committed(self.root)):
+            try:
+                meta = verify(path)
+            except CheckpointError as e:
+                warnings.warn(f"{e}; falling back to the previous checkpoint", stacklevel=2)
+                continue
+            self.check_model(meta, path)
+            try:
+                read_slices(path, slices)
+            except CheckpointError as e:
+                if "different model" in str(e):
+                    raise
+                warnings.warn(f"{e}; falling back to the previous checkpoint", stacklevel=2)
+                continue
+            self.last_committed = (step, meta.get("time", 0.0))
+            return meta
+        return None
+
+    def check_model(self, meta: dict, path: Path) -> None:
+        check_same_model(meta.get("model", {}), self.model_meta, path)
+
+
+def check_same_model(stored: dict, wanted: dict, path: Path | str) -> None:
+    diffs = [f"{k}={stored.get(k)!r} (this model: {wanted.get(k)!r})"
+             for k in sorted(set(stored) | set(wanted)) if stored.get(k) != wanted.get(k)]
+    if diffs:
+        raise CheckpointError(f"checkpoint {path} was written for a different model: " + ", ".join(diffs[:4]))
+
+
+def latest_complete(root: str | Path) -> tuple[int, Path, dict] | None:
+    """The newest committed checkpoint that passes verification (falling back with a warning)."""
+    for step, path in reversed(committed(root)):
+        try:
+            return step, path, verify(path)
+        except CheckpointError as e:
+            warnings.warn(f"{e}; falling back to the previous checkpoint", stacklevel=2)
+    return None
+
+
+def resolve(path: str | Path) -> tuple[Path, dict]:
+    """A checkpoint folder given either itself or a run's checkpoint root: (folder, meta)."""
+    path = Path(path)
+    if (path / MARKER).is_file():
+        return path, verify(path)
+    found = latest_complete(path)
+    if found is None:
+        raise CheckpointError(f"{path} holds no complete checkpoint")
+    return found[1], found[2]
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    """True for a checkpoint folder or a run's checkpoint root with at least one committed step."""
+    path = Path(path)
+    return (path / MARKER).is_file() or bool(committed(path))
+
+
+def load_model_slices(path: str | Path, wanted: dict[str, Slice]) -> dict:
+    """Inference: fill a rank's weight slices (full names without the "model/" prefix) in place.
+
+    `path` is a checkpoint folder or a checkpoint root (newest complete step is used). The rank
+    asks only for what it holds (its layers, its tensor-parallel part) and DCP reads just those
+    bytes. Returns the checkpoint's meta.json (model config under "model").
+    """
+    folder, meta = resolve(path)
+    read_slices(folder, {f"model/{k}": s for k, s in wanted.items()})
+    return meta
