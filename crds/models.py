@@ -1,0 +1,353 @@
+"""The ShardedModel API: spec and status as pydantic models.
+
+These models are the one definition of the API. The CRD YAML (`shardedmodels.shardwise.dev.yaml`)
+is generated from them by `shardwise crds generate`; `shardwise crds check` fails when the two drift.
+Python attributes are snake_case; the JSON a user writes is camelCase (`parallelism.tensor`,
+`model.uri`, `recovery.maxRestarts`), as Kubernetes users expect.
+
+Rules that cross fields are CEL rules (`x-kubernetes-validations`) attached with `_cel(...)`, so the
+API server refuses a bad manifest before the operator sees it. The same rules are checked in Python
+by validators where that is cheap, so `shardwise plan -f` refuses the same manifests offline.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+GROUP = "shardwise.dev"
+VERSION = "v1alpha1"
+KIND = "ShardedModel"
+PLURAL = "shardedmodels"
+SINGULAR = "shardedmodel"
+SHORT_NAMES = ["sm"]
+API_VERSION = f"{GROUP}/{VERSION}"
+
+DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
+DEFAULT_TOPOLOGY_KEYS = ["topology.shardwise.dev/rack", "topology.kubernetes.io/zone"]
+
+# The phases the operator reports in status.phase, in the order a healthy model passes them.
+PHASES = ("Pending", "Planning", "Starting", "Running", "Recovering", "Degraded", "Failed")
+
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"
+_QUANTITY_UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
+                   "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
+LABEL_KEY_PATTERN = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+
+
+def parse_quantity(value: str | int) -> int:
+    """A Kubernetes quantity ("40Gi", "80G", "81920Mi", 1024) in base units (bytes for memory)."""
+    match = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)([KMGTP]i|[kMGTP])?", str(value).strip())
+    if not match:
+        raise ValueError(f"{value!r} is not a quantity such as 40Gi or 80G")
+    return int(float(match.group(1)) * _QUANTITY_UNITS[match.group(2) or ""])
+
+
+def _cel(*rules: tuple[str, str] | tuple[str, str, str]) -> dict[str, Any]:
+    """json_schema_extra carrying CEL rules: (rule, message[, fieldPath])."""
+    out = []
+    for rule in rules:
+        item = {"rule": rule[0], "message": rule[1]}
+        if len(rule) > 2:
+            item["fieldPath"] = rule[2]
+        out.append(item)
+    return {"x-kubernetes-validations": out}
+
+
+class ApiModel(BaseModel):
+    """Base of every API object: camelCase JSON, unknown fields refused."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, alias_generator=to_camel,
+                              validate_default=False)
+
+    def to_api(self) -> dict[str, Any]:
+        """The JSON a user or the API server sees: camelCase, unset optional fields left out."""
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+# ---------------------------------------------------------------- spec
+
+
+class ModelSource(ApiModel):
+    """Where the weights are and, when the operator cannot read them, what the model looks like."""
+
+    model_config = ConfigDict(json_schema_extra=_cel(
+        ("self.format != 'gguf' || self.uri.endsWith('.gguf')",
+         "model.uri must name a .gguf file when model.format is gguf", ".uri"),
+        ("!self.uri.startsWith('pvc://') || self.uri.matches('^pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/.+$')",
+         "model.uri must look like pvc://<claim>/<path> when it starts with pvc://", ".uri"),
+        ("!has(self.heads) || !has(self.kvHeads) || self.heads % self.kvHeads == 0",
+         "model.heads must be a multiple of model.kvHeads", ".kvHeads"),
+    ))
+
+    uri: str = Field(min_length=1, max_length=4096, description=(
+        "The weights: a path inside the pod (an HF-format directory with config.json and "
+        "*.safetensors, or a .gguf file), or pvc://<claim>/<path> to mount a PersistentVolumeClaim."))
+    format: Literal["auto", "safetensors", "gguf"] = Field(
+        "auto", description="auto: gguf when the uri ends in .gguf, safetensors otherwise.")
+    parameters: Optional[int] = Field(None, ge=1, description=(
+        "Parameter count. A hint for the planner when the operator cannot read the model's files."))
+    layers: Optional[int] = Field(None, ge=1, le=4096, description="Decoder layers (hint).")
+    heads: Optional[int] = Field(None, ge=1, le=4096, description="Attention heads (hint).")
+    kv_heads: Optional[int] = Field(None, ge=1, le=4096, description="Key/value heads, for GQA (hint).")
+    hidden_size: Optional[int] = Field(None, ge=1, description="Hidden size (hint).")
+    intermediate_size: Optional[int] = Field(None, ge=1, description="MLP intermediate size (hint).")
+    vocab_size: Optional[int] = Field(None, ge=1, description="Vocabulary size (hint).")
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "ModelSource":
+        if self.format == "gguf" and not self.uri.endswith(".gguf"):
+            raise ValueError("model.uri must name a .gguf file when model.format is gguf")
+        if self.uri.startswith("pvc://") and not re.match(
+                r"^pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/.+$", self.uri):
+            raise ValueError("model.uri must look like pvc://<claim>/<path> when it starts with pvc://")
+        if self.heads and self.kv_heads and self.heads % self.kv_heads:
+            raise ValueError("model.heads must be a multiple of model.kvHeads")
+        return self
+
+    def resolved_format(self) -> str:
+        if self.format != "auto":
+            return self.format
+        return "gguf" if self.uri.endswith(".gguf") else "safetensors"
+
+    def pvc(self) -> tuple[str, str] | None:
+        """(claim, path inside the claim) for a pvc:// uri, None otherwise."""
+        if not self.uri.startswith("pvc://"):
+            return None
+        claim, _, path = self.uri.removeprefix("pvc://").partition("/")
+        return claim, path
+
+
+class Parallelism(ApiModel):
+    tensor: Optional[int] = Field(None, ge=1, le=64, description=(
+        "Tensor-parallel degree: GPUs per pipeline stage, always on one node. Omitted: the planner "
+        "chooses the smallest degree that fits. Must divide the model's attention and KV heads."))
+    pipeline: Optional[int] = Field(None, ge=1, le=512, description=(
+        "Pipeline stages per replica, one pod each. Omitted: the planner chooses."))
+    replicas: int = Field(1, ge=0, le=10000, description=(
+        "Independent copies of the model (data parallel). Behind the scale subresource, so "
+        "`kubectl scale sm/NAME --replicas=N` and HPA work."))
+
+
+class GPU(ApiModel):
+    resource_name: str = Field(DEFAULT_GPU_RESOURCE, min_length=1, max_length=253,
+                               description="Extended resource the pods request.")
+    product: Optional[str] = Field(None, max_length=253, description=(
+        "Only nodes whose nvidia.com/gpu.product label equals this."))
+    min_memory: Optional[str] = Field(None, pattern=QUANTITY_PATTERN, max_length=32, description=(
+        "Only GPUs with at least this much memory (nvidia.com/gpu.memory label), e.g. 40Gi. Also the "
+        "memory assumed for nodes without that label."))
+
+    def min_memory_bytes(self) -> int:
+        return parse_quantity(self.min_memory) if self.min_memory else 0
+
+
+class Toleration(ApiModel):
+    model_config = ConfigDict(json_schema_extra=_cel(
+        ("self.operator != 'Exists' || !has(self.value) || self.value == ''",
+         "a toleration with operator Exists must not set value", ".value"),
+        ("self.operator != 'Equal' || has(self.key)",
+         "a toleration with operator Equal needs a key", ".key"),
+    ))
+
+    key: Optional[str] = Field(None, max_length=316)
+    operator: Literal["Exists", "Equal"] = "Equal"
+    value: Optional[str] = Field(None, max_length=63)
+    effect: Optional[Literal["NoSchedule", "PreferNoSchedule", "NoExecute"]] = None
+    toleration_seconds: Optional[int] = None
+
+
+class Placement(ApiModel):
+    topology_keys: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_TOPOLOGY_KEYS), max_length=8,
+        json_schema_extra={"x-kubernetes-list-type": "set", "default": list(DEFAULT_TOPOLOGY_KEYS),
+                           "items": {"type": "string", "maxLength": 316, "pattern": LABEL_KEY_PATTERN}},
+        description=("Node label keys naming topology domains, tightest first (a node is always the "
+                     "tightest: its GPUs share NVLink). A replica's stages go to the tightest domain "
+                     "that holds them; replicas spread across domains."))
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Only nodes with these labels.")
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=64, description=(
+        "Taints the pods tolerate; nodes with other NoSchedule/NoExecute taints are not used."))
+
+
+class Checkpoint(ApiModel):
+    claim: Optional[str] = Field(None, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+                                 description="PersistentVolumeClaim mounted at `path` in every pod.")
+    path: str = Field("/checkpoints", max_length=4096, pattern=r"^/",
+                      description="Directory of the sharded checkpoints inside the pod.")
+    interval_steps: int = Field(100, ge=1, description="Training steps between checkpoints.")
+    keep: int = Field(3, ge=1, le=1000, description="Complete checkpoints kept; older ones are deleted.")
+
+
+class Recovery(ApiModel):
+    max_restarts: int = Field(3, ge=0, le=1000, description=(
+        "Restarts of a replica group before the model is marked Failed."))
+    backoff_seconds: int = Field(10, ge=0, le=3600, description="Wait before recreating a failed group.")
+    allow_shrink: bool = Field(False, description=(
+        "When capacity is short, run fewer replicas (or another layout when tensor/pipeline are "
+        "omitted) instead of waiting."))
+
+
+class Serving(ApiModel):
+    port: int = Field(8000, ge=1, le=65535, description="Port of the OpenAI-compatible HTTP API.")
+    kv_cache_tokens: int = Field(8192, ge=0, description=(
+        "Tokens of KV cache per replica the planner reserves GPU memory for."))
+
+
+class Resources(ApiModel):
+    """CPU and memory for each pod. The GPU count comes from the plan, not from here."""
+
+    requests: dict[str, str] = Field(default_factory=dict, json_schema_extra={
+        "additionalProperties": {"type": "string", "pattern": QUANTITY_PATTERN}})
+    limits: dict[str, str] = Field(default_factory=dict, json_schema_extra={
+        "additionalProperties": {"type": "string", "pattern": QUANTITY_PATTERN}})
+
+    @field_validator("requests", "limits", mode="before")
+    @classmethod
+    def _quantities_as_strings(cls, value: Any) -> Any:
+        return {k: str(v) for k, v in value.items()} if isinstance(value, dict) else value
+
+
+class ShardedModelSpec(ApiModel):
+    model_config = ConfigDict(json_schema_extra=_cel(
+        ("!has(self.parallelism.tensor) || !has(self.model.heads) || self.model.heads % self.parallelism.tensor == 0",
+         "parallelism.tensor must divide model.heads", ".parallelism.tensor"),
+        ("!has(self.parallelism.tensor) || !has(self.model.kvHeads) || self.model.kvHeads % self.parallelism.tensor == 0",
+         "parallelism.tensor must divide model.kvHeads", ".parallelism.tensor"),
+        ("!has(self.parallelism.pipeline) || !has(self.model.layers) || self.parallelism.pipeline <= self.model.layers",
+         "parallelism.pipeline must not exceed model.layers", ".parallelism.pipeline"),
+        ("!has(self.resources) || !has(self.resources.limits) || !(self.gpu.resourceName in self.resources.limits)",
+         "resources.limits must not name the GPU resource; the plan sets the GPU count", ".resources.limits"),
+        ("!has(self.resources) || !has(self.resources.requests) || !(self.gpu.resourceName in self.resources.requests)",
+         "resources.requests must not name the GPU resource; the plan sets the GPU count", ".resources.requests"),
+        ("!has(oldSelf.workload) || self.workload == oldSelf.workload",
+         "workload cannot change; create a new ShardedModel", ".workload"),
+    ))
+
+    model: ModelSource
+    workload: Literal["inference", "training"] = Field("inference", description=(
+        "inference serves the OpenAI-compatible API; training trains and writes sharded checkpoints."))
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field("auto", description=(
+        "Weight dtype on the GPU. auto: the dtype in the model's config (bfloat16 when unknown)."))
+    parallelism: Parallelism = Field(default_factory=Parallelism, json_schema_extra={"default": {}})
+    gpu: GPU = Field(default_factory=GPU, json_schema_extra={"default": {}})
+    placement: Placement = Field(default_factory=Placement, json_schema_extra={"default": {}})
+    checkpoint: Optional[Checkpoint] = Field(None, description="Sharded checkpoints (training; resume after failure).")
+    recovery: Recovery = Field(default_factory=Recovery, json_schema_extra={"default": {}})
+    serving: Serving = Field(default_factory=Serving, json_schema_extra={"default": {}})
+    image: Optional[str] = Field(None, max_length=1024, description="Worker image; the operator's default when omitted.")
+    resources: Optional[Resources] = None
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "ShardedModelSpec":
+        tp, m = self.parallelism.tensor, self.model
+        for name, count in (("heads", m.heads), ("kvHeads", m.kv_heads)):
+            if tp and count and count % tp:
+                raise ValueError(f"parallelism.tensor must divide model.{name}")
+        if self.parallelism.pipeline and m.layers and self.parallelism.pipeline > m.layers:
+            raise ValueError("parallelism.pipeline must not exceed model.layers")
+        if self.resources and self.gpu.resource_name in {**self.resources.limits, **self.resources.requests}:
+            raise ValueError("resources must not name the GPU resource; the plan sets the GPU count")
+        return self
+
+
+# ---------------------------------------------------------------- status
+
+
+class Condition(ApiModel):
+    type: str = Field(max_length=316)
+    status: Literal["True", "False", "Unknown"]
+    reason: Optional[str] = Field(None, max_length=1024)
+    message: Optional[str] = Field(None, max_length=32768)
+    last_transition_time: Optional[str] = Field(None, json_schema_extra={"format": "date-time"})
+    observed_generation: Optional[int] = Field(None, ge=0)
+
+
+class PlacementSummary(ApiModel):
+    replica: int = Field(ge=0)
+    stage: int = Field(ge=0)
+    node: str
+    gpus: int = Field(ge=1)
+    layers: str = Field(description="first-last decoder layer, e.g. 0-11")
+
+
+class PlanSummary(ApiModel):
+    tensor: int = Field(ge=1)
+    pipeline: int = Field(ge=1)
+    replicas: int = Field(ge=0)
+    cost: int = Field(0, ge=0, description="topology boundaries crossed between consecutive stages")
+    shrunk: bool = False
+    placements: list[PlacementSummary] = Field(default_factory=list)
+
+    @classmethod
+    def from_plan(cls, plan: Any) -> "PlanSummary":
+        """Summary of a crds.plan.ShardPlan for status.plan."""
+        return cls(tensor=plan.tensor, pipeline=plan.pipeline, replicas=plan.replicas, cost=plan.cost,
+                   shrunk=plan.shrunk, placements=[
+                       PlacementSummary(replica=p.replica, stage=p.stage, node=p.node, gpus=p.gpus,
+                                        layers=f"{p.layer_start}-{p.layer_end - 1}")
+                       for p in plan.placements])
+
+
+class LastCheckpoint(ApiModel):
+    step: int = Field(ge=0)
+    time: Optional[str] = Field(None, json_schema_extra={"format": "date-time"})
+    path: Optional[str] = None
+
+
+class ShardedModelStatus(ApiModel):
+    phase: Optional[str] = Field(None, description="One of " + ", ".join(PHASES) + ".")
+    message: Optional[str] = None
+    conditions: list[Condition] = Field(default_factory=list, json_schema_extra={
+        "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})
+    observed_generation: Optional[int] = Field(None, ge=0)
+    restarts: int = Field(0, ge=0)
+    tensor: Optional[int] = Field(None, ge=1, description="tensor-parallel degree in effect")
+    pipeline: Optional[int] = Field(None, ge=1, description="pipeline stages in effect")
+    replicas: int = Field(0, ge=0, description="replicas planned (scale subresource)")
+    ready_replicas: int = Field(0, ge=0)
+    ready_shards: int = Field(0, ge=0, description="stage pods ready, across replicas")
+    selector: Optional[str] = Field(None, description="label selector of the pods (scale subresource)")
+    endpoint: Optional[str] = Field(None, description="URL of the OpenAI-compatible API")
+    plan: Optional[PlanSummary] = None
+    last_checkpoint: Optional[LastCheckpoint] = None
+
+
+class ShardedModel(ApiModel):
+    api_version: Literal["shardwise.dev/v1alpha1"] = Field(API_VERSION, alias="apiVersion")
+    kind: Literal["ShardedModel"] = KIND
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    spec: ShardedModelSpec
+    status: Optional[ShardedModelStatus] = None
+
+    @property
+    def name(self) -> str:
+        return self.metadata.get("name", "")
+
+    @property
+    def namespace(self) -> str:
+        return self.metadata.get("namespace", "default")
+
+
+def load_manifest(data: dict[str, Any]) -> ShardedModel:
+    """A ShardedModel from a manifest dict; raises ValueError with one line naming the bad field."""
+    from pydantic import ValidationError
+
+    if not isinstance(data, dict):
+        raise ValueError("manifest is not a mapping")
+    if data.get("kind") not in (None, KIND):
+        raise ValueError(f"kind is {data.get('kind')!r}, expected {KIND}")
+    try:
+        return ShardedModel.model_validate(data)
+    except ValidationError as e:
+        raise ValueError(describe_validation_error(e)) from None
+
+
+def describe_validation_error(error: Any) -> str:
+    """First pydantic error as one line: `spec.parallelism.tensor: Input should be ...`."""
+    first = error.errors()[0]
+    where = ".".join(str(p) for p in first["loc"])
+    message = first["msg"].removeprefix("Value error, ")
+    return f"{where}: {message}" if where else message
