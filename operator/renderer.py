@@ -38,7 +38,7 @@ DEFAULT_IMAGE = "ghcr.io/shardwise/worker:0.1.0-cuda"
 
 
 def spec_get(spec: Mapping[str, Any] | None, path: str, default: Any = None) -> Any:
-    """`spec_get(spec, "gpu.resource", "nvidia.com/gpu")`: a dotted lookup that tolerates absent parts."""
+    """`spec_get(spec, "gpu.resourceName", "nvidia.com/gpu")`: a dotted lookup that tolerates absent parts."""
     node: Any = spec or {}
     for part in path.split("."):
         if not isinstance(node, Mapping) or node.get(part) is None:
@@ -143,7 +143,7 @@ def render_pod(body: Mapping[str, Any], plan: ShardPlan, placement: StagePlaceme
     namespace = body["metadata"]["namespace"]
     r, s = placement.replica, placement.stage
     port = int(spec_get(spec, "serving.port", DEFAULT_PORT))
-    gpu_resource = spec_get(spec, "gpu.resource", DEFAULT_GPU_RESOURCE)
+    gpu_resource = spec_get(spec, "gpu.resourceName", DEFAULT_GPU_RESOURCE)
     model_path, volume, mount = model_volume(spec_get(spec, "model.uri", ""))
 
     labels = {**model_labels(model), LABEL_REPLICA: str(r), LABEL_STAGE: str(s),
@@ -165,7 +165,7 @@ def render_pod(body: Mapping[str, Any], plan: ShardPlan, placement: StagePlaceme
     if volume:
         volumes.append(volume)
         mounts.append(mount)
-    ckpt_claim = spec_get(spec, "checkpoint.volume")
+    ckpt_claim = spec_get(spec, "checkpoint.claim")
     if ckpt_claim:
         volumes.append({"name": "checkpoint", "persistentVolumeClaim": {"claimName": ckpt_claim}})
         mounts.append({"name": "checkpoint", "mountPath": spec_get(spec, "checkpoint.path", "/checkpoints")})

@@ -91,7 +91,7 @@ def test_services_headless_publishes_unready_and_serving_selects_stage_zero():
 
 
 def test_custom_gpu_resource_user_resources_and_tolerations_are_kept():
-    body = _body(gpu={"resource": "amd.com/gpu"}, resources={"requests": {"cpu": "4", "memory": "16Gi"}},
+    body = _body(gpu={"resourceName": "amd.com/gpu"}, resources={"requests": {"cpu": "4", "memory": "16Gi"}},
                  placement={"tolerations": [{"key": "gpu", "operator": "Exists"}],
                             "nodeSelector": {"pool": "a100"}}, image="example/worker:1")
     plan = _plan(replicas=1, pipeline=1, tensor=8)

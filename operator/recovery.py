@@ -1,0 +1,227 @@
+"""Recovery: what one replica group's pods say about it, and what to do next (pure, no I/O).
+
+A replica is a torch.distributed group: it cannot lose a rank. So any of these marks the whole group
+failed - a pod Failed, deleted, evicted or being deleted; a pod whose node is NotReady or gone; a pod
+the scheduler cannot place for longer than a grace period - and the group is torn down, re-planned on
+healthy capacity and recreated. Restarts are paced with exponential backoff and capped by
+`recovery.maxRestarts`, after which the replica is Failed with the reason.
+
+The per-replica record lives in the ShardedModel's status (`status.replicaGroups`), so a restarted
+operator reads where each group was and continues; it never holds state of its own.
+"""
+from __future__ import annotations
+
+import dataclasses
+from datetime import datetime, timezone
+from typing import Any, Iterable, Mapping
+
+from shardwise.operator.renderer import LABEL_ATTEMPT, LABEL_STAGE, spec_get
+
+# Group phases (per replica).
+CREATING = "Creating"      # pods being created; missing pods are created, not counted as failures
+STARTING = "Starting"      # every pod exists; waiting for all of them to be Ready
+READY = "Ready"
+RECOVERING = "Recovering"  # failure seen; group torn down, waiting for backoff, then re-planned
+PENDING = "Pending"        # no capacity for this group (no plan); retried on the next timer tick
+FAILED = "Failed"          # restart budget spent
+SUCCEEDED = "Succeeded"    # training: every pod exited 0
+
+DEFAULT_MAX_RESTARTS = 3
+DEFAULT_BACKOFF_SECONDS = 10.0
+DEFAULT_MAX_BACKOFF_SECONDS = 300.0
+DEFAULT_UNSCHEDULABLE_GRACE_SECONDS = 15.0
+
+
+def now_utc() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def iso(t: datetime) -> str:
+    return t.astimezone(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def parse_iso(value: str | None) -> datetime | None:
+    if not value:
+        return None
+    return datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    max_restarts: int = DEFAULT_MAX_RESTARTS
+    backoff_seconds: float = DEFAULT_BACKOFF_SECONDS
+    max_backoff_seconds: float = DEFAULT_MAX_BACKOFF_SECONDS
+    unschedulable_grace_seconds: float = DEFAULT_UNSCHEDULABLE_GRACE_SECONDS
+    allow_shrink: bool = False
+
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Any] | None) -> "Policy":
+        return cls(
+            max_restarts=int(spec_get(spec, "recovery.maxRestarts", DEFAULT_MAX_RESTARTS)),
+            backoff_seconds=float(spec_get(spec, "recovery.backoffSeconds", DEFAULT_BACKOFF_SECONDS)),
+            max_backoff_seconds=float(spec_get(spec, "recovery.maxBackoffSeconds", DEFAULT_MAX_BACKOFF_SECONDS)),
+            unschedulable_grace_seconds=float(spec_get(spec, "recovery.unschedulableSeconds",
+                                                       DEFAULT_UNSCHEDULABLE_GRACE_SECONDS)),
+            allow_shrink=bool(spec_get(spec, "recovery.allowShrink", False)),
+        )
+
+    def backoff(self, restarts: int) -> float:
+        """Delay before the `restarts`-th recreation of a group: base, 2×base, 4×base... capped."""
+        return min(self.max_backoff_seconds, self.backoff_seconds * 2 ** max(0, restarts - 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """What the pods of a group's current attempt say. `failure` is one line naming the pod and why."""
+    state: str  # "missing" | "failed" | "unschedulable" | "starting" | "ready" | "succeeded"
+    failure: str = ""
+    missing: tuple[int, ...] = ()  # stages whose pod does not exist
+    ready: int = 0                 # pods Ready
+
+
+def node_ready(node: Mapping[str, Any] | None) -> bool:
+    if not node or node.get("metadata", {}).get("deletionTimestamp"):
+        return False
+    for c in node.get("status", {}).get("conditions", []) or []:
+        if c.get("type") == "Ready":
+            return c.get("status") == "True"
+    return False
+
+
+def pod_ready(pod: Mapping[str, Any]) -> bool:
+    status = pod.get("status", {}) or {}
+    if status.get("phase") != "Running":
+        return False
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions", []) or [])
+
+
+def _unschedulable(pod: Mapping[str, Any]) -> tuple[str, datetime | None] | None:
+    for c in pod.get("status", {}).get("conditions", []) or []:
+        if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
+            return c.get("message") or "Unschedulable", parse_iso(c.get("lastTransitionTime"))
+    return None
+
+
+def pod_failure(pod: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]]) -> str:
+    """Why this pod ends its group, or "" when it does not."""
+    name = pod["metadata"]["name"]
+    status = pod.get("status", {}) or {}
+    if pod["metadata"].get("deletionTimestamp"):
+        return f"pod {name} is being deleted"
+    if status.get("phase") == "Failed":
+        reason = status.get("reason") or "Failed"
+        message = status.get("message") or _terminated_message(status)
+        return f"pod {name} {reason}" + (f": {message}" if message else "")
+    if status.get("phase") == "Succeeded":
+        return f"pod {name} exited"
+    node = pod.get("spec", {}).get("nodeName")
+    if node:
+        if node not in nodes:
+            return f"node {node} of pod {name} is gone"
+        if not node_ready(nodes[node]):
+            return f"node {node} of pod {name} is NotReady"
+    return ""
+
+
+def _terminated_message(status: Mapping[str, Any]) -> str:
+    for cs in status.get("containerStatuses", []) or []:
+        term = (cs.get("state") or {}).get("terminated")
+        if term:
+            return f"container exited with code {term.get('exitCode')} ({term.get('reason', '')})".strip()
+    return ""
+
+
+def assess(pods: Iterable[Mapping[str, Any]], attempt: int, stages: int,
+           nodes: Mapping[str, Mapping[str, Any]], now: datetime, policy: Policy) -> Verdict:
+    """Judge one replica's group from its pods of the current attempt (older attempts are ignored)."""
+    by_stage: dict[int, Mapping[str, Any]] = {}
+    for pod in pods:
+        labels = pod["metadata"].get("labels", {})
+        if labels.get(LABEL_ATTEMPT) != str(attempt):
+            continue
+        by_stage[int(labels[LABEL_STAGE])] = pod
+    missing = tuple(s for s in range(stages) if s not in by_stage)
+    if not missing and all((p.get("status") or {}).get("phase") == "Succeeded" for p in by_stage.values()):
+        return Verdict("succeeded", "", (), 0)  # training finished on every rank
+    for s in sorted(by_stage):
+        why = pod_failure(by_stage[s], nodes)
+        if why:
+            return Verdict("failed", why, missing)
+    ready = sum(pod_ready(p) for p in by_stage.values())
+    if missing:
+        return Verdict("missing", f"pod of stage {missing[0]} is missing", missing, ready)
+    for s in sorted(by_stage):
+        u = _unschedulable(by_stage[s])
+        if u:
+            message, since = u
+            waited = (now - since).total_seconds() if since else 0.0
+            if waited >= policy.unschedulable_grace_seconds:
+                return Verdict("unschedulable", f"pod {by_stage[s]['metadata']['name']} cannot be scheduled: "
+                                                f"{message}", (), ready)
+    if ready == stages:
+        return Verdict("ready", "", (), ready)
+    return Verdict("starting", "", (), ready)
+
+
+@dataclasses.dataclass
+class Step:
+    """What the reconciler must do for one group, and the group record to store afterwards."""
+    action: str                    # "none" | "create" | "teardown" | "replan" | "fail"
+    group: dict
+    reason: str = ""               # one line for the condition and the Event
+    event: str = ""                # Event reason when this step is a transition worth reporting
+    requeue_after: float | None = None
+
+
+def decide(group: Mapping[str, Any], verdict: Verdict, now: datetime, policy: Policy) -> Step:
+    """The recovery state machine for one replica group.
+
+    Creating --all pods exist--> Starting --all Ready--> Ready
+    any ----failure--> Recovering (teardown; restarts+1) --backoff elapsed--> replan --> Creating
+    Recovering with restarts > maxRestarts --> Failed (terminal until the spec changes)
+    """
+    g = dict(group)
+    phase = g.get("phase", CREATING)
+    if phase in (FAILED, SUCCEEDED):
+        return Step("none", g)
+    if verdict.state == "succeeded":
+        g["phase"] = SUCCEEDED
+        return Step("none", g, event="Succeeded")
+
+    if phase == RECOVERING:
+        # The group was torn down when the failure was seen; recreate it once the backoff has passed.
+        until = parse_iso(g.get("retryAt"))
+        if until and now < until:
+            return Step("none", g, requeue_after=(until - now).total_seconds())
+        return Step("replan", g, g.get("lastFailure", ""))
+
+    if phase == PENDING:
+        return Step("replan", g, g.get("lastFailure", ""))
+
+    if verdict.state in ("failed", "unschedulable") or (verdict.state == "missing" and phase in (STARTING, READY)):
+        restarts = int(g.get("restarts", 0)) + 1
+        g["restarts"] = restarts
+        g["lastFailure"] = verdict.failure
+        g.setdefault("failedAt", iso(now))
+        if restarts > policy.max_restarts:
+            g["phase"] = FAILED
+            return Step("fail", g, f"replica {g.get('replica')} gave up after {policy.max_restarts} restarts; "
+                                   f"last failure: {verdict.failure}", event="RestartBudgetExhausted")
+        g["phase"] = RECOVERING
+        delay = policy.backoff(restarts)
+        g["retryAt"] = iso(datetime.fromtimestamp(now.timestamp() + delay, timezone.utc))
+        return Step("teardown", g, verdict.failure, event="Recovering", requeue_after=delay)
+
+    if verdict.state == "missing":
+        g["phase"] = CREATING
+        return Step("create", g)
+    if verdict.state == "ready":
+        if phase != READY:
+            g["phase"] = READY
+            g["readySince"] = iso(now)
+            return Step("none", g, event="GroupReady")
+        return Step("none", g)
+    # starting
+    if phase != STARTING:
+        g["phase"] = STARTING
+    return Step("none", g)

@@ -1,0 +1,89 @@
+"""Status: the ShardedModel's status from its groups (pure, no I/O).
+
+Phase of the whole model, from its replica groups:
+  Pending     no group has capacity (or nothing planned yet)
+  Starting    groups created, not all Ready yet, nothing failed
+  Ready       every desired replica Ready
+  Recovering  a group lost a pod/node and is being recreated (other replicas keep serving)
+  Degraded    some replicas serve, others cannot (no capacity or restart budget spent)
+  Failed      nothing can serve: the spec cannot be planned, or every group spent its restarts
+  Succeeded   training finished on every replica
+
+Conditions (type: status, reason): Planned, Ready, Recovering; each with a one-line message. The
+conditions' lastTransitionTime changes only when their status changes, as Kubernetes conventions want.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+from shardwise.crds.plan import ShardPlan
+from shardwise.operator import recovery
+
+PENDING, STARTING, READY, RECOVERING, DEGRADED, FAILED, SUCCEEDED = (
+    "Pending", "Starting", "Ready", "Recovering", "Degraded", "Failed", "Succeeded")
+
+
+def model_phase(groups: Iterable[Mapping[str, Any]], desired: int, invalid: str = "") -> str:
+    """`invalid`: why the spec cannot run at all (not a capacity problem) - terminal until it changes."""
+    if invalid:
+        return FAILED
+    phases = [g.get("phase", recovery.CREATING) for g in groups if g.get("replica", 0) < desired]
+    phases += [recovery.PENDING] * (desired - len(phases))
+    if desired == 0:
+        return READY
+    if all(p == recovery.SUCCEEDED for p in phases):
+        return SUCCEEDED
+    ready = phases.count(recovery.READY)
+    if ready == desired:
+        return READY
+    if recovery.RECOVERING in phases:
+        return RECOVERING
+    stuck = sum(p in (recovery.FAILED, recovery.PENDING) for p in phases)
+    if ready and stuck:
+        return DEGRADED
+    if stuck == desired:
+        return FAILED if all(p == recovery.FAILED for p in phases) else PENDING
+    return STARTING
+
+
+def set_condition(conditions: list[dict] | None, type_: str, status: bool, reason: str, message: str,
+                  now: str) -> list[dict]:
+    """Insert or update one condition; keep lastTransitionTime unless the status flips."""
+    out = [dict(c) for c in (conditions or [])]
+    value = "True" if status else "False"
+    for c in out:
+        if c.get("type") == type_:
+            if c.get("status") != value:
+                c["lastTransitionTime"] = now
+            c.update(status=value, reason=reason, message=message)
+            return out
+    out.append({"type": type_, "status": value, "reason": reason, "message": message,
+                "lastTransitionTime": now})
+    return out
+
+
+def condition(conditions: Iterable[Mapping[str, Any]] | None, type_: str) -> Mapping[str, Any] | None:
+    for c in conditions or []:
+        if c.get("type") == type_:
+            return c
+    return None
+
+
+def placements_summary(plan: ShardPlan | None) -> list[dict]:
+    """What `kubectl get sm -o yaml` shows of the plan: where each stage runs and which layers it holds."""
+    if plan is None:
+        return []
+    return [{"replica": p.replica, "stage": p.stage, "node": p.node, "gpus": p.gpus,
+             "layers": f"{p.layer_start}-{p.layer_end}",
+             **({"domain": next(iter(p.domains.values()))} if p.domains else {})}
+            for p in sorted(plan.placements, key=lambda p: (p.replica, p.stage))]
+
+
+def phase_message(groups: list[Mapping[str, Any]], desired: int, invalid: str = "") -> str:
+    ready = sum(g.get("phase") == recovery.READY for g in groups if g.get("replica", 0) < desired)
+    base = f"{ready}/{desired} replicas ready"
+    failures = [f"replica {g['replica']}: {g['lastFailure']}" for g in groups
+                if g.get("phase") in (recovery.RECOVERING, recovery.FAILED, recovery.PENDING) and g.get("lastFailure")]
+    if invalid:
+        failures.insert(0, invalid)
+    return base + ("; " + "; ".join(failures) if failures else "")
