@@ -297,6 +297,20 @@ class LastCheckpoint(ApiModel):
     path: Optional[str] = None
 
 
+class ReplicaGroupStatus(ApiModel):
+    """The operator's record of one replica group (its pods restart as one unit), kept in status so
+    that a restarted operator continues where it was."""
+
+    replica: int = Field(ge=0)
+    attempt: int = Field(0, ge=0, description="incarnation of the group; part of its pods' names")
+    phase: str = Field("Creating", description="Creating, Starting, Ready, Recovering, Pending, Failed or Succeeded")
+    restarts: int = Field(0, ge=0)
+    last_failure: Optional[str] = None
+    failed_at: Optional[str] = Field(None, json_schema_extra={"format": "date-time"})
+    retry_at: Optional[str] = Field(None, json_schema_extra={"format": "date-time"})
+    ready_since: Optional[str] = Field(None, json_schema_extra={"format": "date-time"})
+
+
 class ShardedModelStatus(ApiModel):
     phase: Optional[str] = Field(None, description="One of " + ", ".join(PHASES) + ".")
     message: Optional[str] = None
@@ -313,6 +327,7 @@ class ShardedModelStatus(ApiModel):
     endpoint: Optional[str] = Field(None, description="URL of the OpenAI-compatible API")
     plan: Optional[PlanSummary] = None
     last_checkpoint: Optional[LastCheckpoint] = None
+    groups: list[ReplicaGroupStatus] = Field(default_factory=list, description="one record per replica group")
 
 
 class ShardedModel(ApiModel):
