@@ -283,7 +283,7 @@ class CheckpointManager:
 
     def __init__(self, root: str | Path, *, rank: int, group: dist.ProcessGroup | None,
                  model_meta: dict, keep: int = 3, asynchronous: bool = True,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, files_from: str | None = None):
         self.root = Path(root)
         self.rank = rank
         self.group = group
@@ -291,6 +291,7 @@ class CheckpointManager:
         self.keep = keep
         self.asynchronous = asynchronous
         self.log = log or (lambda msg: None)
+        self.files_from = files_from   # config/tokenizer copied in, so a checkpoint is a model too
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_blocking_s = 0.0   # time training waited in the last save()
@@ -331,6 +332,10 @@ class CheckpointManager:
             if delay:  # fault injection: widen the window between "written" and "committed"
                 time.sleep(delay)
             if self.rank == 0:
+                for name in MODEL_FILES if self.files_from else ():
+                    src = Path(self.files_from) / name
+                    if src.is_file():
+                        shutil.copyfile(src, tmp / name)
                 commit(tmp, self.root / step_dir_name(step), meta)
                 for p in prune(self.root, self.keep):
                     self.log(f"removed old checkpoint {p.name}")
@@ -350,25 +355,31 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint write failed: {type(e).__name__}: {e}") from e
 
     # -- load
-    def load_latest(self, slices: dict[str, Slice]) -> dict | None:
+    def load_latest(self, slices: dict[str, Slice], agree: Callable[[int], int] | None = None) -> dict | None:
         """Fill `slices` from the newest usable checkpoint and return its meta; None if there is none.
 
         A checkpoint that fails verification or reading is skipped with a warning (falling back to
         the previous one); a checkpoint of a different model is an error, never silently skipped.
+        `agree(code)` returns the minimum of `code` over all ranks, so that every rank loads the
+        same checkpoint even when only one of them finds a damaged file.
         """
+        agree = agree or (lambda code: code)
+        FATAL, SKIP, OK = 0, 1, 2
         for step, path in reversed(committed(self.root)):
+            code, error, meta = OK, None, None
             try:
                 meta = verify(path)
-            except CheckpointError as e:
-                warnings.warn(f"{e}; falling back to the previous checkpoint", stacklevel=2)
-                continue
-            self.check_model(meta, path)
-            try:
+                self.check_model(meta, path)
                 read_slices(path, slices)
             except CheckpointError as e:
-                if "different model" in str(e):
-                    raise
-                warnings.warn(f"{e}; falling back to the previous checkpoint", stacklevel=2)
+                code, error = (FATAL if "different model" in str(e) else SKIP), e
+            agreed = agree(code)
+            if agreed == FATAL:
+                raise error if code == FATAL else CheckpointError(
+                    f"checkpoint {path} was written for a different model")
+            if agreed == SKIP:
+                why = error or f"checkpoint {path} is damaged on another rank"
+                warnings.warn(f"{why}; falling back to the previous checkpoint", stacklevel=2)
                 continue
             self.last_committed = (step, meta.get("time", 0.0))
             return meta
@@ -422,3 +433,75 @@ def load_model_slices(path: str | Path, wanted: dict[str, Slice]) -> dict:
     folder, meta = resolve(path)
     read_slices(folder, {f"model/{k}": s for k, s in wanted.items()})
     return meta
+
+
+# ---------------------------------------------------------------- inference: checkpoint as a model
+
+MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "special_tokens_map.json")
+STRUCTURE = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+             "num_kv_heads", "head_dim", "tie_word_embeddings")
+
+
+def structure_of(config_dict: dict) -> dict:
+    """The part of a model config that decides tensor names and shapes (what must match to load)."""
+    return {k: config_dict.get(k) for k in STRUCTURE}
+
+
+def _source_class():
+    from .loader import ModelSource
+    from .model import ModelConfig
+
+    class CheckpointSource(ModelSource):
+        """A training checkpoint as a model for `--model`: each read fetches only the rank's slice."""
+
+        def __init__(self, path: str):
+            folder, meta = resolve(path)
+            self.path = str(folder)
+            self.meta = meta
+            self.config = ModelConfig.from_dict(meta["model_config"])
+            self.shapes = stored_shapes(folder)
+
+        def check(self) -> None:
+            missing = [k for k in ("model/norm.weight", "model/tok_embeddings.weight") if k not in self.shapes]
+            if missing:
+                raise CheckpointError(f"checkpoint {self.path} lacks {missing[0]}")
+
+        def read(self, name: str, shard) -> torch.Tensor:
+            key = name
+            if name == "output.weight" and f"model/{name}" not in self.shapes and self.config.tie_word_embeddings:
+                key = "tok_embeddings.weight"
+            full = self.shapes.get(f"model/{key}")
+            if full is None:
+                raise CheckpointError(f"checkpoint {self.path} has no tensor {key!r}")
+            if shard is None:
+                out = torch.empty(full, dtype=torch.float32)
+                read_slices(self.path, {f"model/{key}": Slice.whole(out)})
+                return out
+            start, stop = shard.bounds(full[shard.dim])
+            real = max(0, min(stop, full[shard.dim]) - start)
+            shape = list(full)
+            shape[shard.dim] = stop - start
+            out = torch.zeros(shape, dtype=torch.float32)   # rows past the vocabulary stay zero
+            if real:
+                part = out.narrow(shard.dim, 0, real)
+                offsets = tuple(start if d == shard.dim else 0 for d in range(len(full)))
+                read_slices(self.path, {f"model/{key}": Slice(part, tuple(full), offsets)})
+            return out
+
+    return CheckpointSource
+
+
+def open_checkpoint_model(path: str):
+    """loader.py format hook: a checkpoint folder (or a run's checkpoint root) as a ModelSource."""
+    try:
+        return _source_class()(path)
+    except CheckpointError as e:
+        from .errors import WorkerError
+        raise WorkerError(str(e)) from None
+
+
+def _register() -> None:
+    from . import loader
+    if not any(f.name == "checkpoint" for f in loader.FORMATS):
+        loader.register_format("checkpoint", is_checkpoint, open_checkpoint_model, first=True)

@@ -1,0 +1,159 @@
+"""`shardwise train`: train a model under TP x PP x DP on local processes, with sharded checkpoints.
+
+Without torchrun variables, this command starts T*P*D local processes (gloo on CPU, NCCL on
+CUDA), each running `run_training` as one rank, and watches them as one group: if any rank dies,
+the others are stopped and the command fails; running it again resumes from the latest complete
+checkpoint (in whatever layout is asked this time). Under torchrun (RANK/WORLD_SIZE set) it runs
+just that rank.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="HF model folder, .gguf file, or a training checkpoint")
+    p.add_argument("--data", required=True, help="UTF-8 text file to train on")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="T")
+    p.add_argument("--pipeline-parallel", type=int, default=1, metavar="P")
+    p.add_argument("--data-parallel", type=int, default=1, metavar="D",
+                   help="replicas that each take a share of the batch and average gradients")
+    p.add_argument("--steps", type=int, required=True, help="train until this many steps are done")
+    p.add_argument("--checkpoint-dir", required=True, help="where checkpoints go; a run resumes from here")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
+                   help="save every K steps (0: only at the end)")
+    p.add_argument("--keep", type=int, default=3, help="complete checkpoints to keep")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--warmup", type=int, default=0, help="linear learning-rate warmup steps")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--grad-clip", type=float, default=1.0, help="global gradient-norm limit (0: off)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per step, over all replicas")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--micro-batches", type=int, default=0,
+                   help="pipeline micro-batches per replica (default: the pipeline degree)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--sync-checkpoint", action="store_true",
+                   help="write checkpoints in the training thread (default: in the background)")
+    p.add_argument("--json", action="store_true", help="one JSON object per step on stdout")
+
+
+def options(args):
+    from .train import TrainOptions
+    return TrainOptions(
+        model=args.model, data=args.data, checkpoint_dir=args.checkpoint_dir, steps=args.steps,
+        tensor=args.tensor_parallel, pipeline=args.pipeline_parallel, data_parallel=args.data_parallel,
+        checkpoint_every=args.checkpoint_every, keep=args.keep, seed=args.seed, lr=args.lr,
+        warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
+        batch_size=args.batch_size, seq_len=args.seq_len, micro_batches=args.micro_batches,
+        device=args.device, dtype=args.dtype, async_checkpoint=not args.sync_checkpoint, json=args.json)
+
+
+def check_inputs(opts) -> None:
+    """Everything that can be checked before starting processes, each failure one clear line."""
+    from . import checkpoint as ckpt
+    from .data import DataError, TokenDataset, load_tokenizer
+    from .errors import WorkerError
+    from .loader import check_layout, open_model
+    from .train import _model_files_dir
+
+    for name in ("steps", "tensor", "pipeline", "data_parallel", "batch_size", "seq_len"):
+        if getattr(opts, name) < 1:
+            raise WorkerError(f"--{name.replace('_', '-')} must be at least 1")
+    if opts.checkpoint_every < 0 or opts.keep < 1:
+        raise WorkerError("--checkpoint-every must be >= 0 and --keep >= 1")
+    if opts.batch_size % opts.data_parallel:
+        raise WorkerError(f"--batch-size {opts.batch_size} is not divisible by --data-parallel {opts.data_parallel}")
+    source = open_model(opts.model)
+    check_layout(source.config, opts.tensor, opts.pipeline)
+    files = _model_files_dir(source)
+    TokenDataset.from_file(opts.data, load_tokenizer(files))  # readable, non-empty, tokenizable
+    if os.path.exists(opts.checkpoint_dir) and not os.path.isdir(opts.checkpoint_dir):
+        raise WorkerError(f"--checkpoint-dir {opts.checkpoint_dir} exists and is not a directory")
+    found = ckpt.latest_complete(opts.checkpoint_dir)
+    if found is not None:
+        ckpt.check_same_model(found[2].get("model", {}), ckpt.structure_of(source.config.to_dict()), found[1])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(argv: list[str], world: int) -> int:
+    """Run `shardwise train argv` as `world` local ranks; stop them all if one fails."""
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        procs.append(subprocess.Popen([sys.executable, "-m", "shardwise", "train", *argv], env=env,
+                                      stdout=None if rank == 0 else subprocess.DEVNULL))
+    code = 0
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                rank, code = failed[0]
+                if code < 0:
+                    print(f"shardwise train: rank {rank} was killed by signal {-code}; stopping the other "
+                          f"ranks (run again to resume from the last complete checkpoint)", file=sys.stderr)
+                    code = 1
+                break
+            if all(c == 0 for c in codes):
+                return 0
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        code = 130
+    for p in procs:   # one rank gone means the group is gone: stop the rest as a unit
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.time() + 10
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    return code
+
+
+def run(args) -> int:
+    from . import checkpoint as ckpt
+    from .data import DataError
+    from .errors import WorkerError
+
+    opts = options(args)
+    in_group = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    try:
+        if not in_group:
+            check_inputs(opts)
+            return launch(_argv_of(args), opts.world_size)
+        from .train import run_training
+        return run_training(opts)
+    except (WorkerError, DataError, ckpt.CheckpointError) as e:
+        if not in_group or os.environ.get("RANK") == "0":
+            print(f"shardwise train: {e}", file=sys.stderr)
+        return 2
+
+
+def _argv_of(args) -> list[str]:
+    """Rebuild the command line from parsed args (when called as a function, not from the CLI)."""
+    out = []
+    for key, value in vars(args).items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            out += [flag] if value else []
+        elif value is not None:
+            out += [flag, str(value)]
+    return out
