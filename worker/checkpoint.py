@@ -263,6 +263,15 @@ def clean_partial(root: Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
+def _commit_delay(step: int) -> float:
+    """SHARDWISE_CHECKPOINT_COMMIT_DELAY_S = "SECONDS" or "STEP:SECONDS" (fault-injection tests)."""
+    value = os.environ.get("SHARDWISE_CHECKPOINT_COMMIT_DELAY_S", "")
+    if not value:
+        return 0.0
+    at, _, seconds = value.rpartition(":")
+    return float(seconds) if not at or int(at) == step else 0.0
+
+
 def rng_to_text(state: torch.Tensor) -> str:
     return base64.b64encode(state.numpy().tobytes()).decode()
 
@@ -328,7 +337,7 @@ class CheckpointManager:
             else:
                 tmp.mkdir(parents=True, exist_ok=True)
             write_slices(tmp, slices, self.group)
-            delay = float(os.environ.get("SHARDWISE_CHECKPOINT_COMMIT_DELAY_S", "0") or 0)
+            delay = _commit_delay(step)
             if delay:  # fault injection: widen the window between "written" and "committed"
                 time.sleep(delay)
             if self.rank == 0:

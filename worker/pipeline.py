@@ -1,0 +1,210 @@
+"""Pipeline parallelism: stages own contiguous layer ranges and pass hidden states with send/recv.
+
+Rank layout (crds/plan.py): rank = stage * tensor + tp_rank. Rank 0 (stage 0, TP rank 0) drives:
+it decides every step (which requests, which tokens, positions, cache slots), runs stage 0 and
+sends the step down the pipeline; the last stage returns last-position logits to rank 0.
+
+Every message between consecutive stages is
+    header  int64[4]  (op, batch, tokens per row, unused)
+    ints    int64[B*T + B]  positions then cache slots
+    hidden  [B, T, H] in the model dtype                     (op == STEP only)
+and TP rank r of stage s talks to TP rank r of stage s+1 (after the row-parallel all-reduce,
+hidden states are identical on every TP rank of a stage). The TP peers of rank 0 get the step by
+a broadcast inside stage 0's TP group.
+
+Several steps are in flight at once: `launch` returns as soon as stage 0 has sent its part, so
+rank 0 can start the next micro-batch while later stages work on the previous one (engine.py
+keeps one micro-batch per stage in flight).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .parallel import COMM
+
+OP_STEP, OP_SETUP, OP_STOP = 1, 2, 3
+
+
+@dataclass
+class StageInfo:
+    rank: int
+    world: int
+    tensor: int
+    pipeline: int
+    stage: int
+    tp_rank: int
+    tp_group: object = None
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.pipeline - 1
+
+    @property
+    def next_rank(self) -> int:
+        return (self.stage + 1) * self.tensor + self.tp_rank
+
+    @property
+    def prev_rank(self) -> int:
+        return (self.stage - 1) * self.tensor + self.tp_rank
+
+    @property
+    def last_stage_rank0(self) -> int:
+        return (self.pipeline - 1) * self.tensor
+
+
+def _recv(t: torch.Tensor, src: int) -> torch.Tensor:
+    t0 = time.perf_counter()
+    dist.recv(t, src)
+    COMM.add(t0, t)
+    return t
+
+
+class _Sender:
+    """Non-blocking sends whose buffers stay alive until they complete."""
+
+    def __init__(self):
+        self.works: deque = deque()
+
+    def send(self, tensors, dst: int) -> None:
+        t0 = time.perf_counter()
+        for t in tensors:
+            t = t.contiguous()
+            self.works.append((dist.isend(t, dst), t))
+        COMM.add(t0, tensors[-1])
+        while len(self.works) > 32:   # bound the memory held by sends the peer has not taken yet
+            self.wait_one()
+
+    def wait_one(self) -> None:
+        work, _ = self.works.popleft()
+        work.wait()
+
+    def flush(self) -> None:
+        while self.works:
+            self.wait_one()
+
+
+class Stage:
+    """One rank's part of the pipeline: its model stage and the messages around it."""
+
+    def __init__(self, model, info: StageInfo, device):
+        self.model, self.info, self.device = model, info, torch.device(device)
+        self.dtype = next(model.parameters()).dtype
+        self.hidden_size = model.config.hidden_size
+        self.vocab_size = model.config.vocab_size
+        self.sender = _Sender()
+        self.pending: deque = deque()        # rank 0: launched steps whose logits are not back yet
+        # gloo moves CPU tensors, NCCL device tensors.
+        self.comm_device = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def _c(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.comm_device)
+
+    # ---- shared by all ranks -------------------------------------------------------------
+    def _compute(self, op: int, b: int, t: int, ints: torch.Tensor, x: torch.Tensor | None):
+        if op == OP_SETUP:
+            self.model.setup_caches(b, t, device=self.device)
+            return None
+        positions = ints[:b * t].view(b, t).to(self.device)
+        slots = ints[b * t:].to(self.device)
+        with torch.no_grad():
+            return self.model(x, positions=positions, cache_slots=slots, last_only=True)
+
+    def _forward_next(self, header, ints, out) -> None:
+        msgs = [header, ints] + ([out] if out is not None else [])
+        self.sender.send(msgs, self.info.next_rank)
+
+    # ---- rank 0 -----------------------------------------------------------------------------
+    def launch(self, op: int, tokens: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+               slots: torch.Tensor | None = None, batch: int = 0, seq: int = 0) -> None:
+        """Run one step (or a SETUP/STOP) on stage 0 and send it on; results come from `collect`."""
+        info = self.info
+        if op == OP_STEP:
+            b, t = tokens.shape
+            ints = torch.cat([positions.reshape(-1), slots.reshape(-1)]).to(torch.int64).cpu()
+            tok_flat = tokens.reshape(-1).to(torch.int64).cpu()
+        else:
+            b, t = batch, seq
+            # gloo does not move empty tensors: SETUP/STOP carry one unused int.
+            ints, tok_flat = torch.zeros(1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+        header = self._c(torch.tensor([op, b, t, 0], dtype=torch.int64))
+        ints = self._c(ints)
+        if info.tensor > 1:
+            self._broadcast_step(header, self._c(torch.cat([tok_flat, ints.cpu()])) if op == OP_STEP else None)
+        out = None
+        if op != OP_STOP:
+            x = tok_flat.view(b, t).to(self.device) if op == OP_STEP else None
+            out = self._compute(op, b, t, ints, x)
+        if info.pipeline > 1:
+            self._forward_next(header, ints, self._c(out) if op == OP_STEP else None)
+        if op == OP_STEP:
+            self.pending.append(out[:, -1].float() if info.pipeline == 1 else b)
+
+    def collect(self) -> torch.Tensor:
+        """Logits [B, V] (float32, on CPU) of the oldest launched step."""
+        item = self.pending.popleft()
+        if self.info.pipeline == 1:
+            return item.cpu()
+        logits = torch.empty(item, self.vocab_size, dtype=torch.float32, device=self.comm_device)
+        return _recv(logits, self.info.last_stage_rank0).cpu()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.pending)
+
+    def _broadcast_step(self, header, ints) -> None:
+        t0 = time.perf_counter()
+        dist.broadcast(header, src=0, group=self.info.tp_group)
+        if ints is not None:
+            dist.broadcast(ints, src=0, group=self.info.tp_group)
+        COMM.add(t0, header)
+
+    def stop(self) -> None:
+        self.launch(OP_STOP)
+        self.sender.flush()
+
+    # ---- every other rank --------------------------------------------------------------------
+    def serve_forever(self) -> None:
+        """Follow rank 0's steps until it sends STOP."""
+        info = self.info
+        cd = self.comm_device
+        while True:
+            header = torch.empty(4, dtype=torch.int64, device=cd)
+            if info.is_first:
+                t0 = time.perf_counter()
+                dist.broadcast(header, src=0, group=info.tp_group)
+                op, b, t = (int(v) for v in header[:3].tolist())
+                n = b * t * 2 + b if op == OP_STEP else 0
+                both = torch.empty(n, dtype=torch.int64, device=cd)
+                if n:
+                    dist.broadcast(both, src=0, group=info.tp_group)
+                COMM.add(t0, both)
+                x = both[:b * t].view(b, t).to(self.device) if op == OP_STEP else None
+                ints = both[b * t:] if op == OP_STEP else torch.zeros(1, dtype=torch.int64, device=cd)
+            else:
+                _recv(header, info.prev_rank)
+                op, b, t = (int(v) for v in header[:3].tolist())
+                ints = _recv(torch.empty(b * t + b if op == OP_STEP else 1, dtype=torch.int64, device=cd),
+                             info.prev_rank)
+                x = None
+                if op == OP_STEP:
+                    x = _recv(torch.empty(b, t, self.hidden_size, dtype=self.dtype, device=cd),
+                              info.prev_rank).to(self.device)
+            if op == OP_STOP:
+                if not info.is_last:
+                    self._forward_next(header, ints, None)
+                self.sender.flush()
+                return
+            out = self._compute(op, b, t, ints, x)
+            if not info.is_last:
+                self._forward_next(header, ints, None if out is None else self._c(out))
+            elif op == OP_STEP and info.tp_rank == 0:
+                self.sender.send([self._c(out[:, -1].float())], 0)

@@ -1,0 +1,232 @@
+"""Process launch and per-rank setup.
+
+Two ways in, one setup (`setup_rank`):
+  * `LocalRuntime(spec)`: `shardwise generate/serve` on one machine. The calling process is
+    rank 0 (the driver); the other TP x PP - 1 ranks are started from a fork server that has torch
+    and this package imported already, so a rank starts in a fraction of a second.
+  * `run_rank(spec, rank, world, local_rank)`: one rank under the torchrun variables (RANK,
+    WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), which is how a ShardedModel pod runs
+    (cmd_worker.py).
+Backends: gloo on CPU (on loopback for local runs), NCCL on CUDA.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import resource
+import socket
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from . import parallel
+from .errors import WorkerError
+from .loader import DTYPES, check_layout, load_stage, open_model, split_layers
+from .pipeline import Stage, StageInfo
+
+PG_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("SHARDWISE_PG_TIMEOUT", "600")))
+
+
+@dataclass
+class RankSpec:
+    """Everything a rank needs besides its rank number; picklable, so it crosses to children."""
+    model: str
+    tensor: int = 1
+    pipeline: int = 1
+    layers: list[tuple[int, int]] = field(default_factory=list)   # per stage; empty: even split
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_batch: int = 8
+    max_seq: int = 0              # 0: min(model context, 4096)
+    threads: int = 0              # torch intra-op threads per rank; 0: cores / local ranks
+
+
+@dataclass
+class RankContext:
+    spec: RankSpec
+    info: StageInfo
+    stage: Stage
+    config: object
+    max_seq: int
+    loaded: list[dict] = field(default_factory=list)   # per rank: weight bytes, load seconds, ...
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _device_for(spec: RankSpec, local_rank: int) -> str:
+    if spec.device == "cuda":
+        if not torch.cuda.is_available():
+            raise WorkerError("--device cuda: no CUDA device is available")
+        return f"cuda:{local_rank % torch.cuda.device_count()}"
+    return "cpu"
+
+
+def setup_rank(spec: RankSpec, rank: int, world: int, local_rank: int, init_method: str = "env://",
+               local_ranks: int = 1) -> RankContext:
+    """Join the process group, load this rank's slice of its stage, and wait for every rank."""
+    device = _device_for(spec, local_rank)
+    if device == "cpu":
+        torch.set_num_threads(spec.threads or max(1, (os.cpu_count() or 1) // max(1, local_ranks)))
+    else:
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=PG_TIMEOUT)
+    parallel.COMM.__init__()
+    t, p = spec.tensor, spec.pipeline
+    stage_idx, tp_rank = divmod(rank, t)
+    groups = [dist.new_group(list(range(s * t, (s + 1) * t))) if t > 1 else None for s in range(p)]
+    info = StageInfo(rank, world, t, p, stage_idx, tp_rank, groups[stage_idx])
+    t0 = time.perf_counter()
+    source = open_model(spec.model)
+    layers = spec.layers or split_layers(source.config.num_layers, p)
+    start, end = layers[stage_idx]
+    model = load_stage(source, start, end, embedding=stage_idx == 0, head=stage_idx == p - 1,
+                       tp_rank=tp_rank, tp_world=t, group=info.tp_group, device=device,
+                       dtype=DTYPES[spec.dtype])
+    stats = {"rank": rank, "stage": stage_idx, "tp_rank": tp_rank, "layers": [start, end],
+             "weight_bytes": parallel.weight_bytes(model), "load_seconds": time.perf_counter() - t0,
+             "peak_rss_bytes": peak_rss_bytes()}
+    loaded: list = [None] * world
+    dist.all_gather_object(loaded, stats)        # doubles as the "every rank has loaded" barrier
+    ctx_len = source.config.max_position_embeddings
+    max_seq = min(spec.max_seq or min(ctx_len, 4096), ctx_len)
+    return RankContext(spec, info, Stage(model, info, device), source.config, max_seq, loaded)
+
+
+def finish_rank(ctx: RankContext) -> list[dict] | None:
+    """Collect each rank's final figures on rank 0, then leave the process group."""
+    final = {"rank": ctx.info.rank, "comm_seconds": parallel.COMM.seconds, "comm_bytes": parallel.COMM.bytes,
+             "peak_rss_bytes": peak_rss_bytes()}
+    if ctx.spec.device == "cuda":
+        final["peak_cuda_bytes"] = torch.cuda.max_memory_allocated()
+    out = [None] * ctx.info.world if ctx.info.rank == 0 else None
+    dist.gather_object(final, out, dst=0)
+    dist.destroy_process_group()
+    return out
+
+
+def run_rank(spec: RankSpec, rank: int, world: int, local_rank: int, init_method: str = "env://",
+             local_ranks: int = 1, on_loaded=None) -> None:
+    """A rank other than 0: load, then follow rank 0's steps until it stops the pipeline."""
+    ctx = setup_rank(spec, rank, world, local_rank, init_method, local_ranks)
+    if on_loaded is not None:
+        on_loaded(ctx)
+    ctx.stage.serve_forever()
+    finish_rank(ctx)
+
+
+def _child(spec: RankSpec, rank: int, world: int, init_method: str, errors) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    try:
+        run_rank(spec, rank, world, rank, init_method, local_ranks=world)
+    except WorkerError as e:
+        errors.put(f"rank {rank}: {e}")
+        raise SystemExit(1)
+    except Exception as e:  # noqa: BLE001 - reported to rank 0, which prints one line
+        errors.put(f"rank {rank}: {type(e).__name__}: {e}")
+        if os.environ.get("SHARDWISE_DEBUG"):
+            traceback.print_exc()
+        raise SystemExit(1)
+
+
+_mp_ctx = None
+
+
+def _mp():
+    """A fork server with torch and the worker imported: children skip the multi-second import."""
+    global _mp_ctx
+    if _mp_ctx is None:
+        import multiprocessing as mp
+        _mp_ctx = mp.get_context("forkserver")
+        _mp_ctx.set_forkserver_preload(["shardwise.worker.runtime"])
+    return _mp_ctx
+
+
+def validate(spec: RankSpec):
+    """Checks done once before any process starts: model readable, layout fits the model."""
+    source = open_model(spec.model)
+    check_layout(source.config, spec.tensor, spec.pipeline)
+    if spec.layers:
+        if len(spec.layers) != spec.pipeline or spec.layers[-1][1] != source.config.num_layers:
+            raise WorkerError(f"layer ranges {spec.layers} do not cover the model's "
+                              f"{source.config.num_layers} layers in {spec.pipeline} stages")
+    if spec.dtype not in DTYPES:
+        raise WorkerError(f"unknown dtype {spec.dtype!r} (use one of: {', '.join(DTYPES)})")
+    return source
+
+
+class LocalRuntime:
+    """TP x PP ranks on this machine; this process is rank 0 and drives them."""
+
+    def __init__(self, spec: RankSpec, source=None):
+        self.spec = spec
+        self.source = source or validate(spec)
+        self.world = spec.tensor * spec.pipeline
+        self.procs: list = []
+        self.ctx: RankContext | None = None
+        self.final: list[dict] | None = None
+
+    def start(self) -> RankContext:
+        mp = _mp()
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        self.errors = mp.Queue()
+        for rank in range(1, self.world):
+            p = mp.Process(target=_child, args=(self.spec, rank, self.world, init_method, self.errors),
+                           daemon=True)
+            p.start()
+            self.procs.append(p)
+        try:
+            self.ctx = setup_rank(self.spec, 0, self.world, 0, init_method, local_ranks=self.world)
+        except Exception as e:
+            self._kill()
+            msg = self._child_error()
+            if msg:
+                raise WorkerError(msg) from None
+            raise e
+        return self.ctx
+
+    def _child_error(self) -> str | None:
+        try:
+            return self.errors.get(timeout=1.0)
+        except Exception:  # noqa: BLE001 - queue.Empty: no child reported anything
+            return None
+
+    def _kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self.procs:
+            p.join(5)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def stop(self) -> list[dict] | None:
+        if self.ctx is None:
+            return None
+        try:
+            self.ctx.stage.stop()
+            self.final = finish_rank(self.ctx)
+        finally:
+            self.ctx = None
+            for p in self.procs:
+                p.join(30)
+            self._kill()
+        return self.final
+
+    def __enter__(self) -> RankContext:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
