@@ -55,6 +55,8 @@ class ShardPlan(_Model):
     cost: int = Field(0, ge=0, description="sum of the replicas' costs")
     shrunk: bool = Field(False, description="fewer replicas or another layout than asked, for lack of capacity")
     notes: list[str] = Field(default_factory=list)
+    memory_per_gpu: int = Field(0, ge=0, description="bytes of GPU memory each rank is expected to use (planner estimate)")
+    topology_keys: list[str] = Field(default_factory=list, description="label keys of StagePlacement.domains, tightest first")
 
     @property
     def world_size(self) -> int:

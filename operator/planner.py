@@ -1,0 +1,501 @@
+"""The topology-aware sharding planner: spec × model facts × nodes × kept placements -> ShardPlan.
+
+A pure function. The operator calls it on every (re-)plan; `shardwise plan` calls it offline.
+
+How it decides
+1. Layout. Tensor degree (TP) must divide the attention and KV heads and fit on one node; when
+   omitted, the smallest TP whose single stage fits a GPU is chosen (pipeline 1); when no TP fits
+   a whole model, the fewest pipeline stages (PP) that fit, largest TP first. Memory per GPU =
+   weights/TP + KV cache (inference) or gradients and Adam moments (training) + activations +
+   a fixed CUDA overhead, against 90% of the GPU's memory.
+2. Slots. A node with F free GPUs offers F // TP slots; one slot holds one stage (one pod), so a
+   TP group never spans nodes.
+3. Placement. Each replica takes PP slots. Its cost is the topology boundaries crossed between
+   consecutive stages: 1 per node change, +1 per rack change, +1 per zone change (the keys in
+   spec.placement.topologyKeys). Ordering a replica's slots domain by domain makes its cost
+       (nodes - 1) + (racks - 1) + (zones - 1),
+   so the cheapest slot set is found exactly by a small dynamic programme over the topology tree
+   (per domain: best objective for taking k = 0..PP slots inside it). Ties break towards domains
+   no other replica uses (spread for availability), then towards nodes the replica fills (best
+   fit, keeping big blocks whole), then by name (determinism). Replicas are placed one after the
+   other; only the domains a placed replica touched are recomputed, which keeps 1,000 nodes fast.
+4. Layers. Split contiguously so stages hold equal parameters, counting the embedding on the
+   first stage and the final norm + LM head on the last.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+from shardwise.crds.models import ShardedModelSpec
+from shardwise.crds.plan import ReplicaPlan, ShardPlan, StagePlacement
+from shardwise.operator.inventory import NodeInfo, usable
+from shardwise.operator.modelfacts import ModelFacts
+
+GiB = 2**30
+CUDA_OVERHEAD = 1 * GiB          # context, cuBLAS workspace, NCCL buffers per GPU
+USABLE_FRACTION = 0.90           # of a GPU's memory the planner fills
+ACTIVATION_FRACTION = 0.10       # inference activations as a share of the rank's weights
+TRAINING_ACTIVATION_FRACTION = 0.25
+INF = float("inf")
+
+
+class PlanError(ValueError):
+    """Nothing fits; str(error) is one sentence saying why."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    tensor: int
+    pipeline: int
+    memory: int                   # bytes per GPU, worst stage
+    ranges: tuple[tuple[int, int], ...]
+    stage_params: tuple[int, ...]
+
+
+# ------------------------------------------------------------------ layers and memory
+
+
+def split_layers(facts: ModelFacts, stages: int) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]]:
+    """Contiguous layer ranges minimising the largest stage's parameters, and each stage's params."""
+    n, per, emb, head = facts.layers, facts.layer_params, facts.embedding_params, facts.head_params
+    if stages > n:
+        raise PlanError(f"pipeline {stages} exceeds the model's {n} layers")
+    if stages == 1:
+        return ((0, n),), (emb + n * per + head,)
+    extra = [emb] + [0] * (stages - 2) + [head]
+
+    def counts_for(limit: int) -> list[int] | None:
+        caps = [(limit - e) // per for e in extra]
+        return caps if min(caps) >= 1 and sum(caps) >= n else None
+
+    lo, hi = per, max(extra) + n * per
+    while lo < hi:  # smallest largest-stage that fits
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if counts_for(mid) else (mid + 1, hi)
+    counts = counts_for(lo)
+    assert counts is not None
+    # Too much room: take layers back from the heaviest stages (later index first on ties).
+    while sum(counts) > n:
+        i = max((i for i in range(stages) if counts[i] > 1), key=lambda i: (extra[i] + counts[i] * per, i))
+        counts[i] -= 1
+    ranges, start = [], 0
+    for c in counts:
+        ranges.append((start, start + c))
+        start += c
+    return tuple(ranges), tuple(e + c * per for e, c in zip(extra, counts))
+
+
+def activation_bytes(facts: ModelFacts) -> float:
+    """Bytes per KV-cache and activation element: quantized weights still compute in 16 bits."""
+    return max(2.0, facts.bytes_per_param) if facts.bytes_per_param <= 4 else 4.0
+
+
+def stage_memory(facts: ModelFacts, spec: ShardedModelSpec, tensor: int, params: int, layers: int) -> int:
+    """Bytes one GPU of a stage needs: its slice of the weights plus headroom."""
+    weights = params * facts.bytes_per_param / tensor
+    if spec.workload == "training":
+        # gradients in the weight dtype and fp32 Adam moments, sharded like the weights
+        state = params * (facts.bytes_per_param + 8) / tensor
+        need = weights + state + TRAINING_ACTIVATION_FRACTION * weights
+    else:
+        kv = spec.serving.kv_cache_tokens * layers * facts.kv_bytes_per_token_per_layer(activation_bytes(facts))
+        need = weights + kv / tensor + ACTIVATION_FRACTION * weights
+    return int(need + CUDA_OVERHEAD)
+
+
+def make_layout(facts: ModelFacts, spec: ShardedModelSpec, tensor: int, pipeline: int) -> Layout:
+    ranges, params = split_layers(facts, pipeline)
+    memory = max(stage_memory(facts, spec, tensor, p, e - s) for p, (s, e) in zip(params, ranges))
+    return Layout(tensor, pipeline, memory, ranges, params)
+
+
+def fits(memory: int, node: NodeInfo) -> bool:
+    return node.gpu_memory == 0 or memory <= node.gpu_memory * USABLE_FRACTION
+
+
+def candidate_layouts(spec: ShardedModelSpec, facts: ModelFacts, nodes: Sequence[NodeInfo]) -> list[Layout]:
+    """Layouts to try, most preferred first (see the module docstring)."""
+    largest_block = max((n.free for n in nodes), default=0)
+    memories = [n.gpu_memory for n in nodes if n.gpu_memory] or [0]
+    largest_memory = max(memories)
+
+    def fits_some(layout: Layout) -> bool:
+        return any(n.free >= layout.tensor and fits(layout.memory, n) for n in nodes)
+
+    if spec.parallelism.tensor:
+        tensors = [spec.parallelism.tensor]
+    else:
+        tensors = [t for t in range(1, max(1, largest_block) + 1)
+                   if facts.heads % t == 0 and facts.kv_heads % t == 0]
+    if spec.parallelism.pipeline:
+        return [make_layout(facts, spec, t, spec.parallelism.pipeline) for t in tensors]
+    single, multi = [], []
+    for t in tensors:
+        # fewest stages whose worst stage fits the largest GPU (memory falls roughly as 1/stages)
+        pp = 1
+        while True:
+            layout = make_layout(facts, spec, t, pp)
+            if largest_memory == 0 or fits_some(layout) or pp >= facts.layers:
+                break
+            pp += 1
+        (single if pp == 1 else multi).append(layout)
+    return single + sorted(multi, key=lambda l: (l.pipeline, -l.tensor))
+
+
+# ------------------------------------------------------------------ topology tree
+
+
+class _Domain:
+    """A node (leaf) or a topology domain; `best[k]` = objective of taking k slots inside it."""
+
+    __slots__ = ("name", "level", "children", "parent", "slots", "users", "best", "choice", "node")
+
+    def __init__(self, name: str, level: int, parent: "_Domain | None"):
+        self.name, self.level, self.parent = name, level, parent
+        self.children: list[_Domain] = []
+        self.slots = 0          # leaf: free slots; inner: sum of children's
+        self.users = 0          # replicas of this model already using the domain
+        self.best: list[float] = []
+        self.choice: list[list[int]] = []
+        self.node: NodeInfo | None = None
+
+
+class _Tree:
+    """Topology tree: root > loosest key > ... > tightest key > node, built from label values."""
+
+    def __init__(self, nodes: Sequence[NodeInfo], keys: Sequence[str], slots: dict[str, int], want: int):
+        self.keys = list(keys)                       # tightest first, as in the spec
+        self.depth = len(self.keys)                  # levels of domains below the root
+        self.want = want
+        self.root = _Domain("", -1, None)
+        self.leaves: dict[str, _Domain] = {}
+        index: dict[tuple[str, ...], _Domain] = {(): self.root}
+        for node in sorted(nodes, key=lambda n: (self.path(n), n.name)):
+            path = self.path(node)
+            parent = self.root
+            for level in range(self.depth):
+                key = path[: level + 1]
+                if key not in index:
+                    index[key] = _Domain(path[level], level, parent)
+                    parent.children.append(index[key])
+                parent = index[key]
+            leaf = _Domain(node.name, self.depth, parent)
+            leaf.node, leaf.slots = node, slots[node.name]
+            parent.children.append(leaf)
+            self.leaves[node.name] = leaf
+        # Objective weights: boundaries first, then overlap with other replicas from the loosest
+        # level down, then leftover slots on the nodes used. Packed into one int: fast to add.
+        self.unit = 1 << 20
+        self.weight_cost = self.unit ** (self.depth + 3)
+        self._compute(self.root)
+
+    def path(self, node: NodeInfo) -> tuple[str, ...]:
+        """Label values loosest first; a missing label makes the node a domain of its own."""
+        return tuple(node.labels.get(k) or f"~{node.name}" for k in reversed(self.keys))
+
+    def crossing(self, domain: _Domain) -> int:
+        """Boundaries crossed between two children of `domain` (node change counts 1, each level 1 more)."""
+        return self.depth - domain.level
+
+    def _leaf_best(self, leaf: _Domain) -> None:
+        k_max = min(leaf.slots, self.want)
+        leaf.best = [0] + [leaf.slots - k for k in range(1, k_max + 1)] + [INF] * (self.want - k_max)
+
+    def _compute(self, domain: _Domain) -> None:
+        if not domain.children:
+            self._leaf_best(domain)
+            return
+        for child in domain.children:
+            if not child.best:
+                self._compute(child)
+        self._merge(domain)
+
+    def _merge(self, domain: _Domain) -> None:
+        want, cross = self.want, self.crossing(domain) * self.weight_cost
+        overlap_unit = self.unit ** (self.depth + 2 - (domain.level + 1))
+        dp: list[float] = [0] + [INF] * want
+        domain.choice = []
+        total = 0
+        for child in domain.children:
+            total += child.slots
+            if child.slots == 0:
+                domain.choice.append([])
+                continue
+            enter = cross + child.users * overlap_unit
+            best = child.best
+            new = dp[:]
+            pick = [0] * (want + 1)
+            for j in range(want):
+                base = dp[j]
+                if base == INF:
+                    continue
+                for t in range(1, want - j + 1):
+                    b = best[t]
+                    if b == INF:
+                        break
+                    value = base + b + enter
+                    if value < new[j + t]:
+                        new[j + t], pick[j + t] = value, t
+            dp = new
+            domain.choice.append(pick)
+        domain.slots = total
+        domain.best = [0] + [v - cross if v != INF else INF for v in dp[1:]]
+
+    def take(self, domain: _Domain, k: int) -> list[tuple[_Domain, int]]:
+        """Reconstruct: (leaf, slots) pairs realising domain.best[k]."""
+        if not domain.children:
+            return [(domain, k)]
+        out: list[tuple[_Domain, int]] = []
+        for child, pick in zip(reversed(domain.children), reversed(domain.choice)):
+            t = pick[k] if pick else 0
+            if t:
+                out += self.take(child, t)
+                k -= t
+        return out
+
+    def commit(self, taken: list[tuple[_Domain, int]]) -> None:
+        """Use the slots; mark each touched domain used once; recompute only touched paths."""
+        touched: dict[int, _Domain] = {}
+        for leaf, t in taken:
+            leaf.slots -= t
+            domain = leaf
+            while domain is not None:
+                touched[id(domain)] = domain
+                domain = domain.parent
+        for domain in touched.values():
+            if domain is not self.root:
+                domain.users += 1
+        for domain in sorted(touched.values(), key=lambda d: -d.level):
+            if domain.children:
+                self._merge(domain)
+            else:
+                self._leaf_best(domain)
+
+    def cost_of(self, a: NodeInfo, b: NodeInfo) -> int:
+        if a.name == b.name:
+            return 0
+        pa, pb = self.path(a), self.path(b)
+        common = 0
+        while common < self.depth and pa[common] == pb[common]:
+            common += 1
+        return 1 + self.depth - common
+
+
+# ------------------------------------------------------------------ the planner
+
+
+@dataclass
+class _Attempt:
+    layout: Layout
+    replicas: list[list[NodeInfo]] = field(default_factory=list)   # new replicas: one node per stage
+    slots: int = 0
+    tree: _Tree | None = None
+    reason: str = ""
+
+
+def _place(layout: Layout, nodes: Sequence[NodeInfo], keys: Sequence[str], used: dict[str, int],
+           keep_users: Iterable[list[str]], count: int) -> _Attempt:
+    attempt = _Attempt(layout)
+    eligible = [n for n in nodes if fits(layout.memory, n) and n.free - used.get(n.name, 0) >= layout.tensor]
+    slots = {n.name: (n.free - used.get(n.name, 0)) // layout.tensor for n in eligible}
+    attempt.slots = sum(slots.values())
+    if not eligible:
+        attempt.reason = _no_block_reason(layout, nodes, used)
+        return attempt
+    tree = _Tree(eligible, keys, slots, layout.pipeline)
+    attempt.tree = tree
+    for kept in keep_users:  # kept replicas count as users, so new ones spread away from them
+        seen: set[int] = set()
+        for name in kept:
+            domain = tree.leaves[name] if name in tree.leaves else None
+            while domain is not None and domain is not tree.root:
+                if id(domain) not in seen:
+                    seen.add(id(domain))
+                    domain.users += 1
+                domain = domain.parent
+    if keep_users:
+        for domain in _post_order(tree.root):
+            if domain.children:
+                tree._merge(domain)
+    for _ in range(count):
+        if tree.root.best[layout.pipeline] == INF:
+            break
+        taken = tree.take(tree.root, layout.pipeline)
+        tree.commit(taken)
+        stages: list[NodeInfo] = []
+        for leaf, t in sorted(taken, key=lambda lt: (tree.path(lt[0].node), lt[0].name)):
+            stages += [leaf.node] * t
+        attempt.replicas.append(stages)
+    if len(attempt.replicas) < count:
+        attempt.reason = (f"needs {count} replica(s) × {layout.pipeline} stage(s) of {layout.tensor} GPU(s) "
+                          f"on one node each; only {attempt.slots} such block(s) are free")
+    return attempt
+
+
+def _post_order(domain: _Domain) -> list[_Domain]:
+    out: list[_Domain] = []
+    for child in domain.children:
+        out += _post_order(child)
+    out.append(domain)
+    return out
+
+
+def _no_block_reason(layout: Layout, nodes: Sequence[NodeInfo], used: dict[str, int]) -> str:
+    roomy = [n for n in nodes if fits(layout.memory, n)]
+    if not roomy:
+        biggest = max(nodes, key=lambda n: (n.gpu_memory, n.name))
+        return (f"needs {layout.memory / GiB:.1f} GiB per GPU at tensor {layout.tensor} × pipeline "
+                f"{layout.pipeline}; the largest GPUs have {biggest.gpu_memory / GiB:.0f} GiB "
+                f"({biggest.name}, {USABLE_FRACTION:.0%} usable)")
+    best = max(roomy, key=lambda n: (n.free - used.get(n.name, 0), n.name))
+    return (f"needs {layout.tensor} GPUs in one NVLink domain; the largest free block is "
+            f"{best.free - used.get(best.name, 0)} on {best.name}")
+
+
+def plan(spec: ShardedModelSpec, facts: ModelFacts, nodes: Sequence[NodeInfo],
+         keep: Sequence[StagePlacement] = ()) -> ShardPlan:
+    """The plan for `spec`, or PlanError with a one-sentence reason.
+
+    `nodes` is the inventory with GPUs of other workloads already subtracted and this model's own
+    pods *not* subtracted; `keep` are placements of this model's replicas that must stay where
+    they are (the operator re-plans one replica at a time). Their GPUs are subtracted here.
+    """
+    if spec.parallelism.tensor:
+        for name, count in (("attention heads", facts.heads), ("KV heads", facts.kv_heads)):
+            if count % spec.parallelism.tensor:
+                raise PlanError(f"tensor {spec.parallelism.tensor} does not divide the model's {count} {name}")
+    if spec.parallelism.pipeline and spec.parallelism.pipeline > facts.layers:
+        raise PlanError(f"pipeline {spec.parallelism.pipeline} exceeds the model's {facts.layers} layers")
+    pool = usable(nodes, spec)
+    by_name = {n.name: n for n in pool.nodes}
+    notes = []
+    if pool.excluded:
+        notes.append(f"left out {sum(pool.excluded.values())} node(s): {pool.why_not()}")
+
+    wanted = spec.parallelism.replicas
+    kept = _kept_replicas(keep, wanted, by_name, nodes)
+    used: dict[str, int] = {}
+    for stages in kept.values():
+        for p in stages:
+            used[p.node] = used.get(p.node, 0) + p.gpus
+    count = wanted - len(kept)
+
+    if kept:
+        first = next(iter(kept.values()))
+        layouts = [make_layout(facts, spec, first[0].gpus, len(first))]
+    elif wanted == 0 and not pool.nodes:
+        layouts = [make_layout(facts, spec, spec.parallelism.tensor or 1, spec.parallelism.pipeline or 1)]
+    else:
+        if not pool.nodes:
+            reason = f"no node can run it ({pool.why_not()})" if pool.excluded else "the inventory has no nodes"
+            raise PlanError(reason)
+        layouts = candidate_layouts(spec, facts, pool.nodes)
+        if not layouts:
+            raise PlanError(f"no tensor degree up to the largest free block of "
+                            f"{max(n.free for n in pool.nodes)} GPUs divides the model's "
+                            f"{facts.heads} attention and {facts.kv_heads} KV heads")
+    keys = spec.placement.topology_keys
+    keep_nodes = [[p.node for p in stages] for stages in kept.values()]
+
+    attempts: list[_Attempt] = []
+    chosen: _Attempt | None = None
+    for layout in layouts:
+        attempt = _place(layout, pool.nodes, keys, used, keep_nodes, count)
+        attempts.append(attempt)
+        if len(attempt.replicas) == count:
+            chosen = attempt
+            break
+    shrunk = False
+    if chosen is None:
+        most = max(attempts, key=lambda a: len(a.replicas))  # first among equals: most preferred
+        if not spec.recovery.allow_shrink or (not most.replicas and not kept):
+            raise PlanError(attempts[0].reason + (f" ({pool.why_not()} left out)" if pool.excluded else ""))
+        chosen, shrunk = most, True
+        notes.append(f"shrunk to {len(kept) + len(most.replicas)} of {wanted} replica(s): {attempts[0].reason}")
+    if chosen is not attempts[0] and len(attempts[0].replicas) < count:
+        notes.append(f"tensor {chosen.layout.tensor} × pipeline {chosen.layout.pipeline} instead of "
+                     f"tensor {layouts[0].tensor} × pipeline {layouts[0].pipeline}: {attempts[0].reason}")
+    return _assemble(spec, facts, chosen, kept, wanted, shrunk, notes, by_name, keys, nodes)
+
+
+def _kept_replicas(keep: Sequence[StagePlacement], wanted: int, by_name: dict[str, NodeInfo],
+                   nodes: Sequence[NodeInfo]) -> dict[int, list[StagePlacement]]:
+    replicas: dict[int, list[StagePlacement]] = {}
+    for p in keep:
+        replicas.setdefault(p.replica, []).append(p)
+    out: dict[int, list[StagePlacement]] = {}
+    shapes = set()
+    for r in sorted(replicas)[:wanted]:  # scaling down keeps the lowest replica numbers
+        stages = sorted(replicas[r], key=lambda p: p.stage)
+        for p in stages:
+            if p.node not in by_name:
+                known = {n.name for n in nodes}
+                state = "is not usable" if p.node in known else "is not in the inventory"
+                raise PlanError(f"replica {r} cannot be kept: node {p.node} {state}")
+        shapes.add((stages[0].gpus, len(stages)))
+        out[r] = stages
+    if len(shapes) > 1:
+        raise PlanError("kept replicas disagree on tensor and pipeline; re-plan them all")
+    return out
+
+
+def _assemble(spec: ShardedModelSpec, facts: ModelFacts, attempt: _Attempt,
+              kept: dict[int, list[StagePlacement]], wanted: int, shrunk: bool, notes: list[str],
+              by_name: dict[str, NodeInfo], keys: Sequence[str], nodes: Sequence[NodeInfo]) -> ShardPlan:
+    layout = attempt.layout
+    tree = attempt.tree or _Tree([], keys, {}, layout.pipeline)
+    free_indices = [r for r in range(wanted + len(kept)) if r not in kept][: len(attempt.replicas)]
+    placements: list[StagePlacement] = []
+    groups: list[ReplicaPlan] = []
+    new = dict(zip(free_indices, attempt.replicas))
+    for r in sorted([*kept, *new]):
+        if r in kept:
+            stage_nodes = [by_name[p.node] for p in kept[r]]
+        else:
+            stage_nodes = new[r]
+        for stage, node in enumerate(stage_nodes):
+            start, end = layout.ranges[stage]
+            placements.append(StagePlacement(
+                replica=r, stage=stage, node=node.name, gpus=layout.tensor, layer_start=start, layer_end=end,
+                embedding=stage == 0, head=stage == layout.pipeline - 1, params=layout.stage_params[stage],
+                domains={k: node.labels[k] for k in keys if k in node.labels}))
+        groups.append(_explain(r, stage_nodes, layout, tree, keys, kept=r in kept))
+    why_layout = _explain_layout(spec, facts, layout, nodes)
+    return ShardPlan(tensor=layout.tensor, pipeline=layout.pipeline, replicas=len(groups),
+                     num_layers=facts.layers, placements=placements, groups=groups,
+                     cost=sum(g.cost for g in groups), shrunk=shrunk, notes=[why_layout, *notes],
+                     memory_per_gpu=layout.memory, topology_keys=list(keys))
+
+
+def _explain(replica: int, stage_nodes: list[NodeInfo], layout: Layout, tree: _Tree,
+             keys: Sequence[str], kept: bool) -> ReplicaPlan:
+    cost = sum(tree.cost_of(a, b) for a, b in zip(stage_nodes, stage_nodes[1:]))
+    # tightest domain holding every stage: a node, then each key from tightest to loosest
+    names = sorted({n.name for n in stage_nodes})
+    domain = names[0] if len(names) == 1 else ""
+    if not domain:
+        for key in keys:
+            values = {n.labels.get(key) for n in stage_nodes}
+            if len(values) == 1 and None not in values:
+                domain = f"{key}={values.pop()}"
+                break
+    crossings = []
+    for level, label in [(0, "node")] + [(i + 1, k.rsplit("/", 1)[-1]) for i, k in enumerate(keys)]:
+        n = sum(1 for a, b in zip(stage_nodes, stage_nodes[1:]) if tree.cost_of(a, b) > level)
+        if n:
+            crossings.append(f"{n} {label} boundar{'y' if n == 1 else 'ies'}")
+    where = ", ".join(f"{name} ×{sum(1 for n in stage_nodes if n.name == name)}" if
+                      sum(1 for n in stage_nodes if n.name == name) > 1 else name
+                      for name in dict.fromkeys(n.name for n in stage_nodes))
+    text = (f"replica {replica}{' (kept)' if kept else ''}: {layout.pipeline} stage(s) of "
+            f"{layout.tensor} GPU(s) on {where}; within {domain or 'the cluster'}; cost {cost}"
+            + (f" ({', '.join(crossings)})" if crossings else ""))
+    return ReplicaPlan(replica=replica, domain=domain, cost=cost, explanation=text)
+
+
+def _explain_layout(spec: ShardedModelSpec, facts: ModelFacts, layout: Layout, nodes: Sequence[NodeInfo]) -> str:
+    chosen = "asked" if spec.parallelism.tensor and spec.parallelism.pipeline else "chosen"
+    return (f"tensor {layout.tensor} × pipeline {layout.pipeline} {chosen}: {facts.params / 1e9:.2f}B "
+            f"parameters at {facts.bytes_per_param:.2f} bytes need {layout.memory / GiB:.1f} GiB per GPU "
+            f"({spec.workload}); tensor divides {facts.heads} heads and {facts.kv_heads} KV heads")
