@@ -39,6 +39,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata, MetadataIndex, TensorProperties, TensorStorageMetadata)
@@ -161,7 +162,7 @@ def read_slices(path: str | Path, slices: dict[str, Slice]) -> None:
                      planner=_SliceLoadPlanner(slices, str(path)), no_dist=True)
     except CheckpointError:
         raise
-    except Exception as e:  # DCP wraps a rank's failure as (exception, traceback): unwrap for one line
+    except (Exception, CheckpointException) as e:  # DCP wraps a rank's failure as (exception, traceback): unwrap for one line
         failures = getattr(e, "failures", None)
         if failures:
             e = next(iter(failures.values()))
