@@ -1,0 +1,96 @@
+"""`shardwise operator run`: the operator process (kopf), with leader election, /metrics and /healthz."""
+from __future__ import annotations
+
+import argparse
+import http.server
+import logging
+import os
+import sys
+import threading
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", required=True)
+    run = sub.add_parser("run", help="watch ShardedModels and reconcile them")
+    run.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, else $KUBECONFIG or ~/.kube/config)")
+    scope = run.add_mutually_exclusive_group()
+    scope.add_argument("--namespace", "-n", action="append", default=[],
+                       help="watch only this namespace (repeatable)")
+    scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace (the default)")
+    run.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port; 0 turns it off")
+    run.add_argument("--health-port", type=int, default=8080, help="/healthz port; 0 turns it off")
+    run.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    run.add_argument("--worker-image", default=None,
+                     help="worker image for ShardedModels that set no spec.image")
+    run.add_argument("--lease-namespace", default=None,
+                     help="namespace of the leader-election Lease (default: $POD_NAMESPACE, else 'default')")
+    run.add_argument("--lease-name", default="shardwise-operator")
+    run.add_argument("--no-leader-election", action="store_true",
+                     help="run without a Lease (only when exactly one operator runs)")
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    alive = threading.Event()
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        ok = self.path.startswith("/healthz") and self.alive.is_set()
+        self.send_response(200 if ok else 503)
+        self.send_header("Content-Type", "text/plain")
+        self.end_headers()
+        self.wfile.write(b"ok\n" if ok else b"not ready\n")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def run(args: argparse.Namespace) -> int:
+    import kopf
+    from kubernetes.config import ConfigException
+
+    from shardwise.operator import applier as applier_mod, handlers, metrics
+    from shardwise.operator.leader import LeaseLock
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("kubernetes", "urllib3", "aiohttp"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    if args.kubeconfig:
+        if not os.path.exists(args.kubeconfig):
+            print(f"shardwise operator: kubeconfig {args.kubeconfig} does not exist", file=sys.stderr)
+            return 2
+        os.environ["KUBECONFIG"] = args.kubeconfig  # kopf's own login reads it too
+    try:
+        api = applier_mod.load_config(args.kubeconfig)
+    except (ConfigException, OSError) as e:
+        print(f"shardwise operator: no cluster to talk to ({e}); pass --kubeconfig", file=sys.stderr)
+        return 2
+    handlers.RUNTIME.applier = applier_mod.Applier(api)
+    if args.worker_image:
+        handlers.RUNTIME.default_image = args.worker_image
+
+    if args.health_port:
+        _Health.alive.set()  # a standby is healthy too: it is waiting, as it should
+        server = http.server.ThreadingHTTPServer(("0.0.0.0", args.health_port), _Health)
+        threading.Thread(target=server.serve_forever, daemon=True, name="healthz").start()
+    if args.metrics_port:
+        metrics.serve(args.metrics_port)
+
+    lock = None
+    if not args.no_leader_election:
+        lease_ns = args.lease_namespace or os.environ.get("POD_NAMESPACE") or "default"
+        lock = LeaseLock(api, lease_ns, args.lease_name)
+        lock.wait_until_leader()
+
+        def lost() -> None:
+            # Another replica may be reconciling now: stop at once rather than act twice.
+            logging.getLogger("shardwise.operator").error("leadership lost; exiting")
+            os._exit(3)
+        lock.keep_renewing(lost)
+
+    scope = dict(clusterwide=True) if not args.namespace else dict(namespaces=args.namespace)
+    try:
+        kopf.run(standalone=True, **scope)
+    finally:
+        if lock is not None:
+            lock.release()
+    return 0

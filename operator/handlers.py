@@ -1,0 +1,207 @@
+"""kopf handlers: thin wiring between watch events and the reconciler.
+
+- One daemon per ShardedModel runs its reconcile loop (created, resumed after an operator restart,
+  stopped when the model is deleted). Passes are serialized per model by construction.
+- Pod events (pods labelled shardwise.dev/model) and node events (Ready flips, node added or gone)
+  wake the daemons concerned at once, so a lost node is acted on within seconds, not at the next tick.
+- Two in-memory indexes fed by watches: nodes (the planner's inventory) and pods holding GPUs (what
+  is allocated), so a reconcile costs few API requests however big the cluster is.
+
+Nothing here is state the operator needs after a restart: each model's state is in its status.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from typing import Any, Mapping
+
+import kopf
+
+from shardwise.crds.models import GROUP, PLURAL, VERSION
+from shardwise.operator import recovery, reconciler, renderer
+from shardwise.operator.applier import Applier
+from shardwise.operator.inventory import pod_gpus
+
+log = logging.getLogger("shardwise.operator")
+
+
+class Capacity:
+    """GPUs in use: pods seen by the watch plus pods this operator just created (the watch lags
+    behind our own creates by a moment; without these, two models planned back to back could be
+    given the same free GPUs). Planning holds `lock`, so plans are made one at a time."""
+
+    RESERVATION_SECONDS = 60.0
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.watched: dict[str, dict] = {}           # "ns/name" -> pod (nodeName = bound or planned)
+        self.reserved: dict[str, tuple[float, dict]] = {}
+
+    def observe(self, key: str, pod: dict | None) -> None:
+        if pod is None:
+            self.watched.pop(key, None)
+        else:
+            self.watched[key] = pod
+        self.reserved.pop(key, None)
+
+    def reserve(self, pod: Mapping[str, Any], node: str) -> None:
+        key = f"{pod['metadata']['namespace']}/{pod['metadata']['name']}"
+        if key not in self.watched:
+            self.reserved[key] = (time.monotonic(), _slim(pod, node))
+
+    def pods(self, exclude: set[str]) -> list[dict]:
+        """Live GPU pods, leaving out `exclude` ("ns/name"): the group being re-planned."""
+        now = time.monotonic()
+        for key, (since, _) in list(self.reserved.items()):
+            if now - since > self.RESERVATION_SECONDS:
+                self.reserved.pop(key, None)
+        out = [p for k, p in list(self.watched.items()) if k not in exclude]
+        out += [p for k, (_, p) in list(self.reserved.items()) if k not in exclude and k not in self.watched]
+        return out
+
+
+def _slim(pod: Mapping[str, Any], node: str | None) -> dict:
+    """What allocation counting needs of a pod: its node (bound, or planned for our pending pods)
+    and its containers' resources."""
+    spec = pod.get("spec") or {}
+    meta = pod["metadata"]
+    labels = {k: v for k, v in (meta.get("labels") or {}).items() if k == renderer.LABEL_MODEL}
+    return {"metadata": {"name": meta["name"], "namespace": meta.get("namespace"), "labels": labels},
+            "spec": {"nodeName": node,
+                     "containers": [{"resources": c.get("resources") or {}} for c in spec.get("containers") or []]},
+            "status": {"phase": (pod.get("status") or {}).get("phase")}}
+
+
+class Runtime:
+    """Process-wide wiring, configured by `shardwise operator run` before kopf starts."""
+
+    def __init__(self) -> None:
+        self.applier: Applier | None = None
+        self.default_image = renderer.DEFAULT_IMAGE
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="reconcile")
+        self.capacity = Capacity()
+        self.nodes: dict[str, dict] = {}
+        self.node_ready: dict[str, bool] = {}
+        self.wakers: dict[tuple[str, str], asyncio.Event] = {}
+        self.reconciles = 0
+        self.requests = 0
+
+    def waker(self, key: tuple[str, str]) -> asyncio.Event:
+        return self.wakers.setdefault(key, asyncio.Event())
+
+    def wake(self, key: tuple[str, str] | None = None) -> None:
+        for k, event in list(self.wakers.items()):
+            if key is None or k == key:
+                event.set()
+
+
+RUNTIME = Runtime()
+
+
+@kopf.on.startup()
+async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    settings.posting.level = logging.INFO
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.persistence.finalizer = "shardwise.dev/operator"
+    # Status is ours; kopf keeps its bookkeeping in annotations, not in our status schema.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="operator.shardwise.dev")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="operator.shardwise.dev")
+    if RUNTIME.applier is None:
+        RUNTIME.applier = Applier()
+
+
+# --- watches that feed the in-memory views -------------------------------------------------------
+
+@kopf.on.event("", "v1", "nodes")
+def node_event(type: str, name: str, body: kopf.Body, **_: Any) -> None:
+    if type == "DELETED":
+        RUNTIME.nodes.pop(name, None)
+        ready = False
+    else:
+        RUNTIME.nodes[name] = {"metadata": dict(body.metadata), "spec": dict(body.spec),
+                               "status": dict(body.status)}
+        ready = recovery.node_ready(RUNTIME.nodes[name])
+    was = RUNTIME.node_ready.get(name)
+    RUNTIME.node_ready[name] = ready
+    if type == "DELETED":
+        RUNTIME.node_ready.pop(name, None)
+    if was != ready or type == "DELETED":
+        # A node lost: groups on it recover; a node gained: Pending groups may fit now.
+        RUNTIME.wake()
+
+
+@kopf.on.event("", "v1", "pods")
+def pod_event(type: str, namespace: str, name: str, body: kopf.Body, labels: Mapping[str, str], **_: Any) -> None:
+    key = f"{namespace}/{name}"
+    phase = (body.get("status") or {}).get("phase")
+    if type == "DELETED" or phase in ("Succeeded", "Failed"):
+        RUNTIME.capacity.observe(key, None)
+    else:
+        annotations = body.metadata.annotations or {}
+        node = (body.get("spec") or {}).get("nodeName") or annotations.get("shardwise.dev/planned-node")
+        if node:
+            pod = {"metadata": {"name": name, "namespace": namespace, "labels": dict(labels)}, "spec": dict(body.spec),
+                   "status": dict(body.status)}
+            if pod_gpus(pod) or renderer.LABEL_MODEL in labels:
+                RUNTIME.capacity.observe(key, _slim(pod, node))
+    model = labels.get(renderer.LABEL_MODEL)
+    if model:
+        RUNTIME.wake((namespace, model))
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+def model_event(type: str, namespace: str, name: str, body: kopf.Body, **_: Any) -> None:
+    """A spec change (new generation, e.g. `kubectl scale`) wakes the model's loop at once; our own
+    status writes do not."""
+    if body.metadata.get("generation") != (body.get("status") or {}).get("observedGeneration"):
+        RUNTIME.wake((namespace, name))
+
+
+# --- the per-model reconcile loop ------------------------------------------------------------------
+
+@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10.0, initial_delay=0)
+async def model_loop(namespace: str, name: str, body: kopf.Body, stopped: kopf.DaemonStopped,
+                     logger: logging.Logger, **_: Any) -> None:
+    key = (namespace, name)
+    wake = RUNTIME.waker(key)
+    loop = asyncio.get_running_loop()
+    failures = 0
+    try:
+        while not stopped:
+            wake.clear()
+            try:
+                outcome = await loop.run_in_executor(RUNTIME.executor, _reconcile_once, namespace, name)
+                failures = 0
+            except Exception as e:  # an API hiccup must not kill the loop; back off and retry
+                failures += 1
+                logger.warning(f"reconcile failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                               f"retrying")
+                outcome = reconciler.Outcome(requeue_after=min(30.0, 0.5 * 2 ** failures))
+            for ev in outcome.events:
+                kopf.event(body, type=ev.type, reason=ev.reason, message=ev.message[:1000])
+            try:
+                await asyncio.wait_for(wake.wait(), timeout=outcome.requeue_after)
+            except asyncio.TimeoutError:
+                pass
+    finally:
+        RUNTIME.wakers.pop(key, None)
+
+
+def _reconcile_once(namespace: str, name: str) -> reconciler.Outcome:
+    assert RUNTIME.applier is not None
+    outcome = reconciler.reconcile(RUNTIME.applier, namespace, name, dict(RUNTIME.nodes), RUNTIME.capacity,
+                                   default_image=RUNTIME.default_image)
+    RUNTIME.reconciles += 1
+    RUNTIME.requests += outcome.requests
+    return outcome
+
+
+@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
+def model_deleted(namespace: str, name: str, **_: Any) -> None:
+    """Dependents go by garbage collection (ownerReferences); only our metrics series are dropped."""
+    from shardwise.operator import metrics
+    metrics.forget(namespace, name)

@@ -1,0 +1,128 @@
+"""How the operator asks the pure planner for replica groups.
+
+The planner (planner.plan) takes the spec, the model facts, the inventory and placements to keep. The
+operator plans only the groups that need it - a new model, a scaled-up replica, a group recovering
+from a failure - and keeps the others where they run. A recovering group is first offered the
+topology domain it ran in (its rack, when the rack still has room), so that a node loss inside a rack
+keeps the group inside that rack; only if nothing fits there does it move, whole, to another domain.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Sequence
+
+from shardwise.crds.models import ShardedModelSpec
+from shardwise.crds.plan import ShardPlan, StagePlacement
+from shardwise.operator import inventory, modelfacts, planner, recovery
+from shardwise.operator.renderer import LABEL_MODEL
+
+# PlanError messages that no amount of capacity will fix: the spec must change.
+_INVALID_MARKS = ("does not divide", "exceeds the model's", "divides the model's")
+
+
+class PlanFailure(Exception):
+    """No plan: `invalid` when the spec (or the model) is wrong, else capacity is short for now."""
+
+    def __init__(self, message: str, invalid: bool):
+        super().__init__(message)
+        self.invalid = invalid
+
+
+def model_facts(spec: ShardedModelSpec) -> modelfacts.ModelFacts:
+    """From the model's files when the operator can read them (a local path), else from spec.model
+    hints; the weights usually live on a PVC only the pods mount."""
+    try:
+        return modelfacts.resolve(spec)
+    except (modelfacts.ModelFactsError, OSError) as e:
+        raise PlanFailure(str(e), invalid=True) from None
+
+
+def plan_groups(spec: ShardedModelSpec, namespace: str, model: str, nodes: Mapping[str, Mapping[str, Any]],
+                pods: Iterable[Mapping[str, Any]], replicas: Sequence[int], current: ShardPlan | None,
+                keep: Iterable[int], previous: Mapping[int, Sequence[str]] | None = None) -> ShardPlan:
+    """A plan holding placements for `replicas` (numbered as asked), other groups in `keep` staying
+    where `current` has them. `pods`: every live GPU pod of the cluster (ours included: this model's
+    pods are told apart by label). `previous`: replica -> nodes it ran on (domain preference)."""
+    facts = model_facts(spec)
+    keep = [r for r in keep if current is not None]
+    kept = [p for p in (current.placements if current else []) if p.replica in keep]
+    same_layout = current is not None and _layout_ok(current, spec)
+    own = lambda p: (p.get("metadata", {}).get("namespace") == namespace  # noqa: E731
+                     and (p.get("metadata", {}).get("labels") or {}).get(LABEL_MODEL) == model)
+    pods = list(pods)
+    infos = inventory.build(nodes.values(), pods, spec.gpu.resource_name, ignore_pod=own)
+    if kept and not same_layout:
+        # Layout change rolling through: the old groups hold their GPUs like any other workload.
+        infos = _subtract(infos, kept)
+        kept = []
+    # Kept groups on nodes that are no longer usable will recover in their own turn; don't let them
+    # veto this plan.
+    ready = {n.name for n in infos if n.ready and not n.unschedulable}
+    by_replica: dict[int, list[StagePlacement]] = {}
+    for p in kept:
+        by_replica.setdefault(p.replica, []).append(p)
+    kept = [p for r, ps in by_replica.items() if all(q.node in ready for q in ps) for p in ps]
+    n_kept = len({p.replica for p in kept})
+    asked = spec.model_copy(update={"parallelism": spec.parallelism.model_copy(
+        update={"replicas": n_kept + len(replicas)})})
+
+    def attempt(candidates: Sequence[inventory.NodeInfo]) -> ShardPlan:
+        return planner.plan(asked, facts, candidates, keep=kept)
+
+    plan = None
+    domain_nodes = _previous_domain(infos, spec, previous, replicas)
+    if domain_nodes:
+        try:
+            plan = attempt([n for n in infos if n.name in domain_nodes or n.name in {p.node for p in kept}])
+        except planner.PlanError:
+            plan = None
+    if plan is None:
+        try:
+            plan = attempt(infos)
+        except planner.PlanError as e:
+            message = str(e)
+            raise PlanFailure(message, invalid=any(m in message for m in _INVALID_MARKS)) from None
+    return _renumber(plan, {p.replica for p in kept}, list(replicas))
+
+
+def _layout_ok(plan: ShardPlan, spec: ShardedModelSpec) -> bool:
+    t, p = spec.parallelism.tensor, spec.parallelism.pipeline
+    return (t is None or t == plan.tensor) and (p is None or p == plan.pipeline)
+
+
+def _subtract(infos: list[inventory.NodeInfo], placements: Iterable[StagePlacement]) -> list[inventory.NodeInfo]:
+    used: dict[str, int] = {}
+    for p in placements:
+        used[p.node] = used.get(p.node, 0) + p.gpus
+    return [inventory.NodeInfo(**{**n.__dict__, "used": n.used + used.get(n.name, 0)}) for n in infos]
+
+
+def _previous_domain(infos: Sequence[inventory.NodeInfo], spec: ShardedModelSpec,
+                     previous: Mapping[int, Sequence[str]] | None, replicas: Sequence[int]) -> set[str]:
+    """Nodes of the tightest topology domain (first topology key) a single recovering group ran in."""
+    if not previous or len(replicas) != 1 or not spec.placement.topology_keys:
+        return set()
+    old = list(previous.get(replicas[0]) or [])
+    if not old:
+        return set()
+    key = spec.placement.topology_keys[0]
+    labels = {n.name: n.labels for n in infos}
+    values = {labels[n].get(key) for n in old if n in labels}
+    values.discard(None)
+    if len(values) != 1:
+        return set()
+    value = values.pop()
+    return {n.name for n in infos if n.labels.get(key) == value}
+
+
+def _renumber(plan: ShardPlan, kept: set[int], wanted: list[int]) -> ShardPlan:
+    """The planner numbers new groups from the lowest free index; give them the numbers asked for."""
+    new = sorted({p.replica for p in plan.placements} - kept)
+    mapping = dict(zip(new, wanted))
+    placements = [p.model_copy(update={"replica": mapping[p.replica]}) for p in plan.placements
+                  if p.replica in mapping]
+    groups = [g.model_copy(update={"replica": mapping[g.replica]}) for g in plan.groups if g.replica in mapping]
+    return plan.model_copy(update={"placements": placements, "groups": groups, "replicas": len(groups),
+                                   "cost": sum(g.cost for g in groups)})
+
+
+__all__ = ["PlanFailure", "plan_groups", "model_facts", "recovery"]
