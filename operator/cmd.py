@@ -19,6 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace (the default)")
     run.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port; 0 turns it off")
     run.add_argument("--health-port", type=int, default=8080, help="/healthz port; 0 turns it off")
+    run.add_argument("--bind-address", default="0.0.0.0", help="address of the /metrics and /healthz servers")
     run.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     run.add_argument("--worker-image", default=None,
                      help="worker image for ShardedModels that set no spec.image")
@@ -52,6 +53,9 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # kopf logs every successful event handler at INFO: one line per pod or node update is noise.
+    if args.log_level != "debug":
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     for noisy in ("kubernetes", "urllib3", "aiohttp"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if args.kubeconfig:
@@ -68,12 +72,17 @@ def run(args: argparse.Namespace) -> int:
     if args.worker_image:
         handlers.RUNTIME.default_image = args.worker_image
 
-    if args.health_port:
-        _Health.alive.set()  # a standby is healthy too: it is waiting, as it should
-        server = http.server.ThreadingHTTPServer(("0.0.0.0", args.health_port), _Health)
-        threading.Thread(target=server.serve_forever, daemon=True, name="healthz").start()
-    if args.metrics_port:
-        metrics.serve(args.metrics_port)
+    try:
+        if args.health_port:
+            _Health.alive.set()  # a standby is healthy too: it is waiting, as it should
+            server = http.server.ThreadingHTTPServer((args.bind_address, args.health_port), _Health)
+            threading.Thread(target=server.serve_forever, daemon=True, name="healthz").start()
+        if args.metrics_port:
+            metrics.serve(args.metrics_port, args.bind_address)
+    except OSError as e:
+        print(f"shardwise operator: cannot listen on {args.bind_address} for /healthz (port {args.health_port}) "
+              f"or /metrics (port {args.metrics_port}): {e.strerror}", file=sys.stderr)
+        return 2
 
     lock = None
     if not args.no_leader_election:

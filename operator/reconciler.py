@@ -303,6 +303,18 @@ def _reconcile(applier: Applier, body: dict, nodes: Mapping[str, Mapping[str, An
                          None) or (f"TP={plan.tensor} PP={plan.pipeline} cost={plan.cost}" if plan else "not planned")),
         stamp)
     conditions = status_mod.set_condition(conditions, "Ready", phase == status_mod.READY, phase, message, stamp)
+    # Gang scheduling: a group is only as scheduled as its least lucky pod; say why, in the
+    # scheduler's words, while we wait (after the grace period the group is re-planned).
+    unscheduled = []
+    for r in range(desired):
+        attempt = str(groups.get(r, {}).get("attempt", 0))
+        for p in pods_by_replica.get(r, []):
+            why = recovery.unschedulable_message(p)
+            if why and p["metadata"]["labels"].get(renderer.LABEL_ATTEMPT) == attempt:
+                unscheduled.append(f"pod {p['metadata']['name']}: {why}")
+    conditions = status_mod.set_condition(
+        conditions, "PodsScheduled", not unscheduled, "Unschedulable" if unscheduled else "Scheduled",
+        "; ".join(unscheduled) or "every pod of the plan is placed or on its way", stamp)
     recovering = [g for g in live if g.get("phase") == recovery.RECOVERING]
     conditions = status_mod.set_condition(
         conditions, "Recovering", bool(recovering), "GroupFailed" if recovering else "Healthy",

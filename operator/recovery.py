@@ -102,12 +102,16 @@ def _unschedulable(pod: Mapping[str, Any]) -> tuple[str, datetime | None] | None
     return None
 
 
+def unschedulable_message(pod: Mapping[str, Any]) -> str:
+    """The scheduler's reason when it could not place this pod, else ""."""
+    u = _unschedulable(pod)
+    return u[0] if u else ""
+
+
 def pod_failure(pod: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]]) -> str:
     """Why this pod ends its group, or "" when it does not."""
     name = pod["metadata"]["name"]
     status = pod.get("status", {}) or {}
-    if pod["metadata"].get("deletionTimestamp"):
-        return f"pod {name} is being deleted"
     if status.get("phase") == "Failed":
         reason = status.get("reason") or "Failed"
         message = status.get("message") or _terminated_message(status)
@@ -120,6 +124,8 @@ def pod_failure(pod: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]]) 
             return f"node {node} of pod {name} is gone"
         if not node_ready(nodes[node]):
             return f"node {node} of pod {name} is NotReady"
+    if pod["metadata"].get("deletionTimestamp"):
+        return f"pod {name} is being deleted"
     return ""
 
 
