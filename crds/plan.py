@@ -73,8 +73,11 @@ class ShardPlan(_Model):
 
     @model_validator(mode="after")
     def _stages_cover_layers(self) -> "ShardPlan":
-        for r in {p.replica for p in self.placements}:
-            stages = self.stages_of(r)
+        by_replica: dict[int, list[StagePlacement]] = {}
+        for p in self.placements:  # grouped once: plans with thousands of replicas stay linear
+            by_replica.setdefault(p.replica, []).append(p)
+        for r, stages in by_replica.items():
+            stages.sort(key=lambda p: p.stage)
             if [p.stage for p in stages] != list(range(self.pipeline)):
                 raise ValueError(f"replica {r} must have stages 0..{self.pipeline - 1}")
             edge = 0

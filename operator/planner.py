@@ -24,6 +24,9 @@ How it decides
 """
 from __future__ import annotations
 
+import itertools
+import math
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -149,16 +152,38 @@ def candidate_layouts(spec: ShardedModelSpec, facts: ModelFacts, nodes: Sequence
 class _Domain:
     """A node (leaf) or a topology domain; `best[k]` = objective of taking k slots inside it."""
 
-    __slots__ = ("name", "level", "children", "parent", "slots", "users", "best", "choice", "node")
+    __slots__ = ("name", "level", "children", "parent", "pos", "slots", "users", "best", "seg", "split", "size", "node")
 
     def __init__(self, name: str, level: int, parent: "_Domain | None"):
         self.name, self.level, self.parent = name, level, parent
         self.children: list[_Domain] = []
+        self.pos = 0            # index among the parent's children
         self.slots = 0          # leaf: free slots; inner: sum of children's
         self.users = 0          # replicas of this model already using the domain
         self.best: list[float] = []
-        self.choice: list[list[int]] = []
+        # Segment tree over the children: seg[i] = min-plus convolution of the children's entry
+        # tables below i, split[i][k] = slots taken from the left half. One child changing costs
+        # log(children) convolutions, so placing a replica stays cheap however wide a domain is.
+        self.seg: list[list[float]] = []
+        self.split: list[list[int]] = []
+        self.size = 0
         self.node: NodeInfo | None = None
+
+
+def _convolve(a: list[float], b: list[float], want: int) -> tuple[list[float], list[int]]:
+    out = [INF] * (want + 1)
+    split = [0] * (want + 1)
+    for i in range(want, -1, -1):  # on ties, more from the left: earlier names win
+        x = a[i]
+        if x == INF:
+            continue
+        for j in range(want + 1 - i):
+            y = b[j]
+            if y == INF:
+                continue
+            if x + y < out[i + j]:
+                out[i + j], split[i + j] = x + y, i
+    return out, split
 
 
 class _Tree:
@@ -178,17 +203,18 @@ class _Tree:
                 key = path[: level + 1]
                 if key not in index:
                     index[key] = _Domain(path[level], level, parent)
+                    index[key].pos = len(parent.children)
                     parent.children.append(index[key])
                 parent = index[key]
             leaf = _Domain(node.name, self.depth, parent)
-            leaf.node, leaf.slots = node, slots[node.name]
+            leaf.node, leaf.slots, leaf.pos = node, slots[node.name], len(parent.children)
             parent.children.append(leaf)
             self.leaves[node.name] = leaf
         # Objective weights: boundaries first, then overlap with other replicas from the loosest
         # level down, then leftover slots on the nodes used. Packed into one int: fast to add.
         self.unit = 1 << 20
         self.weight_cost = self.unit ** (self.depth + 3)
-        self._compute(self.root)
+        self.empty = [0] + [INF] * want
 
     def path(self, node: NodeInfo) -> tuple[str, ...]:
         """Label values loosest first; a missing label makes the node a domain of its own."""
@@ -198,60 +224,71 @@ class _Tree:
         """Boundaries crossed between two children of `domain` (node change counts 1, each level 1 more)."""
         return self.depth - domain.level
 
+    def mark_used(self, names: Iterable[str]) -> None:
+        """Count one more replica in every domain holding one of these nodes."""
+        seen: set[int] = set()
+        for name in names:
+            domain = self.leaves.get(name)
+            while domain is not None and domain is not self.root:
+                if id(domain) not in seen:
+                    seen.add(id(domain))
+                    domain.users += 1
+                domain = domain.parent
+
+    def build(self) -> None:
+        for domain in _post_order(self.root):
+            if not domain.children:
+                self._leaf_best(domain)
+                continue
+            domain.size = 1
+            while domain.size < len(domain.children):
+                domain.size *= 2
+            domain.seg = [self.empty] * (2 * domain.size)
+            domain.split = [[]] * (2 * domain.size)
+            for child in domain.children:
+                domain.seg[domain.size + child.pos] = self._entry(domain, child)
+            for i in range(domain.size - 1, 0, -1):
+                domain.seg[i], domain.split[i] = _convolve(domain.seg[2 * i], domain.seg[2 * i + 1], self.want)
+            self._inner_best(domain)
+
+    def _entry(self, domain: _Domain, child: _Domain) -> list[float]:
+        """child.best plus the price of entering the child: one more boundary, overlap with others."""
+        enter = self.crossing(domain) * self.weight_cost + child.users * self.unit ** (self.depth + 1 - domain.level)
+        return [0] + [b + enter if b != INF else INF for b in child.best[1:]]
+
     def _leaf_best(self, leaf: _Domain) -> None:
         k_max = min(leaf.slots, self.want)
         leaf.best = [0] + [leaf.slots - k for k in range(1, k_max + 1)] + [INF] * (self.want - k_max)
 
-    def _compute(self, domain: _Domain) -> None:
-        if not domain.children:
-            self._leaf_best(domain)
-            return
-        for child in domain.children:
-            if not child.best:
-                self._compute(child)
-        self._merge(domain)
+    def _inner_best(self, domain: _Domain) -> None:
+        cross = self.crossing(domain) * self.weight_cost
+        top = domain.seg[1]
+        domain.best = [0] + [v - cross if v != INF else INF for v in top[1:]]
+        domain.slots = sum(c.slots for c in domain.children)
 
-    def _merge(self, domain: _Domain) -> None:
-        want, cross = self.want, self.crossing(domain) * self.weight_cost
-        overlap_unit = self.unit ** (self.depth + 2 - (domain.level + 1))
-        dp: list[float] = [0] + [INF] * want
-        domain.choice = []
-        total = 0
-        for child in domain.children:
-            total += child.slots
-            if child.slots == 0:
-                domain.choice.append([])
-                continue
-            enter = cross + child.users * overlap_unit
-            best = child.best
-            new = dp[:]
-            pick = [0] * (want + 1)
-            for j in range(want):
-                base = dp[j]
-                if base == INF:
-                    continue
-                for t in range(1, want - j + 1):
-                    b = best[t]
-                    if b == INF:
-                        break
-                    value = base + b + enter
-                    if value < new[j + t]:
-                        new[j + t], pick[j + t] = value, t
-            dp = new
-            domain.choice.append(pick)
-        domain.slots = total
-        domain.best = [0] + [v - cross if v != INF else INF for v in dp[1:]]
+    def _update(self, domain: _Domain, child: _Domain) -> None:
+        i = domain.size + child.pos
+        domain.seg[i] = self._entry(domain, child)
+        i //= 2
+        while i >= 1:
+            domain.seg[i], domain.split[i] = _convolve(domain.seg[2 * i], domain.seg[2 * i + 1], self.want)
+            i //= 2
 
     def take(self, domain: _Domain, k: int) -> list[tuple[_Domain, int]]:
         """Reconstruct: (leaf, slots) pairs realising domain.best[k]."""
         if not domain.children:
             return [(domain, k)]
         out: list[tuple[_Domain, int]] = []
-        for child, pick in zip(reversed(domain.children), reversed(domain.choice)):
-            t = pick[k] if pick else 0
-            if t:
-                out += self.take(child, t)
-                k -= t
+        stack = [(1, k)]
+        while stack:
+            i, k = stack.pop()
+            if k == 0:
+                continue
+            if i >= domain.size:
+                out += self.take(domain.children[i - domain.size], k)
+            else:
+                left = domain.split[i][k]
+                stack += [(2 * i + 1, k - left), (2 * i, left)]
         return out
 
     def commit(self, taken: list[tuple[_Domain, int]]) -> None:
@@ -268,9 +305,11 @@ class _Tree:
                 domain.users += 1
         for domain in sorted(touched.values(), key=lambda d: -d.level):
             if domain.children:
-                self._merge(domain)
+                self._inner_best(domain)
             else:
                 self._leaf_best(domain)
+            if domain.parent is not None:
+                self._update(domain.parent, domain)
 
     def cost_of(self, a: NodeInfo, b: NodeInfo) -> int:
         if a.name == b.name:
@@ -301,23 +340,14 @@ def _place(layout: Layout, nodes: Sequence[NodeInfo], keys: Sequence[str], used:
     slots = {n.name: (n.free - used.get(n.name, 0)) // layout.tensor for n in eligible}
     attempt.slots = sum(slots.values())
     if not eligible:
-        attempt.reason = _no_block_reason(layout, nodes, used)
+        if count:
+            attempt.reason = _no_block_reason(layout, nodes, used)
         return attempt
     tree = _Tree(eligible, keys, slots, layout.pipeline)
     attempt.tree = tree
     for kept in keep_users:  # kept replicas count as users, so new ones spread away from them
-        seen: set[int] = set()
-        for name in kept:
-            domain = tree.leaves[name] if name in tree.leaves else None
-            while domain is not None and domain is not tree.root:
-                if id(domain) not in seen:
-                    seen.add(id(domain))
-                    domain.users += 1
-                domain = domain.parent
-    if keep_users:
-        for domain in _post_order(tree.root):
-            if domain.children:
-                tree._merge(domain)
+        tree.mark_used(kept)
+    tree.build()
     for _ in range(count):
         if tree.root.best[layout.pipeline] == INF:
             break
@@ -327,10 +357,68 @@ def _place(layout: Layout, nodes: Sequence[NodeInfo], keys: Sequence[str], used:
         for leaf, t in sorted(taken, key=lambda lt: (tree.path(lt[0].node), lt[0].name)):
             stages += [leaf.node] * t
         attempt.replicas.append(stages)
+    if len(attempt.replicas) == count > 1:
+        better = _exact(tree, slots, layout.pipeline, count, sum(_chain_cost(tree, r) for r in attempt.replicas))
+        if better is not None:
+            attempt.replicas = better
     if len(attempt.replicas) < count:
         attempt.reason = (f"needs {count} replica(s) × {layout.pipeline} stage(s) of {layout.tensor} GPU(s) "
                           f"on one node each; only {attempt.slots} such block(s) are free")
     return attempt
+
+
+def _chain_cost(tree: _Tree, stages: list[NodeInfo]) -> int:
+    return sum(tree.cost_of(a, b) for a, b in zip(stages, stages[1:]))
+
+
+EXACT_MAX_GROUPS = 3000      # candidate slot sets per replica for the exact search
+EXACT_MAX_STEPS = 200_000    # search steps before settling for the best plan found
+
+
+def _exact(tree: _Tree, slots: dict[str, int], pipeline: int, count: int, greedy: int) -> list[list[NodeInfo]] | None:
+    """A cheaper plan than the replica-by-replica one, by branch and bound, or None.
+
+    Placing replicas one at a time is optimal for each replica but not always for all together
+    (taking the only two-slot node for one replica can force the next across a zone). On small
+    inventories the optimum is found exactly; the bound is the cheapest slot set still free.
+    """
+    leaves = sorted((leaf for leaf in tree.leaves.values() if slots[leaf.name]),
+                    key=lambda leaf: (tree.path(leaf.node), leaf.name))
+    if not leaves or math.comb(len(leaves) + pipeline - 1, pipeline) > EXACT_MAX_GROUPS:
+        return None
+    groups = []
+    for combo in itertools.combinations_with_replacement(range(len(leaves)), pipeline):
+        need = Counter(combo)
+        if all(n <= slots[leaves[i].name] for i, n in need.items()):
+            stages = [leaves[i].node for i in combo]  # leaves are in path order: the cheapest chain
+            groups.append((_chain_cost(tree, stages), tuple(need.items()), stages))
+    groups.sort(key=lambda g: g[0])
+    if not groups or greedy <= count * groups[0][0]:
+        return None  # nothing can beat it: every replica already costs the least any could
+    free = [slots[leaf.name] for leaf in leaves]
+    best_cost, best, chosen, steps = greedy, None, [], 0
+
+    def search(start: int, left: int, total: int) -> None:
+        nonlocal best_cost, best, steps
+        if left == 0:
+            best_cost, best = total, list(chosen)
+            return
+        for i in range(start, len(groups)):  # replicas are alike: take slot sets in list order
+            steps += 1
+            cost, need, stages = groups[i]
+            if total + cost * left >= best_cost or steps > EXACT_MAX_STEPS:
+                return  # sorted by cost: no later set can do better
+            if all(free[j] >= n for j, n in need):
+                for j, n in need:
+                    free[j] -= n
+                chosen.append(stages)
+                search(i, left - 1, total + cost)
+                chosen.pop()
+                for j, n in need:
+                    free[j] += n
+
+    search(0, count, 0)
+    return best
 
 
 def _post_order(domain: _Domain) -> list[_Domain]:
@@ -342,6 +430,8 @@ def _post_order(domain: _Domain) -> list[_Domain]:
 
 
 def _no_block_reason(layout: Layout, nodes: Sequence[NodeInfo], used: dict[str, int]) -> str:
+    if not nodes:
+        return "no node has free GPUs"
     roomy = [n for n in nodes if fits(layout.memory, n)]
     if not roomy:
         biggest = max(nodes, key=lambda n: (n.gpu_memory, n.name))
