@@ -247,14 +247,14 @@ class GGUFSource(ModelSource):
     """A GGUF file (llama architecture); quantized tensors are dequantized to float32."""
 
     def __init__(self, path: str):
-        from gguf import GGUFReader
+        from .gguf_index import GGUFIndex
         self.path = path
         try:
-            self.reader = GGUFReader(path)
-        except Exception as e:  # numpy/mmap errors on a cut file; the message is not for users
-            raise WorkerError(f"weight file {path} is truncated or not a GGUF file ({type(e).__name__})") from None
-        self.fields = {k: f for k, f in self.reader.fields.items()}
-        self.tensors = {t.name: t for t in self.reader.tensors}
+            self.index = GGUFIndex(path)
+        except Exception as e:  # struct/numpy errors on a cut file; the message is not for users
+            raise WorkerError(f"weight file {path} is truncated or not a GGUF file ({e})") from None
+        self.fields = self.index.fields
+        self.tensors = self.index.tensors
         arch = self.field("general.architecture")
         if arch != "llama":
             raise WorkerError(f"{path}: unsupported GGUF architecture {arch!r} (supported: llama)")
@@ -279,13 +279,12 @@ class GGUFSource(ModelSource):
             eos_token_ids=[] if eos is None else [int(eos)])
 
     def field(self, key: str):
-        f = self.fields.get(key)
-        return None if f is None else f.contents()
+        return self.fields.get(key)
 
     def check(self) -> None:
         size = os.path.getsize(self.path)
         for t in self.tensors.values():
-            if t.data_offset + t.n_bytes > size:
+            if t.offset + t.n_bytes > size:
                 raise WorkerError(f"weight file {self.path} is truncated (tensor {t.name})")
 
     def read(self, name: str, shard: Shard | None) -> torch.Tensor:
@@ -297,17 +296,20 @@ class GGUFSource(ModelSource):
         if g not in self.tensors:
             raise WorkerError(f"{self.path}: tensor {g} is missing")
         t = self.tensors[g]
-        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
-        data = t.data
+        shape = t.shape
+        data = self.index.data(g)
         start, stop = 0, shape[0]
         if shard is not None and shard.dim == 0:
             start, stop = shard.bounds(shape[0])
             stop = min(stop, shape[0])
             data = data[start:stop]   # quantization blocks run along rows, so rows slice cleanly
-        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            out = torch.from_numpy(data.astype("float32").copy())
+        qtype = GGMLQuantizationType(t.qtype)
+        if qtype == GGMLQuantizationType.F32:
+            out = torch.from_numpy(data.view("float32").copy())
+        elif qtype == GGMLQuantizationType.F16:
+            out = torch.from_numpy(data.view("float16").astype("float32"))
         else:
-            out = torch.from_numpy(dequantize(data, t.tensor_type).copy())
+            out = torch.from_numpy(dequantize(data, qtype).copy())
         out = out.reshape((stop - start,) + shape[1:]) if len(shape) > 1 else out.reshape(shape)
         if name.endswith("attention.wq.weight") or name.endswith("attention.wk.weight"):
             out = _reverse_permute(out, out.shape[0] // self.config.head_dim)
@@ -344,7 +346,26 @@ def register_format(name: str, detect: Callable[[str], bool], open_: Callable[[s
     FORMATS.insert(0, fmt) if first else FORMATS.append(fmt)
 
 
+_plugins_loaded = False
+
+
+def _load_format_plugins() -> None:
+    """Formats defined in other worker modules (training checkpoints) register on first use."""
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True
+    try:
+        from . import checkpoint
+    except ImportError:
+        return
+    register = getattr(checkpoint, "_register", None)
+    if register is not None:
+        register()
+
+
 def detect_format(path: str) -> str:
+    _load_format_plugins()
     for fmt in FORMATS:
         if fmt.detect(path):
             return fmt.name

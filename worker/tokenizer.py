@@ -123,6 +123,6 @@ def load_tokenizer(source) -> Tokenizer:
     """The tokenizer that belongs to a loader.ModelSource."""
     if hasattr(source, "tokenizer"):
         return source.tokenizer()
-    if hasattr(source, "reader"):
+    if hasattr(source, "index"):
         return from_gguf(source)
     return from_hf_dir(source.path, source.config.eos_token_ids)

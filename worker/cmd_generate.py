@@ -1,0 +1,121 @@
+"""`shardwise generate`: generate text with a model split over TP x PP local processes."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by generate and serve: which model, how it is split, where it runs."""
+    parser.add_argument("--model", required=True,
+                        help="HF directory (config.json + .safetensors), a .gguf file, a training "
+                             "checkpoint, or the built-in 'smollm2'")
+    parser.add_argument("--tensor-parallel", "-t", type=int, default=1, metavar="T",
+                        help="ranks per stage that split every layer's heads (default 1)")
+    parser.add_argument("--pipeline-parallel", "-p", type=int, default=1, metavar="P",
+                        help="pipeline stages, each owning a contiguous range of layers (default 1)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                        help="weights and activations (default: float32 on cpu, bfloat16 on cuda)")
+    parser.add_argument("--max-seq-len", type=int, default=0,
+                        help="KV cache length per request (default: the model's context, at most 4096)")
+    parser.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default 8)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads per rank on cpu (default: cores/ranks)")
+
+
+def spec_from_args(args):
+    from .runtime import RankSpec
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    return RankSpec(model=args.model, tensor=args.tensor_parallel, pipeline=args.pipeline_parallel,
+                    device=args.device, dtype=dtype, max_batch=args.max_batch, max_seq=args.max_seq_len,
+                    threads=args.threads)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument("--prompt", required=True, help="text to continue")
+    parser.add_argument("--chat", action="store_true",
+                        help="wrap the prompt as a user message with the model's chat template")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object (text, token_ids, timings) as the last line")
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run(args) -> int:
+    from .errors import WorkerError
+    try:
+        return _run(args)
+    except WorkerError as e:
+        _say(f"shardwise generate: error: {e}")
+        return 2
+
+
+def _run(args) -> int:
+    from .engine import Engine, Request
+    from .errors import WorkerError
+    from .runtime import LocalRuntime, validate
+    from .tokenizer import load_tokenizer
+
+    spec = spec_from_args(args)
+    if args.max_new_tokens < 1:
+        raise WorkerError("--max-new-tokens must be at least 1")
+    source = validate(spec)
+    tokenizer = load_tokenizer(source)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    prompt_ids = tokenizer.encode(text)
+    cfg = source.config
+    _say(f"loading {args.model}: {cfg.num_layers} layers, {cfg.num_params / 1e6:.0f}M parameters, "
+         f"{spec.tensor} x {spec.pipeline} ranks (tensor x pipeline) on {spec.device}, {spec.dtype}")
+    t0 = time.perf_counter()
+    runtime = LocalRuntime(spec, source)
+    ctx = runtime.start()
+    try:
+        load_s = time.perf_counter() - t0
+        _say(f"loaded in {load_s:.1f}s; weight bytes per rank: "
+             + ", ".join(f"{r['weight_bytes'] / 2**20:.1f} MiB" for r in ctx.loaded))
+        engine = Engine(ctx.stage, 1, ctx.max_seq, tokenizer.eos_ids)
+        req = Request(prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                      top_p=args.top_p, seed=args.seed)
+        engine.check(req)
+        printed = ""
+
+        def stream(r: Request, _token: int) -> None:
+            nonlocal printed
+            if args.json:
+                return
+            now = tokenizer.decode(r.token_ids)
+            if not now.endswith("\ufffd"):        # wait for the rest of a multi-byte character
+                sys.stdout.write(now[len(printed):])
+                sys.stdout.flush()
+                printed = now
+
+        req.on_token = stream
+        t1 = time.perf_counter()
+        engine.generate([req])
+        total = time.perf_counter() - t1
+    finally:
+        runtime.stop()
+    out = tokenizer.decode(req.token_ids)
+    decode_s = (req.finished_at or t1) - (req.first_token_at or t1)
+    decode_tps = (len(req.token_ids) - 1) / decode_s if decode_s > 0 and len(req.token_ids) > 1 else 0.0
+    if args.json:
+        print(json.dumps({"text": out, "token_ids": req.token_ids, "prompt_token_ids": prompt_ids,
+                          "finish_reason": req.finish_reason, "tensor_parallel": spec.tensor,
+                          "pipeline_parallel": spec.pipeline, "load_seconds": round(load_s, 3),
+                          "generate_seconds": round(total, 3),
+                          "decode_tokens_per_second": round(decode_tps, 2),
+                          "weight_bytes_per_rank": [r["weight_bytes"] for r in ctx.loaded]}))
+    else:
+        sys.stdout.write(out[len(printed):] + "\n")
+        _say(f"{len(req.token_ids)} tokens in {total:.2f}s ({decode_tps:.1f} tokens/s decode), "
+             f"finish: {req.finish_reason}")
+    return 0
