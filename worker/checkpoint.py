@@ -293,7 +293,7 @@ class CheckpointManager:
 
     def __init__(self, root: str | Path, *, rank: int, group: dist.ProcessGroup | None,
                  model_meta: dict, keep: int = 3, asynchronous: bool = True,
-                 log: Callable[[str], None] | None = None, files_from: str | None = None):
+                 log: Callable[[str], None] | None = None, files: dict[str, bytes] | None = None):
         self.root = Path(root)
         self.rank = rank
         self.group = group
@@ -301,7 +301,7 @@ class CheckpointManager:
         self.keep = keep
         self.asynchronous = asynchronous
         self.log = log or (lambda msg: None)
-        self.files_from = files_from   # config/tokenizer copied in, so a checkpoint is a model too
+        self.files = files or {}   # config/tokenizer written alongside, so a checkpoint is a model too
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_blocking_s = 0.0   # time training waited in the last save()
@@ -342,10 +342,8 @@ class CheckpointManager:
             if delay:  # fault injection: widen the window between "written" and "committed"
                 time.sleep(delay)
             if self.rank == 0:
-                for name in MODEL_FILES if self.files_from else ():
-                    src = Path(self.files_from) / name
-                    if src.is_file():
-                        shutil.copyfile(src, tmp / name)
+                for name, content in self.files.items():
+                    (tmp / name).write_bytes(content)
                 commit(tmp, self.root / step_dir_name(step), meta)
                 for p in prune(self.root, self.keep):
                     self.log(f"removed old checkpoint {p.name}")

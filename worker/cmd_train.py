@@ -59,10 +59,10 @@ def options(args):
 def check_inputs(opts) -> None:
     """Everything that can be checked before starting processes, each failure one clear line."""
     from . import checkpoint as ckpt
-    from .data import DataError, TokenDataset, load_tokenizer
+    from .data import TokenDataset
     from .errors import WorkerError
     from .loader import check_layout, open_model
-    from .train import _model_files_dir
+    from .tokenizer import load_tokenizer
 
     for name in ("steps", "tensor", "pipeline", "data_parallel", "batch_size", "seq_len"):
         if getattr(opts, name) < 1:
@@ -73,8 +73,7 @@ def check_inputs(opts) -> None:
         raise WorkerError(f"--batch-size {opts.batch_size} is not divisible by --data-parallel {opts.data_parallel}")
     source = open_model(opts.model)
     check_layout(source.config, opts.tensor, opts.pipeline)
-    files = _model_files_dir(source)
-    TokenDataset.from_file(opts.data, load_tokenizer(files))  # readable, non-empty, tokenizable
+    TokenDataset.from_file(opts.data, load_tokenizer(source).encode)  # readable, non-empty, tokenizable
     if os.path.exists(opts.checkpoint_dir) and not os.path.isdir(opts.checkpoint_dir):
         raise WorkerError(f"--checkpoint-dir {opts.checkpoint_dir} exists and is not a directory")
     found = ckpt.latest_complete(opts.checkpoint_dir)

@@ -13,36 +13,15 @@ and epoch), so every window is seen once per epoch without replacement.
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 
 class DataError(Exception):
     """A dataset or tokenizer that cannot be used: one line naming the file and what is wrong."""
-
-
-def load_tokenizer(model_dir: str | Path):
-    """The model's tokenizer (tokenizer.json in the model or checkpoint folder)."""
-    from tokenizers import Tokenizer
-
-    path = Path(model_dir) / "tokenizer.json"
-    if not path.is_file():
-        raise DataError(f"{model_dir} has no tokenizer.json: training needs the model's tokenizer")
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:  # a damaged tokenizer.json raises a bare Exception from the Rust side
-        raise DataError(f"{path} cannot be read as a tokenizer: {e}") from None
-
-
-def bos_id(model_dir: str | Path) -> int | None:
-    cfg = Path(model_dir) / "config.json"
-    try:
-        return json.loads(cfg.read_text()).get("bos_token_id")
-    except (OSError, ValueError):
-        return None
 
 
 @dataclass
@@ -52,7 +31,8 @@ class TokenDataset:
     fingerprint: str              # sha256 of the file's bytes (first 16 hex digits)
 
     @classmethod
-    def from_file(cls, path: str | Path, tokenizer, bos: int | None = None) -> "TokenDataset":
+    def from_file(cls, path: str | Path, encode: Callable[[str], list[int]]) -> "TokenDataset":
+        """Read and tokenize a UTF-8 text file; `encode` is the model tokenizer's text -> ids."""
         path = Path(path)
         try:
             raw = path.read_bytes()
@@ -66,9 +46,7 @@ class TokenDataset:
             raise DataError(f"dataset {path} is not UTF-8 text (byte {e.start})") from None
         if not text.strip():
             raise DataError(f"dataset {path} is empty")
-        ids = tokenizer.encode(text, add_special_tokens=False).ids
-        if bos is not None:
-            ids = [bos] + ids
+        ids = encode(text)
         return cls(torch.tensor(ids, dtype=torch.long), str(path),
                    hashlib.sha256(raw).hexdigest()[:16])
 

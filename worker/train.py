@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import checkpoint as ckpt
-from .data import DataError, StepBatches, TokenDataset, bos_id, load_tokenizer
+from .data import StepBatches, TokenDataset
 from .errors import WorkerError
 
 
@@ -210,8 +210,9 @@ class Trainer:
                                            weight_decay=opts.weight_decay, foreach=False)
         init_optimizer_state(self.model, self.optimizer)
 
-        tokenizer = load_tokenizer(_model_files_dir(source))
-        self.data = TokenDataset.from_file(opts.data, tokenizer, bos_id(_model_files_dir(source)))
+        from .tokenizer import load_tokenizer
+        tokenizer = load_tokenizer(source)
+        self.data = TokenDataset.from_file(opts.data, tokenizer.encode)
         self.batches = StepBatches(self.data, opts.seq_len, opts.batch_size, opts.seed)
         per_replica = opts.batch_size // opts.data_parallel
         self.micro = opts.micro_batches or min(opts.pipeline, per_replica)
@@ -222,7 +223,7 @@ class Trainer:
             opts.checkpoint_dir, rank=rank, group=self.groups.checkpoint,
             model_meta=ckpt.structure_of(self.config.to_dict()), keep=opts.keep,
             asynchronous=opts.async_checkpoint, log=lambda m: self.emit({"event": "log", "message": m}),
-            files_from=_model_files_dir(source))
+            files=model_files(source, tokenizer))
         self.step = 0
 
     # -- state
@@ -343,10 +344,20 @@ class Trainer:
         return norm
 
 
-def _model_files_dir(source) -> str:
-    """The folder holding config.json / tokenizer.json of a model source (a GGUF's folder)."""
-    path = Path(source.path)
-    return str(path if path.is_dir() else path.parent)
+def model_files(source, tokenizer) -> dict[str, bytes]:
+    """Config and tokenizer files a checkpoint carries, so that it serves as a model by itself.
+
+    From an HF folder (or an earlier checkpoint) they are copied; a GGUF model's tokenizer, built
+    from the GGUF metadata, is written out as tokenizer.json."""
+    files = {}
+    folder = Path(source.path)
+    if folder.is_dir():
+        for name in ckpt.MODEL_FILES:
+            if (folder / name).is_file():
+                files[name] = (folder / name).read_bytes()
+    if "tokenizer.json" not in files and hasattr(tokenizer, "tok"):
+        files["tokenizer.json"] = tokenizer.tok.to_str().encode()
+    return files
 
 
 # ---------------------------------------------------------------- entry point for one rank
@@ -371,6 +382,9 @@ def run_training(opts: TrainOptions, rank: int | None = None, world_size: int | 
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(minutes=10))
     lead = rank == 0
+    # Warnings (a damaged checkpoint skipped, another dataset) as one line each, from rank 0 only.
+    warnings.showwarning = lambda message, *a, **k: (
+        print(f"warning: {message}", file=sys.stderr, flush=True) if lead else None)
 
     def emit(rec: dict) -> None:
         if not lead:

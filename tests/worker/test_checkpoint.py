@@ -158,19 +158,14 @@ def test_checkpoint_of_another_model_is_a_clear_error(tmp_path):
 
 # ---------------------------------------------------------------- data
 
-class _CharTokenizer:
-    class _Enc:
-        def __init__(self, ids):
-            self.ids = ids
-
-    def encode(self, text, add_special_tokens=False):
-        return self._Enc([ord(c) % 97 for c in text])
+def _chars(text: str) -> list[int]:
+    return [ord(c) % 97 for c in text]
 
 
 def test_batches_are_a_function_of_step_and_split_across_replicas(tmp_path):
     f = tmp_path / "d.txt"
     f.write_text("".join(chr(97 + i % 26) for i in range(1000)))
-    data = TokenDataset.from_file(f, _CharTokenizer())
+    data = TokenDataset.from_file(f, _chars)
     a = StepBatches(data, seq_len=16, batch_size=8, seed=3)
     b = StepBatches(data, seq_len=16, batch_size=8, seed=3)
     full = a.batch(5)
@@ -194,7 +189,7 @@ def test_unusable_dataset_is_a_clear_error(tmp_path, content, message):
     if content is not None:
         f.write_bytes(content)
     with pytest.raises(DataError, match=message) as e:
-        TokenDataset.from_file(f, _CharTokenizer())
+        TokenDataset.from_file(f, _chars)
     assert str(f) in str(e.value) and "\n" not in str(e.value)
 
 
@@ -202,4 +197,4 @@ def test_dataset_shorter_than_one_sequence_is_a_clear_error(tmp_path):
     f = tmp_path / "d.txt"
     f.write_text("short text")
     with pytest.raises(DataError, match="fewer than one sequence of --seq-len 64"):
-        StepBatches(TokenDataset.from_file(f, _CharTokenizer()), 64, 2, 0)
+        StepBatches(TokenDataset.from_file(f, _chars), 64, 2, 0)
