@@ -230,3 +230,14 @@ class LocalRuntime:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def generate_local(spec: RankSpec, prompts: list[list[int]], max_new_tokens: int,
+                   eos_ids: list[int] = ()) -> tuple[list[list[int]], list[dict]]:
+    """Greedy-generate for token-id prompts (batched together) on a fresh local launch.
+    Returns the generated ids per prompt and each rank's load figures."""
+    from .engine import Engine, Request
+    with LocalRuntime(spec) as ctx:
+        engine = Engine(ctx.stage, spec.max_batch, ctx.max_seq, list(eos_ids))
+        reqs = engine.generate([Request(list(p), max_new_tokens=max_new_tokens) for p in prompts])
+        return [r.token_ids for r in reqs], ctx.loaded

@@ -11,8 +11,7 @@ import os
 import pytest
 import torch
 
-from shardwise.worker.engine import Engine, Request
-from shardwise.worker.runtime import LocalRuntime, RankSpec
+from shardwise.worker.runtime import RankSpec, generate_local
 
 NEW_TOKENS = 6
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [100, 3, 77], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]]
@@ -61,11 +60,8 @@ def models(tmp_path_factory):
     return out
 
 
-def run_layout(model: str, tp: int, pp: int, prompts, new_tokens: int, **spec):
-    with LocalRuntime(RankSpec(model, tp, pp, max_batch=4, max_seq=spec.pop("max_seq", 64), **spec)) as ctx:
-        engine = Engine(ctx.stage, 4, ctx.max_seq, eos_ids=[])
-        reqs = engine.generate([Request(list(p), max_new_tokens=new_tokens) for p in prompts])
-        return [r.token_ids for r in reqs], ctx.loaded
+def run_layout(model: str, tp: int, pp: int, prompts, new_tokens: int):
+    return generate_local(RankSpec(model, tp, pp, max_batch=4, max_seq=64), prompts, new_tokens)
 
 
 @pytest.mark.parametrize("layout,shape", CASES, ids=[f"tp{t}-pp{p}-{s}" for (t, p), s in CASES])
