@@ -158,6 +158,14 @@ class Toleration(ApiModel):
     effect: Optional[Literal["NoSchedule", "PreferNoSchedule", "NoExecute"]] = None
     toleration_seconds: Optional[int] = None
 
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "Toleration":
+        if self.operator == "Exists" and self.value:
+            raise ValueError("a toleration with operator Exists must not set value")
+        if self.operator == "Equal" and not self.key:
+            raise ValueError("a toleration with operator Equal needs a key")
+        return self
+
 
 class Placement(ApiModel):
     topology_keys: list[str] = Field(
@@ -170,6 +178,16 @@ class Placement(ApiModel):
     node_selector: dict[str, str] = Field(default_factory=dict, description="Only nodes with these labels.")
     tolerations: list[Toleration] = Field(default_factory=list, max_length=64, description=(
         "Taints the pods tolerate; nodes with other NoSchedule/NoExecute taints are not used."))
+
+    @field_validator("topology_keys")
+    @classmethod
+    def _keys_are_unique_label_keys(cls, keys: list[str]) -> list[str]:
+        for key in keys:
+            if len(key) > 316 or not re.match(LABEL_KEY_PATTERN, key):
+                raise ValueError(f"{key!r} is not a node label key")
+        if len(set(keys)) != len(keys):
+            raise ValueError("topology keys must not repeat")
+        return keys
 
 
 class Checkpoint(ApiModel):

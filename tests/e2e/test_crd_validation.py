@@ -1,0 +1,134 @@
+"""The API server refuses bad ShardedModels, naming the field, before any operator sees them.
+
+Runs against the real local control plane (kube-apiserver + etcd) from the session `cluster`
+fixture (shardwise.e2e.pytest_plugin, loaded by tests/conftest.py); skipped when the Kubernetes
+binaries are not built.
+"""
+from __future__ import annotations
+
+import copy
+import secrets
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import yaml
+
+from shardwise.crds.models import load_manifest
+from shardwise.crds.schema import CRD_FILE
+
+pytestmark = [pytest.mark.controlplane, pytest.mark.timeout(300)]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def kubectl(cluster) -> Callable[..., str]:
+    """kubectl in a namespace of this module's own, the ShardedModel CRD installed and Established."""
+    namespace = f"crd-validation-{secrets.token_hex(3)}"
+    cluster.client.create("/api/v1/namespaces", {"metadata": {"name": namespace}})
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE))
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/shardedmodels.shardwise.dev")
+
+    def run(*args: str, input: str | None = None, check: bool = True) -> str:
+        return cluster.kubectl(*args, input=input, check=check, namespace=namespace)
+
+    yield run
+    cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+
+
+def refusal(kubectl, *args: str, input: str | None = None) -> str:
+    """The API server's refusal of a kubectl command that must fail."""
+    with pytest.raises(AssertionError) as failed:
+        kubectl(*args, input=input)
+    return str(failed.value)
+
+
+GOOD: dict[str, Any] = {
+    "apiVersion": "shardwise.dev/v1alpha1", "kind": "ShardedModel", "metadata": {"name": "m"},
+    "spec": {"model": {"uri": "pvc://models/llama-3-8b", "heads": 32, "kvHeads": 8, "layers": 32}},
+}
+
+
+def manifest(name: str, **spec: Any) -> dict[str, Any]:
+    out = copy.deepcopy(GOOD)
+    out["metadata"]["name"] = name
+    for path, value in spec.items():  # "parallelism__tensor" -> spec.parallelism.tensor
+        *parents, leaf = path.split("__")
+        node = out["spec"]
+        for p in parents:
+            node = node.setdefault(p, {})
+        if value is _DELETE:
+            node.pop(leaf, None)
+        else:
+            node[leaf] = value
+    return out
+
+
+_DELETE = object()
+
+# (manifest, field the refusal names, words of the refusal)
+BAD = {
+    "tensor-zero": (manifest("a", parallelism__tensor=0), "spec.parallelism.tensor", "greater than or equal to 1"),
+    "replicas-negative": (manifest("a", parallelism__replicas=-1), "spec.parallelism.replicas", "greater than or equal to 0"),
+    "workload-enum": (manifest("a", workload="serve"), "spec.workload", 'supported values: "inference", "training"'),
+    "model-missing": (manifest("a", model=_DELETE), "spec.model", "Required value"),
+    "uri-missing": (manifest("a", model__uri=_DELETE), "spec.model.uri", "Required value"),
+    "unknown-field": (manifest("a", tensorParallel=2), "spec.tensorParallel", "unknown field"),
+    "unknown-nested": (manifest("a", recovery__retries=2), "spec.recovery.retries", "unknown field"),
+    "gguf-uri": (manifest("a", model__format="gguf"), "spec.model.uri", "must name a .gguf file"),
+    "pvc-uri": (manifest("a", model__uri="pvc://Models_Bad"), "spec.model.uri", "pvc://<claim>/<path>"),
+    "tensor-heads": (manifest("a", parallelism__tensor=3), "spec.parallelism.tensor", "must divide model.heads"),
+    "tensor-kv-heads": (manifest("a", model__heads=48, parallelism__tensor=16),
+                        "spec.parallelism.tensor", "must divide model.kvHeads"),
+    "pipeline-layers": (manifest("a", parallelism__pipeline=33), "spec.parallelism.pipeline", "must not exceed model.layers"),
+    "gpu-in-resources": (manifest("a", resources={"limits": {"nvidia.com/gpu": "8"}}),
+                         "spec.resources.limits", "must not name the GPU resource"),
+    "toleration-exists-value": (manifest("a", placement__tolerations=[{"key": "k", "operator": "Exists", "value": "v"}]),
+                                "spec.placement.tolerations[0].value", "operator Exists must not set value"),
+    "min-memory": (manifest("a", gpu__minMemory="lots"), "spec.gpu.minMemory", "should match"),
+    "port": (manifest("a", serving__port=70000), "spec.serving.port", "less than or equal to 65535"),
+    "topology-duplicate": (manifest("a", placement__topologyKeys=["rack", "rack"]),
+                           "spec.placement.topologyKeys[1]", "Duplicate value"),
+    "checkpoint-path": (manifest("a", checkpoint={"path": "relative/dir"}), "spec.checkpoint.path", "should match"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_manifest_is_refused_naming_the_field(kubectl, case):
+    body, field, words = BAD[case]
+    message = refusal(kubectl, "create", "--dry-run=server", "-f", "-", input=yaml.safe_dump(body))
+    assert field in message and words in message, message
+    # `shardwise plan -f` refuses the same manifest offline, in one line
+    with pytest.raises(ValueError) as offline:
+        load_manifest(body)
+    assert "\n" not in str(offline.value)
+
+
+def test_examples_and_a_minimal_manifest_are_accepted_with_defaults(kubectl):
+    examples = sorted(ROOT.glob("examples/*.yaml"))
+    models = [d for f in examples for d in yaml.safe_load_all(f.read_text()) if d and d.get("kind") == "ShardedModel"]
+    assert models, "no example ShardedModels"
+    for body in models:
+        kubectl("create", "--dry-run=server", "-f", "-", input=yaml.safe_dump(body))  # raises when refused
+    created = kubectl("create", "-o", "yaml", "-f", "-", input=yaml.safe_dump(manifest("minimal")))
+    spec = yaml.safe_load(created)["spec"]
+    assert spec["parallelism"]["replicas"] == 1 and spec["workload"] == "inference"
+    assert spec["gpu"]["resourceName"] == "nvidia.com/gpu"
+    assert spec["placement"]["topologyKeys"] == ["topology.shardwise.dev/rack", "topology.kubernetes.io/zone"]
+
+
+def test_workload_cannot_change_after_creation(kubectl):
+    kubectl("create", "-f", "-", input=yaml.safe_dump(manifest("fixed")))
+    changed = manifest("fixed", workload="training")
+    message = refusal(kubectl, "apply", "--server-side", "--force-conflicts", "-f", "-", input=yaml.safe_dump(changed))
+    assert "spec.workload" in message and "workload cannot change" in message
+
+
+def test_scale_subresource_and_printer_columns(kubectl):
+    kubectl("create", "-f", "-", input=yaml.safe_dump(manifest("scaled")))
+    kubectl("scale", "sm/scaled", "--replicas=3")
+    assert kubectl("get", "sm", "scaled", "-o", "jsonpath={.spec.parallelism.replicas}") == "3"
+    header = kubectl("get", "sm").splitlines()[0].split()
+    assert header == ["NAME", "TENSOR", "PIPELINE", "REPLICAS", "READY", "PHASE", "AGE"]
+    assert "replicas" in refusal(kubectl, "scale", "sm/scaled", "--replicas=-1")
