@@ -454,3 +454,34 @@ def _layout_text(d: dict | None) -> str:
     if not d:
         return "unknown layout"
     return f"TP={d.get('tensor')} PP={d.get('pipeline')} DP={d.get('data_parallel')}"
+
+
+# ---------------------------------------------------------------- pods: training from a ShardPlan
+
+WORKLOAD_ENV = "SHARDWISE_WORKLOAD"   # "training" makes a ShardedModel pod train instead of serve
+
+
+def options_from_plan(plan, *, model: str, data: str, steps: int, checkpoint_dir: str,
+                      **more) -> TrainOptions:
+    """Training options for a ShardedModel's pods: the layout (T, P, replicas as DP) and each
+    stage's layer range come from the plan; the rest from the spec (passed as keywords with
+    TrainOptions' names, e.g. checkpoint_every=100, lr=1e-4)."""
+    stages = plan.stages_of(0) if plan.placements else []
+    layers = [(p.layer_start, p.layer_end) for p in stages] or None
+    return TrainOptions(model=model, data=data, steps=steps, checkpoint_dir=checkpoint_dir,
+                        tensor=plan.tensor, pipeline=plan.pipeline, data_parallel=max(1, plan.replicas),
+                        stage_layers=layers, **more)
+
+
+def pod_rank(replica: int, stage: int, local_rank: int, plan) -> int:
+    """The global training rank of a GPU in a pod (torchrun --node-rank = replica*P + stage)."""
+    return (replica * plan.pipeline + stage) * plan.tensor + local_rank
+
+
+def last_checkpoint(checkpoint_dir: str) -> dict | None:
+    """What a status report shows: step and time of the newest complete checkpoint, or None."""
+    found = ckpt.latest_complete(checkpoint_dir)
+    if found is None:
+        return None
+    step, path, meta = found
+    return {"step": step, "time": meta.get("time"), "path": str(path)}
