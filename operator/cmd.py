@@ -63,6 +63,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"shardwise operator: kubeconfig {args.kubeconfig} does not exist", file=sys.stderr)
             return 2
         os.environ["KUBECONFIG"] = args.kubeconfig  # kopf's own login reads it too
+        # ...through the kubernetes client, which read $KUBECONFIG once, when it was imported above.
+        from kubernetes.config import kube_config
+        kube_config.KUBE_CONFIG_DEFAULT_LOCATION = args.kubeconfig
     try:
         api = applier_mod.load_config(args.kubeconfig)
     except (ConfigException, OSError) as e:
