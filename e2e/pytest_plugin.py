@@ -1,0 +1,174 @@
+"""pytest fixtures for tests against the real local control plane.
+
+Load them from a conftest.py with `from shardwise.e2e.pytest_plugin import *`.
+
+Fixtures
+- `cluster` (session): the running control plane, a `Cluster`. Started once per test session in a
+  temporary state folder (2 simulated 8-GPU nodes in 2 racks, 1 local node with 8 GPUs) and stopped
+  at the end; or, when SHARDWISE_KUBECONFIG is set, that cluster is used and left running.
+  Attributes and helpers: `kubeconfig`, `bin_dir`, `state_dir`, `client` (a small JSON client,
+  shardwise.e2e.kapi), `add_node(name, gpus=8, ...)` (a simulated GPU node, waits until Ready),
+  `add_local_node(name, gpus=8, ...)` (a node whose pods run as local processes),
+  `delete_node(name)`, `node_down(name)` / `node_up(name)` (stop / resume its heartbeat: NotReady
+  after ~12s, pods evicted 2s later), `wait_node_ready(name, ready=True)`, `kubectl(*args)`.
+- `kube_api` (session): a `kubernetes.client.ApiClient` for the cluster.
+- `namespace` (function): a fresh namespace for the test (its default ServiceAccount exists), deleted
+  afterwards.
+- `kubectl` (function): `kubectl(*args, input=None, check=True) -> stdout`, run with the cluster's
+  kubeconfig in the test's namespace; raises AssertionError with stderr when it fails and check=True.
+- `node_factory` (function): like `cluster.add_node` / `cluster.add_local_node` (`local=True`), but
+  deletes the nodes it made when the test ends.
+
+If the Kubernetes binaries are not built (`shardwise dev build`), tests using these fixtures are
+skipped with that reason, unless SHARDWISE_REQUIRE_CLUSTER is set (CI), where they fail instead.
+"""
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from shardwise.e2e import build, controlplane as cp, kapi
+
+SESSION_SPEC = cp.ClusterSpec(nodes=2, gpus_per_node=8, racks=2, zones=1, local_nodes=1)
+
+__all__ = ["Cluster", "cluster", "kube_api", "namespace", "kubectl", "node_factory", "wait_until"]
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.25):
+    """Poll `predicate` until it returns something truthy; fail the test naming `what`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+class Cluster:
+    def __init__(self, kubeconfig: Path, bin_dir: Path, state_dir: Path | None = None):
+        self.kubeconfig = Path(kubeconfig)
+        self.bin_dir = Path(bin_dir)
+        self.state_dir = state_dir
+        self.client = kapi.Client.from_kubeconfig(self.kubeconfig)
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True,
+                namespace: str | None = None) -> str:
+        argv = [str(self.bin_dir / "kubectl"), f"--kubeconfig={self.kubeconfig}"]
+        if namespace:
+            argv.append(f"--namespace={namespace}")
+        proc = subprocess.run(argv + list(args), input=input, capture_output=True, text=True,
+                              timeout=120)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed: {proc.stderr.strip()}")
+        return proc.stdout
+
+    # nodes
+    def add_node(self, name: str, gpus: int = 8, *, zone: str = "zone-a", rack: str = "rack-0",
+                 labels: dict | None = None, local: bool = False, wait: bool = True,
+                 product: str = cp.GPU_PRODUCT, memory_mib: int = cp.GPU_MEMORY_MIB) -> str:
+        manifest = cp.node_manifest(name, gpus=gpus, zone=zone, rack=rack, local=local,
+                                    product=product, memory_mib=memory_mib, extra_labels=labels)
+        cp.create_nodes(self.client, [manifest])
+        if wait:
+            self.wait_node_ready(name)
+        return name
+
+    def add_local_node(self, name: str, gpus: int = 8, **kw) -> str:
+        return self.add_node(name, gpus, local=True, **kw)
+
+    def delete_node(self, name: str) -> None:
+        try:
+            self.client.delete(f"/api/v1/nodes/{name}")
+        except kapi.ApiError as e:
+            if e.status != 404:
+                raise
+
+    def node_down(self, name: str) -> None:
+        self.client.merge_patch(f"/api/v1/nodes/{name}",
+                                {"metadata": {"labels": {cp.NODE_DOWN_LABEL: "true"}}})
+
+    def node_up(self, name: str) -> None:
+        self.client.merge_patch(f"/api/v1/nodes/{name}",
+                                {"metadata": {"labels": {cp.NODE_DOWN_LABEL: None}}})
+
+    def wait_node_ready(self, name: str, ready: bool = True, timeout: float = 60) -> None:
+        wait_until(lambda: cp.node_ready(self.client.get(f"/api/v1/nodes/{name}")) == ready,
+                   timeout, f"node {name} to be {'Ready' if ready else 'NotReady'}")
+
+
+def _binaries_or_skip() -> Path:
+    directory = build.bin_dir()
+    missing = build.missing_binaries(directory)
+    if missing:
+        reason = (f"Kubernetes binaries not built ({', '.join(missing)} missing in {directory}); "
+                  "run `shardwise dev build`")
+        if os.environ.get("SHARDWISE_REQUIRE_CLUSTER"):
+            pytest.fail(reason + " (SHARDWISE_REQUIRE_CLUSTER is set)", pytrace=False)
+        pytest.skip(reason)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    if os.environ.get("SHARDWISE_KUBECONFIG"):
+        yield Cluster(Path(os.environ["SHARDWISE_KUBECONFIG"]), build.bin_dir())
+        return
+    bin_dir = _binaries_or_skip()
+    state = Path(tempfile.mkdtemp(prefix="shardwise-test-cluster-"))
+    plane = cp.ControlPlane(state, bin_dir)
+    try:
+        plane.up(SESSION_SPEC, say=lambda s: None)
+    except cp.ControlPlaneError as e:
+        pytest.fail(f"local control plane did not start: {e}", pytrace=False)
+    try:
+        yield Cluster(plane.kubeconfig, bin_dir, state)
+    finally:
+        plane.down()
+
+
+@pytest.fixture(scope="session")
+def kube_api(cluster):
+    from kubernetes import config
+    return config.new_client_from_config(config_file=str(cluster.kubeconfig))
+
+
+@pytest.fixture
+def namespace(cluster, request):
+    base = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
+    name = f"{base}-{secrets.token_hex(3)}"
+    cluster.client.create("/api/v1/namespaces", {"metadata": {"name": name}})
+    wait_until(lambda: cluster.client.exists(f"/api/v1/namespaces/{name}/serviceaccounts/default"),
+               30, f"the default ServiceAccount in {name}")
+    yield name
+    try:
+        cluster.client.delete(f"/api/v1/namespaces/{name}")
+    except (kapi.ApiError, OSError):
+        pass
+
+
+@pytest.fixture
+def kubectl(cluster, namespace):
+    def run(*args: str, input: str | None = None, check: bool = True) -> str:
+        return cluster.kubectl(*args, input=input, check=check, namespace=namespace)
+    return run
+
+
+@pytest.fixture
+def node_factory(cluster):
+    made: list[str] = []
+
+    def make(name: str, gpus: int = 8, **kw) -> str:
+        made.append(name)
+        return cluster.add_node(name, gpus, **kw)
+    yield make
+    for name in made:
+        cluster.delete_node(name)
