@@ -1,51 +1,60 @@
 {{/*
-The operator's permissions, one rule per kind of object, each with only the verbs the operator's code
-calls. Kept apart from rbac.yaml so that the test of the verbs reads one list.
+The operator's permissions, each verb one the operator's code (or kopf on its behalf) calls; nothing
+else. tests/test_chart.py compares these with the calls in operator/, and
+tests/e2e/test_chart_install.py runs the operator as this ServiceAccount against a live API server.
 */}}
 
-{{/* Cluster-scoped reads: the node inventory the planner places shards on. */}}
+{{/* Cluster-scoped: the node inventory and kopf's discovery of resources (and namespaces). */}}
 {{- define "shardwise.clusterRules" -}}
+# The planner's inventory: GPUs, GPU memory, topology labels, readiness (a watch feeds it).
 - apiGroups: [""]
   resources: ["nodes"]
-  verbs: ["get", "list", "watch"]
+  verbs: ["list", "watch"]
+# kopf finds the ShardedModel resource, and notices CRD upgrades, by watching CRDs (read-only).
+- apiGroups: ["apiextensions.k8s.io"]
+  resources: ["customresourcedefinitions"]
+  verbs: ["list", "watch"]
+{{- if .Values.operator.watchNamespaces }}
+# kopf serves the listed namespaces as they come and go.
+- apiGroups: [""]
+  resources: ["namespaces"]
+  verbs: ["list", "watch"]
+{{- end }}
 {{- end }}
 
 {{/* What the operator reads and writes in the namespaces it watches. */}}
 {{- define "shardwise.namespacedRules" -}}
-# The ShardedModels themselves: watched, annotated with the operator's progress, finalized.
+# The ShardedModels: watched, read at the start of each reconcile, and patched by kopf for its
+# finalizer and progress annotations.
 - apiGroups: ["shardwise.dev"]
   resources: ["shardedmodels"]
   verbs: ["get", "list", "watch", "patch"]
-# Phase, conditions, plan and ready shards are written to the status subresource.
+# Phase, conditions, plan, groups and ready shards: merge-patched into the status subresource.
 - apiGroups: ["shardwise.dev"]
   resources: ["shardedmodels/status"]
-  verbs: ["get", "patch"]
-# The operator reads the scale subresource's view of the replicas (HPA and `kubectl scale` write it).
-- apiGroups: ["shardwise.dev"]
-  resources: ["shardedmodels/scale"]
-  verbs: ["get"]
-# What one ShardedModel becomes: worker pods, the rendezvous and serving Services, the plan ConfigMap.
+  verbs: ["patch"]
+# Worker pods: watched (failures, readiness, GPUs in use), created per replica group, torn down as a
+# group (deletecollection by label) or one by one when their node is lost.
 - apiGroups: [""]
-  resources: ["pods", "services", "configmaps"]
-  verbs: ["create", "get", "list", "watch", "patch", "delete"]
+  resources: ["pods"]
+  verbs: ["list", "watch", "create", "delete", "deletecollection"]
+# The rendezvous and serving Services, the plan ConfigMap and the PodDisruptionBudget: server-side
+# apply: a patch, which the API server also authorizes as a create when the object is missing.
+- apiGroups: [""]
+  resources: ["services", "configmaps"]
+  verbs: ["create", "patch"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
-  verbs: ["create", "get", "list", "watch", "patch", "delete"]
-# An Event on every phase transition.
+  verbs: ["create", "patch"]
+# An Event on every phase transition (kopf posts core/v1 Events).
 - apiGroups: [""]
   resources: ["events"]
-  verbs: ["create", "patch"]
-- apiGroups: ["events.k8s.io"]
-  resources: ["events"]
-  verbs: ["create", "patch"]
+  verbs: ["create"]
 {{- end }}
 
-{{/* Leader election: one Lease in the release namespace. */}}
+{{/* Leader election between operator replicas: read, take and renew one Lease. */}}
 {{- define "shardwise.leaderElectionRules" -}}
 - apiGroups: ["coordination.k8s.io"]
   resources: ["leases"]
-  verbs: ["get", "list", "watch", "create", "update", "patch"]
-- apiGroups: [""]
-  resources: ["events"]
-  verbs: ["create", "patch"]
+  verbs: ["get", "create", "update"]
 {{- end }}
