@@ -62,7 +62,7 @@ def run(args) -> int:
 def _run(args) -> int:
     from .engine import Engine, Request
     from .errors import WorkerError
-    from .runtime import LocalRuntime, validate
+    from .runtime import LocalRuntime, context_length, validate
     from .tokenizer import load_tokenizer
 
     spec = spec_from_args(args)
@@ -73,6 +73,10 @@ def _run(args) -> int:
     text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     prompt_ids = tokenizer.encode(text)
     cfg = source.config
+    context = context_length(spec, cfg)
+    if len(prompt_ids) >= context:
+        raise WorkerError(f"prompt is {len(prompt_ids)} tokens; the context holds {context} "
+                          f"(prompt plus at least one generated token)")
     _say(f"loading {args.model}: {cfg.num_layers} layers, {cfg.num_params / 1e6:.0f}M parameters, "
          f"{spec.tensor} x {spec.pipeline} ranks (tensor x pipeline) on {spec.device}, {spec.dtype}")
     t0 = time.perf_counter()

@@ -41,8 +41,12 @@ class Request:
     first_token_at: float | None = None
     finished_at: float | None = None
     done: threading.Event = field(default_factory=threading.Event)
+    cancelled: bool = False                                   # set by the caller: stop after the next token
     _slot: int = -1
     _generator: torch.Generator | None = None
+
+    def cancel(self) -> None:
+        self.cancelled = True
 
     @property
     def cached(self) -> int:
@@ -159,7 +163,7 @@ class Engine:
             req.token_ids.append(token)
             if req.first_token_at is None:
                 req.first_token_at = now
-            if token in self.eos_ids or token in req.stop_ids:
+            if token in self.eos_ids or token in req.stop_ids or req.cancelled:
                 req.finish_reason = "stop"
             elif len(req.token_ids) >= req.max_new_tokens or req.cached + 1 >= self.max_seq:
                 req.finish_reason = "length"
@@ -183,6 +187,15 @@ class Engine:
                         self.lock.wait(0.05)
 
     def fail_all(self, message: str) -> None:
-        for req in list(self.waiting) + [r for r in self.slots if r is not None]:
+        with self.lock:
+            reqs = list(self.waiting) + [r for r in self.slots if r is not None]
+            self.waiting.clear()
+        for req in reqs:
             req.error, req.finish_reason = message, "error"
+            if req.on_token is not None:
+                req.on_token(req, -1)
             req.done.set()
+
+    @property
+    def running(self) -> int:
+        return sum(r is not None for r in self.slots)

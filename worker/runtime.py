@@ -99,9 +99,14 @@ def setup_rank(spec: RankSpec, rank: int, world: int, local_rank: int, init_meth
              "peak_rss_bytes": peak_rss_bytes()}
     loaded: list = [None] * world
     dist.all_gather_object(loaded, stats)        # doubles as the "every rank has loaded" barrier
-    ctx_len = source.config.max_position_embeddings
-    max_seq = min(spec.max_seq or min(ctx_len, 4096), ctx_len)
-    return RankContext(spec, info, Stage(model, info, device), source.config, max_seq, loaded)
+    return RankContext(spec, info, Stage(model, info, device), source.config,
+                       context_length(spec, source.config), loaded)
+
+
+def context_length(spec: RankSpec, config) -> int:
+    """Tokens per request the KV cache holds: --max-seq-len, capped by the model's context."""
+    ctx_len = config.max_position_embeddings
+    return min(spec.max_seq or min(ctx_len, 4096), ctx_len)
 
 
 def finish_rank(ctx: RankContext) -> list[dict] | None:
