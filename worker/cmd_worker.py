@@ -1,0 +1,235 @@
+"""`shardwise worker`: what one ShardedModel pod runs (one pipeline stage of one replica).
+
+    shardwise worker --plan /etc/shardwise/plan.json --model <uri> --port <serving port>
+    env: SHARDWISE_REPLICA, SHARDWISE_STAGE   which placement of the plan this pod is
+         MASTER_ADDR, MASTER_PORT             rendezvous (the replica's stage-0 pod)
+         POD_IP                               address to bind (--host overrides)
+
+The pod process reads the plan, then starts one process per TP rank (plan.tensor of them) with
+RANK = stage * tensor + local_rank and WORLD_SIZE = tensor * pipeline, and supervises them: if
+one dies the pod exits non-zero so the operator sees it. On stage 0, global rank 0 serves the
+OpenAI API, /healthz (200 once every rank of the replica has loaded) and /metrics on --port. On
+other stages the pod process serves /healthz (200 once its own ranks have loaded) and /metrics
+(its ranks' weight bytes) on --port.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--plan", required=True, help="ShardPlan JSON (the operator mounts /etc/shardwise/plan.json)")
+    parser.add_argument("--model", required=True, help="model path, file:// URI or built-in name")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (API on stage 0, health elsewhere)")
+    parser.add_argument("--host", default=None, help="address to bind (default: $POD_IP, else 0.0.0.0)")
+    parser.add_argument("--replica", type=int, default=None, help="default: $SHARDWISE_REPLICA")
+    parser.add_argument("--stage", type=int, default=None, help="default: $SHARDWISE_STAGE")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    parser.add_argument("--max-seq-len", type=int, default=0)
+    parser.add_argument("--max-batch", type=int, default=8)
+
+
+def _say(msg: str) -> None:
+    print(f"shardwise worker: {msg}", file=sys.stderr, flush=True)
+
+
+def _env_int(name: str, flag):
+    if flag is not None:
+        return flag
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        from .errors import WorkerError
+        raise WorkerError(f"${name}={value!r} is not an integer") from None
+
+
+def read_plan(path: str):
+    from shardwise.crds.plan import ShardPlan
+
+    from .errors import WorkerError
+    try:
+        with open(path) as f:
+            return ShardPlan.model_validate(json.load(f))
+    except FileNotFoundError:
+        raise WorkerError(f"plan {path} not found") from None
+    except ValueError as e:
+        first = str(e).splitlines()[0:3]
+        raise WorkerError(f"plan {path} is not a valid ShardPlan: {' '.join(first)}") from None
+
+
+def run(args) -> int:
+    from .errors import WorkerError
+    try:
+        return _run(args)
+    except WorkerError as e:
+        _say(f"error: {e}")
+        return 2
+
+
+def _run(args) -> int:
+    import torch
+
+    from .errors import WorkerError
+    from .runtime import RankSpec, _mp, validate
+
+    plan = read_plan(args.plan)
+    replica = _env_int("SHARDWISE_REPLICA", args.replica)
+    stage = _env_int("SHARDWISE_STAGE", args.stage)
+    if replica is None or stage is None:
+        raise WorkerError("which stage is this pod? set $SHARDWISE_REPLICA and $SHARDWISE_STAGE "
+                          "(or --replica/--stage)")
+    try:
+        placement = plan.placement(replica, stage)
+    except KeyError:
+        raise WorkerError(f"plan has no replica {replica} stage {stage}") from None
+    for var in ("MASTER_ADDR", "MASTER_PORT"):
+        if not os.environ.get(var):
+            raise WorkerError(f"${var} is not set (the address of the replica's stage-0 pod)")
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    spec = RankSpec(model=args.model, tensor=plan.tensor, pipeline=plan.pipeline,
+                    layers=[(p.layer_start, p.layer_end) for p in plan.stages_of(replica)],
+                    device=device, dtype=args.dtype or ("bfloat16" if device == "cuda" else "float32"),
+                    max_batch=args.max_batch, max_seq=args.max_seq_len)
+    source = validate(spec)
+    if source.config.num_layers != plan.num_layers:
+        raise WorkerError(f"plan splits {plan.num_layers} layers but model {args.model} has "
+                          f"{source.config.num_layers}")
+    host = args.host or os.environ.get("POD_IP") or "0.0.0.0"
+    if os.environ["MASTER_ADDR"].startswith("127.") or os.environ["MASTER_ADDR"] == "localhost":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    world = plan.tensor * plan.pipeline
+    _say(f"replica {replica} stage {stage}: layers [{placement.layer_start}, {placement.layer_end}), "
+         f"ranks {stage * plan.tensor}..{stage * plan.tensor + plan.tensor - 1} of {world}, {device}")
+
+    mp = _mp()
+    loaded_q = mp.Queue()
+    procs = []
+    for local in range(plan.tensor):
+        rank = stage * plan.tensor + local
+        p = mp.Process(target=_rank_main, args=(spec, rank, world, local, host, args.port, args.model,
+                                                loaded_q, dict(os.environ)), daemon=False)
+        p.start()
+        procs.append(p)
+
+    health = None
+    if stage != 0:
+        health = _StageHealth(plan.tensor, host, args.port)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    code = 0
+    while not stop.is_set():
+        while not loaded_q.empty():
+            stats = loaded_q.get()
+            _say(f"rank {stats['rank']} loaded {stats['weight_bytes']} weight bytes in {stats['load_seconds']:.1f}s")
+            if health is not None:
+                health.loaded(stats)
+        dead = [p for p in procs if p.exitcode is not None]
+        if dead:
+            code = max(p.exitcode for p in dead) or 0
+            if code or len(dead) == len(procs):
+                break
+        time.sleep(0.2)
+    # Rank 0 first: it stops the pipeline in order (STOP travels down the stages) before exiting.
+    for p in procs:
+        if p.exitcode is None:
+            p.terminate()
+            p.join(10)
+    if health is not None:
+        health.close()
+    if code:
+        _say(f"a rank exited with code {code}; stopping the pod")
+    return 1 if code else 0
+
+
+def _rank_main(spec, rank, world, local_rank, host, port, model_name, loaded_q, env) -> None:
+    os.environ.update({k: v for k, v in env.items() if k in ("MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME")})
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local_rank)})
+    from .errors import WorkerError
+    from .runtime import finish_rank, run_rank, setup_rank
+    try:
+        if rank != 0:
+            run_rank(spec, rank, world, local_rank, "env://", spec.tensor,
+                     on_loaded=lambda ctx: loaded_q.put(ctx.loaded[rank]))
+            return
+        from .cmd_serve import stop_on_signals
+        from .loader import open_model
+        from .server import App, Server, run_engine
+        from .tokenizer import load_tokenizer
+        app = App(model_name, load_tokenizer(open_model(spec.model)))
+        server = Server(app, host, port).start()
+        stop = stop_on_signals()
+        ctx = setup_rank(spec, 0, world, local_rank, "env://", spec.tensor)
+        loaded_q.put(ctx.loaded[0])
+        try:
+            run_engine(app, ctx, stop, spec.max_batch)
+        finally:
+            ctx.stage.stop()
+            finish_rank(ctx)
+            server.close()
+    except WorkerError as e:
+        print(f"shardwise worker: rank {rank}: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    except OSError as e:
+        print(f"shardwise worker: rank {rank}: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(1)
+
+
+class _StageHealth:
+    """/healthz and /metrics of a pod that does not serve the API (pipeline stage > 0)."""
+
+    def __init__(self, ranks: int, host: str, port: int):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        self.expected, self.stats = ranks, {}
+        health = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_GET(self):
+                if self.path == "/healthz":
+                    ready = len(health.stats) == health.expected
+                    body = json.dumps({"status": "ok" if ready else "loading",
+                                       "ranks": sorted(health.stats)}).encode()
+                    self._send(200 if ready else 503, body, "application/json")
+                elif self.path == "/metrics":
+                    lines = ["# TYPE shardwise_weight_bytes gauge"]
+                    lines += [f'shardwise_weight_bytes{{rank="{r}",stage="{s["stage"]}",tp_rank="{s["tp_rank"]}"}} '
+                              f'{s["weight_bytes"]}' for r, s in sorted(health.stats.items())]
+                    lines += ["# TYPE shardwise_ready gauge",
+                              f"shardwise_ready {int(len(health.stats) == health.expected)}"]
+                    self._send(200, ("\n".join(lines) + "\n").encode(), "text/plain; version=0.0.4")
+                else:
+                    self._send(404, b'{"error": {"message": "no route"}}', "application/json")
+
+            def _send(self, code, body, ctype):
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        ThreadingHTTPServer.allow_reuse_address = True
+        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        self.httpd.daemon_threads = True
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def loaded(self, stats: dict) -> None:
+        self.stats[stats["rank"]] = stats
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
