@@ -40,12 +40,12 @@ class Capacity:
         self.watched: dict[str, dict] = {}           # "ns/name" -> pod (nodeName = bound or planned)
         self.reserved: dict[str, tuple[float, dict]] = {}
 
-    def observe(self, key: str, pod: dict | None) -> None:
-        if pod is None:
-            self.watched.pop(key, None)
-        else:
-            self.watched[key] = pod
-        self.reserved.pop(key, None)
+    def sync(self, watched: dict[str, dict]) -> None:
+        """The watch's current view; reservations it has caught up with are dropped."""
+        self.watched = watched
+        for key in list(self.reserved):
+            if key in watched:
+                self.reserved.pop(key, None)
 
     def reserve(self, pod: Mapping[str, Any], node: str) -> None:
         key = f"{pod['metadata']['namespace']}/{pod['metadata']['name']}"
@@ -83,7 +83,6 @@ class Runtime:
         self.default_image = renderer.DEFAULT_IMAGE
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="reconcile")
         self.capacity = Capacity()
-        self.nodes: dict[str, dict] = {}
         self.node_ready: dict[str, bool] = {}
         self.wakers: dict[tuple[str, str], asyncio.Event] = {}
         self.reconciles = 0
@@ -115,42 +114,51 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 
 
 # --- watches that feed the in-memory views -------------------------------------------------------
+# kopf lists every indexed resource before any other handler runs, so the first reconcile after a
+# start already sees every node and every GPU pod (a half-filled inventory would make a node look
+# "gone" and start a needless recovery).
+
+@kopf.index("", "v1", "nodes")
+def nodes_index(name: str, body: kopf.Body, **_: Any) -> dict:
+    return {name: {"metadata": {"name": name, "labels": dict(body.metadata.labels or {}),
+                                **({"deletionTimestamp": body.metadata.deletion_timestamp}
+                                   if body.metadata.deletion_timestamp else {})},
+                   "spec": dict(body.spec), "status": {"allocatable": dict(body.status.get("allocatable") or {}),
+                                                       "capacity": dict(body.status.get("capacity") or {}),
+                                                       "conditions": list(body.status.get("conditions") or [])}}}
+
+
+@kopf.index("", "v1", "pods")
+def gpu_pods_index(namespace: str, name: str, body: kopf.Body, labels: Mapping[str, str], **_: Any) -> dict:
+    """Pods that hold GPUs (or will: ours, pinned but not bound yet), by "ns/name"."""
+    phase = (body.get("status") or {}).get("phase")
+    if phase in ("Succeeded", "Failed"):
+        return {}
+    node = (body.get("spec") or {}).get("nodeName") or (body.metadata.annotations or {}).get(
+        "shardwise.dev/planned-node")
+    pod = {"metadata": {"name": name, "namespace": namespace, "labels": dict(labels)}, "spec": dict(body.spec),
+           "status": {"phase": phase}}
+    if not node or not (renderer.LABEL_MODEL in labels or pod_gpus(pod)):
+        return {}
+    return {f"{namespace}/{name}": _slim(pod, node)}
+
 
 @kopf.on.event("", "v1", "nodes")
 def node_event(type: str, name: str, body: kopf.Body, **_: Any) -> None:
-    if type == "DELETED":
-        RUNTIME.nodes.pop(name, None)
-        ready = False
-    else:
-        RUNTIME.nodes[name] = {"metadata": dict(body.metadata), "spec": dict(body.spec),
-                               "status": dict(body.status)}
-        ready = recovery.node_ready(RUNTIME.nodes[name])
+    ready = type != "DELETED" and recovery.node_ready(body)
     was = RUNTIME.node_ready.get(name)
-    RUNTIME.node_ready[name] = ready
     if type == "DELETED":
         RUNTIME.node_ready.pop(name, None)
+    else:
+        RUNTIME.node_ready[name] = ready
     if was != ready or type == "DELETED":
         # A node lost: groups on it recover; a node gained: Pending groups may fit now.
         RUNTIME.wake()
 
 
-@kopf.on.event("", "v1", "pods")
-def pod_event(type: str, namespace: str, name: str, body: kopf.Body, labels: Mapping[str, str], **_: Any) -> None:
-    key = f"{namespace}/{name}"
-    phase = (body.get("status") or {}).get("phase")
-    if type == "DELETED" or phase in ("Succeeded", "Failed"):
-        RUNTIME.capacity.observe(key, None)
-    else:
-        annotations = body.metadata.annotations or {}
-        node = (body.get("spec") or {}).get("nodeName") or annotations.get("shardwise.dev/planned-node")
-        if node:
-            pod = {"metadata": {"name": name, "namespace": namespace, "labels": dict(labels)}, "spec": dict(body.spec),
-                   "status": dict(body.status)}
-            if pod_gpus(pod) or renderer.LABEL_MODEL in labels:
-                RUNTIME.capacity.observe(key, _slim(pod, node))
-    model = labels.get(renderer.LABEL_MODEL)
-    if model:
-        RUNTIME.wake((namespace, model))
+@kopf.on.event("", "v1", "pods", labels={renderer.LABEL_MODEL: kopf.PRESENT})
+def pod_event(namespace: str, labels: Mapping[str, str], **_: Any) -> None:
+    RUNTIME.wake((namespace, labels[renderer.LABEL_MODEL]))
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
@@ -165,7 +173,8 @@ def model_event(type: str, namespace: str, name: str, body: kopf.Body, **_: Any)
 
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10.0, initial_delay=0)
 async def model_loop(namespace: str, name: str, body: kopf.Body, stopped: kopf.DaemonStopped,
-                     logger: logging.Logger, **_: Any) -> None:
+                     logger: logging.Logger, nodes_index: kopf.Index, gpu_pods_index: kopf.Index,
+                     **_: Any) -> None:
     key = (namespace, name)
     wake = RUNTIME.waker(key)
     loop = asyncio.get_running_loop()
@@ -173,8 +182,11 @@ async def model_loop(namespace: str, name: str, body: kopf.Body, stopped: kopf.D
     try:
         while not stopped:
             wake.clear()
+            # Snapshots taken here, on the event loop that updates the indexes, are consistent.
+            nodes = {k: v for k, store in nodes_index.items() for v in store}
+            RUNTIME.capacity.sync({k: v for k, store in gpu_pods_index.items() for v in store})
             try:
-                outcome = await loop.run_in_executor(RUNTIME.executor, _reconcile_once, namespace, name)
+                outcome = await loop.run_in_executor(RUNTIME.executor, _reconcile_once, namespace, name, nodes)
                 failures = 0
             except Exception as e:  # an API hiccup must not kill the loop; back off and retry
                 failures += 1
@@ -191,9 +203,9 @@ async def model_loop(namespace: str, name: str, body: kopf.Body, stopped: kopf.D
         RUNTIME.wakers.pop(key, None)
 
 
-def _reconcile_once(namespace: str, name: str) -> reconciler.Outcome:
+def _reconcile_once(namespace: str, name: str, nodes: dict[str, dict]) -> reconciler.Outcome:
     assert RUNTIME.applier is not None
-    outcome = reconciler.reconcile(RUNTIME.applier, namespace, name, dict(RUNTIME.nodes), RUNTIME.capacity,
+    outcome = reconciler.reconcile(RUNTIME.applier, namespace, name, nodes, RUNTIME.capacity,
                                    default_image=RUNTIME.default_image)
     RUNTIME.reconciles += 1
     RUNTIME.requests += outcome.requests
