@@ -585,7 +585,8 @@ def _explain(replica: int, stage_nodes: list[NodeInfo], layout: Layout, tree: _T
 
 
 def _explain_layout(spec: ShardedModelSpec, facts: ModelFacts, layout: Layout, nodes: Sequence[NodeInfo]) -> str:
-    chosen = "asked" if spec.parallelism.tensor and spec.parallelism.pipeline else "chosen"
-    return (f"tensor {layout.tensor} × pipeline {layout.pipeline} {chosen}: {facts.params / 1e9:.2f}B "
+    how = lambda asked: "asked" if asked else "chosen"  # noqa: E731
+    return (f"tensor {layout.tensor} ({how(spec.parallelism.tensor)}) × pipeline {layout.pipeline} "
+            f"({how(spec.parallelism.pipeline)}): {facts.params / 1e9:.2f}B "
             f"parameters at {facts.bytes_per_param:.2f} bytes need {layout.memory / GiB:.1f} GiB per GPU "
             f"({spec.workload}); tensor divides {facts.heads} heads and {facts.kv_heads} KV heads")
