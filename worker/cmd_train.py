@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -76,7 +77,9 @@ def check_inputs(opts) -> None:
     TokenDataset.from_file(opts.data, load_tokenizer(source).encode)  # readable, non-empty, tokenizable
     if os.path.exists(opts.checkpoint_dir) and not os.path.isdir(opts.checkpoint_dir):
         raise WorkerError(f"--checkpoint-dir {opts.checkpoint_dir} exists and is not a directory")
-    found = ckpt.latest_complete(opts.checkpoint_dir)
+    with warnings.catch_warnings():   # a damaged newest checkpoint: the ranks warn when they skip it
+        warnings.simplefilter("ignore")
+        found = ckpt.latest_complete(opts.checkpoint_dir)
     if found is not None:
         ckpt.check_same_model(found[2].get("model", {}), ckpt.structure_of(source.config.to_dict()), found[1])
 

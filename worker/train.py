@@ -188,7 +188,8 @@ class Trainer:
         self.device = torch.device(opts.device if opts.device != "cuda" else f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.dtype = DTYPES[opts.dtype]
+        # "auto" (the ShardedModel default): float32 on CPU, bfloat16 on GPUs
+        self.dtype = DTYPES.get(opts.dtype) or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.emit = emit or (lambda rec: None)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.groups = Groups(self.layout, self.pos, backend)
@@ -414,9 +415,11 @@ def run_training(opts: TrainOptions, rank: int | None = None, world_size: int | 
         if lead:
             Path(opts.checkpoint_dir).mkdir(parents=True, exist_ok=True)
         tokens_per_step = opts.batch_size * opts.seq_len
+        last_loss = None
         while trainer.step < opts.steps:
             t0 = time.perf_counter()
             rec = trainer.train_step()
+            last_loss = rec["loss"]
             every = opts.checkpoint_every
             saving = (every and trainer.step % every == 0) or trainer.step == opts.steps
             if saving:
@@ -429,7 +432,8 @@ def run_training(opts: TrainOptions, rank: int | None = None, world_size: int | 
                 _write_progress(opts, trainer, rec)
         trainer.manager.wait()
         if lead:
-            _write_progress(opts, trainer, {"step": trainer.step, "done": True})
+            _write_progress(opts, trainer, {"step": trainer.step, "done": True,
+                                            "loss": last_loss})
         emit({"event": "done", "step": trainer.step,
               "message": f"done: {trainer.step} steps, last checkpoint "
                          f"{ckpt.step_dir_name(trainer.step)} in {opts.checkpoint_dir}"})
@@ -485,3 +489,38 @@ def last_checkpoint(checkpoint_dir: str) -> dict | None:
         return None
     step, path, meta = found
     return {"step": step, "time": meta.get("time"), "path": str(path)}
+
+
+# Pod environment -> TrainOptions field (and type). The operator sets these on training pods.
+TRAIN_ENV = {
+    "SHARDWISE_TRAIN_DATA": ("data", str),
+    "SHARDWISE_TRAIN_STEPS": ("steps", int),
+    "SHARDWISE_CHECKPOINT_DIR": ("checkpoint_dir", str),
+    "SHARDWISE_CHECKPOINT_EVERY": ("checkpoint_every", int),
+    "SHARDWISE_CHECKPOINT_KEEP": ("keep", int),
+    "SHARDWISE_TRAIN_SEED": ("seed", int),
+    "SHARDWISE_TRAIN_LR": ("lr", float),
+    "SHARDWISE_TRAIN_BATCH_SIZE": ("batch_size", int),
+    "SHARDWISE_TRAIN_SEQ_LEN": ("seq_len", int),
+    "SHARDWISE_TRAIN_MICRO_BATCHES": ("micro_batches", int),
+    "SHARDWISE_DEVICE": ("device", str),
+    "SHARDWISE_DTYPE": ("dtype", str),
+}
+
+
+def options_from_env(plan, model: str, env: dict | None = None) -> TrainOptions:
+    """TrainOptions of a training pod: layout from the plan, the rest from SHARDWISE_* variables
+    (see docs/training.md). Missing required variables are one clear error."""
+    env = dict(os.environ if env is None else env)
+    values = {}
+    for var, (field, kind) in TRAIN_ENV.items():
+        if env.get(var, "") != "":
+            try:
+                values[field] = kind(env[var])
+            except ValueError:
+                raise WorkerError(f"{var}={env[var]!r} is not a valid {kind.__name__}") from None
+    for var in ("SHARDWISE_TRAIN_DATA", "SHARDWISE_TRAIN_STEPS", "SHARDWISE_CHECKPOINT_DIR"):
+        if TRAIN_ENV[var][0] not in values:
+            raise WorkerError(f"training pod: {var} is not set")
+    values["json"] = True
+    return options_from_plan(plan, model=model, **values)
