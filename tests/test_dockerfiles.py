@@ -1,0 +1,59 @@
+"""The Dockerfiles can't be built here (no Docker); these checks catch what would break them or the chart
+that runs them: a package folder the build context leaves out, a dependency extra that pulls torch into
+the operator image, a user that doesn't match the chart's security context."""
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKER = ROOT / "docker"
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def dockerfile(name: str) -> str:
+    return (DOCKER / f"{name}.Dockerfile").read_text()
+
+
+def copied(text: str) -> set[str]:
+    return {src.rstrip("/") for line in re.findall(r"^COPY (?!--from)(.+)$", text, re.M)
+            for src in line.split()[:-1]}
+
+
+def test_images_copy_every_package_folder_and_the_files_the_build_reads():
+    folders = set(PYPROJECT["tool"]["setuptools"]["package-dir"].values())
+    for name in ("operator", "worker"):
+        text = dockerfile(name)
+        assert folders | {"pyproject.toml", "README.md"} <= copied(text), name
+        # BuildKit reads <name>.Dockerfile.dockerignore; it must let those same paths through.
+        ignore = (DOCKER / f"{name}.Dockerfile.dockerignore").read_text().splitlines()
+        assert {f"!{f}/" for f in folders} <= set(ignore), name
+
+
+def test_operator_image_installs_the_operator_extra_which_has_no_torch():
+    text = dockerfile("operator")
+    assert '".[operator]"' in text and "[worker]" not in text
+    extra = " ".join(PYPROJECT["project"]["optional-dependencies"]["operator"]).lower()
+    assert "torch" not in extra and "numpy" not in extra
+    worker = dockerfile("worker")
+    assert '".[worker]"' in worker
+    assert "kopf" not in " ".join(PYPROJECT["project"]["optional-dependencies"]["worker"]).lower()
+
+
+def test_worker_image_variants_pick_the_torch_build():
+    text = dockerfile("worker")
+    assert re.search(r"^ARG VARIANT=cpu$", text, re.M)
+    assert "cpu)  channel=cpu" in text and 'cuda) channel="$CUDA_CHANNEL"' in text
+    assert "download.pytorch.org/whl/$channel" in text
+
+
+def test_images_run_as_the_non_root_user_the_chart_expects():
+    values = yaml.safe_load((ROOT / "charts" / "shardwise" / "values.yaml").read_text())
+    uid = values["podSecurityContext"]["runAsUser"]
+    assert uid != 0
+    for name in ("operator", "worker"):
+        users = re.findall(r"^USER (\S+)$", dockerfile(name), re.M)
+        assert users and users[-1] == f"{uid}:{uid}", name
