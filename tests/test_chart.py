@@ -101,6 +101,8 @@ def test_default_deployment_is_hardened_and_runs_two_replicas():
     assert f"--health-port={ports['health']}" in c["args"]
     assert f"--metrics-port={ports['metrics']}" in c["args"]
     assert c["args"][:2] == ["operator", "run"] and "--all-namespaces" in c["args"]
+    # Leader election on a Lease of this release, in the release namespace (where the Role allows it).
+    assert "--lease-namespace=shardwise-system" in c["args"] and f"--lease-name={dep['metadata']['name']}" in c["args"]
     # The image follows the chart's appVersion unless told otherwise.
     app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
     assert c["image"].endswith(f":{app_version}")
@@ -292,7 +294,7 @@ def operator_api_calls() -> set[tuple[str, str, str]]:
                 args = [ast.unparse(a).strip("'\"") for a in deco.args]
                 resource = "shardedmodels" if args[-1] == "PLURAL" else args[-1]
                 calls |= {(API_GROUPS[resource], resource, "list"), (API_GROUPS[resource], resource, "watch")}
-                if name != "kopf.on.event":
+                if name not in ("kopf.on.event", "kopf.index"):
                     # Change handlers and daemons keep a finalizer and progress annotations: a patch.
                     calls.add((API_GROUPS[resource], resource, "patch"))
         if "kopf.event(" in path.read_text():

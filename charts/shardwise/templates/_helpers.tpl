@@ -73,7 +73,9 @@ app.kubernetes.io/part-of: shardwise
 - --metrics-port={{ .Values.operator.metricsPort }}
 - --log-level={{ .Values.operator.logLevel }}
 - --worker-image={{ .Values.operator.workerImage }}
+# One Lease per release, so that two releases in one namespace never share a leader.
 - --lease-namespace={{ .Release.Namespace }}
+- --lease-name={{ include "shardwise.fullname" . }}
 {{- range .Values.operator.extraArgs }}
 - {{ . | quote }}
 {{- end }}
