@@ -50,6 +50,17 @@ NODE_LEASE_SECONDS = 20
 NODE_MONITOR_GRACE = "12s"
 TOLERATION_SECONDS = 2
 
+# kwok renews each node's Lease from a pool of workers that also creates the Leases of new nodes;
+# at the default 4 workers, 500 nodes renewing every 5s keep the pool busy and new nodes wait in line.
+KWOK_CONFIGURATION = """\
+apiVersion: config.kwok.x-k8s.io/v1alpha1
+kind: KwokConfiguration
+options:
+  nodeLeaseParallelism: 32
+  nodePlayStageParallelism: 8
+  podPlayStageParallelism: 8
+"""
+
 GPU_PRODUCT = "NVIDIA-H100-80GB-HBM3"
 GPU_MEMORY_MIB = 81559
 
@@ -159,24 +170,46 @@ def node_ready(node: dict) -> bool:
 
 def wait_nodes_ready(client: kapi.Client, names: list[str], timeout: float,
                      check: Callable[[], None] = lambda: None, say=None) -> None:
+    """Wait until every named node is Ready. Lists once, then follows a watch: re-listing hundreds
+    of nodes several times a second would cost the API server more than the nodes themselves."""
     wanted = set(names)
     deadline = time.monotonic() + timeout
-    last_report = 0.0
+    last_report = time.monotonic()
+    ready: set[str] = set()
     while True:
-        check()
-        nodes = client.get("/api/v1/nodes")["items"]
-        ready = {n["metadata"]["name"] for n in nodes if node_ready(n)} & wanted
+        listing = client.get("/api/v1/nodes")
+        ready = {n["metadata"]["name"] for n in listing["items"] if node_ready(n)} & wanted
+        rv = listing["metadata"]["resourceVersion"]
+        try:
+            while ready != wanted:
+                check()
+                now = time.monotonic()
+                if now > deadline:
+                    break
+                if say and now - last_report > 5:
+                    say(f"  {len(ready)}/{len(wanted)} nodes Ready")
+                    last_report = now
+                # short watches, so that a crashed component is noticed within a second
+                for event in client.watch("/api/v1/nodes", rv, timeout_seconds=1):
+                    obj = event["object"]
+                    rv = obj["metadata"].get("resourceVersion", rv)
+                    if event["type"] == "ERROR":
+                        raise kapi.ApiError(obj.get("code", 500), "watch", str(obj))
+                    name = obj["metadata"].get("name")
+                    if name in wanted:
+                        if event["type"] != "DELETED" and node_ready(obj):
+                            ready.add(name)
+                        else:
+                            ready.discard(name)
+        except kapi.ApiError as e:
+            if e.status == 410:  # resource version too old: list again
+                continue
+            raise
         if ready == wanted:
             return
-        now = time.monotonic()
-        if say and now - last_report > 5:
-            say(f"  {len(ready)}/{len(wanted)} nodes Ready")
-            last_report = now
-        if now > deadline:
-            missing = sorted(wanted - ready)
-            raise ControlPlaneError(f"nodes not Ready after {timeout:.0f}s: "
-                                    f"{', '.join(missing[:5])}{' …' if len(missing) > 5 else ''}")
-        time.sleep(0.3)
+        missing = sorted(wanted - ready)
+        raise ControlPlaneError(f"nodes not Ready after {timeout:.0f}s: "
+                                f"{', '.join(missing[:5])}{' …' if len(missing) > 5 else ''}")
 
 
 # ---------------------------------------------------------------- processes
@@ -458,13 +491,13 @@ class ControlPlane:
             "--bind-address=127.0.0.1", f"--secure-port={sched_port}", "--profiling=false",
         ], str(self.bin / "kube-scheduler"), sched_port)
         kwok_config = self.dir / "kwok.yaml"
-        kwok_config.write_text(kwok_stages.STAGES)
+        kwok_config.write_text(KWOK_CONFIGURATION + kwok_stages.STAGES)
         self._start("kwok", [
             str(self.bin / "kwok"), f"--kubeconfig={self.dir / 'kwok.kubeconfig'}",
             f"--config={kwok_config}", "--manage-all-nodes=false",
             f"--manage-nodes-with-label-selector={KWOK_SELECTOR}",
             f"--node-lease-duration-seconds={NODE_LEASE_SECONDS}", f"--cidr={POD_CIDR}",
-            "--node-ip=127.0.0.1",
+            "--node-ip=127.0.0.1", "--v=WARN",  # it logs every Lease renewal at INFO
         ], str(self.bin / "kwok"))
 
         client = self.client()
