@@ -12,7 +12,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     gen = sub.add_parser("generate", help="write the CRD YAML generated from the API models")
     gen.add_argument("-o", "--output", help="file to write (default: standard output; '-' too)")
     check = sub.add_parser("check", help="exit non-zero when a CRD file differs from the models")
-    check.add_argument("files", nargs="*", help="CRD files to compare (default: the checked-in one)")
+    check.add_argument("files", nargs="*", help="CRD files to compare (default: the checked-in one and the chart's copy)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -27,7 +27,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"wrote {args.output}", file=sys.stderr)
         return 0
     drifted = 0
-    for name in args.files or [str(CRD_FILE)]:
+    # the Helm chart carries a copy of the CRD; in a source checkout it must match as well
+    chart_copy = CRD_FILE.parent.parent / "charts" / "shardwise" / "crds" / CRD_FILE.name
+    for name in args.files or [str(CRD_FILE)] + ([str(chart_copy)] if chart_copy.exists() else []):
         path = Path(name)
         if not path.exists():
             print(f"{name}: missing; run `shardwise crds generate -o {name}`", file=sys.stderr)

@@ -485,6 +485,10 @@ def plan(spec: ShardedModelSpec, facts: ModelFacts, nodes: Sequence[NodeInfo],
             raise PlanError(f"no tensor degree up to the largest free block of "
                             f"{max(n.free for n in pool.nodes)} GPUs divides the model's "
                             f"{facts.heads} attention and {facts.kv_heads} KV heads")
+    unknown = sum(1 for n in pool.nodes if not n.gpu_memory)
+    if unknown:
+        notes.append(f"GPU memory unknown on {unknown} node(s) (no nvidia.com/gpu.memory label; set "
+                     f"spec.gpu.minMemory): assumed large enough")
     keys = spec.placement.topology_keys
     keep_nodes = [[p.node for p in stages] for stages in kept.values()]
 
