@@ -98,8 +98,9 @@ class Demo:
         say(f"\n[{self.step_no}/{self.steps}] {title}")
         yield
 
-    def fail(self, message: str, log: Path | None = None) -> StepFailed:
-        log = log or self.step_log
+    def fail(self, message: str, log: Path | None | bool = True) -> StepFailed:
+        """`log`: the file to read (default: the step's own); None when no log would help."""
+        log = self.step_log if log is True else log
         return StepFailed(f"{self.current_step}: {message}" + (f"; see {log}" if log else ""))
 
     @property
@@ -211,6 +212,12 @@ class Demo:
     def start_operator(self) -> None:
         self.operator_log = self.plane.logs / "operator.log"
         with self.step("operator", self.operator_log):
+            kept = self.kept_operator()
+            if kept is not None:
+                self.operator_log = Path(kept.log)
+                say(f"  reusing the one an earlier `shardwise demo --keep` left running "
+                    f"(pid {kept.pid}, log {kept.log})")
+                return
             argv = [sys.executable, "-m", "shardwise", "operator", "run",
                     f"--kubeconfig={self.plane.kubeconfig}", f"--namespace={NAMESPACE}",
                     f"--lease-namespace={NAMESPACE}", "--metrics-port=0", "--health-port=0"]
@@ -221,6 +228,13 @@ class Demo:
             say(f"  pid {self.operator.pid}, log {self.operator_log}")
             self.wait(lambda: "leader: " in self.operator_log.read_text(errors="replace"),
                       60, "the operator to take the lead")
+
+    def kept_operator(self):
+        """The operator an earlier `--keep` run registered with the cluster, if it still runs."""
+        for component, alive in self.plane.component_status():
+            if component.name == "operator" and alive:
+                return component
+        return None
 
     def check_operator(self) -> None:
         if self.operator is not None and self.operator.poll() is not None:
@@ -376,14 +390,10 @@ class Demo:
 
     def teardown(self, failed: bool) -> None:
         from shardwise.e2e import kapi
+        if not (self.started_cluster or self.created_model or self.operator or self.downed_node):
+            return
         say("\ncleaning up")
-        if self.downed_node:
-            try:  # back as it was: the node rejoins, empty
-                self.client.merge_patch(f"/api/v1/nodes/{self.downed_node}", {
-                    "metadata": {"labels": {self.cp.NODE_DOWN_LABEL: None}}})
-                say(f"  {self.downed_node} is back up")
-            except (kapi.ApiError, OSError):
-                pass
+        self.node_up()
         if self.started_cluster:
             self.stop_operator()
             # After a failure the state folder stays, so that the logs named above can be read.
@@ -398,6 +408,19 @@ class Demo:
             except (kapi.ApiError, OSError):
                 pass
         self.stop_operator()
+
+    def node_up(self) -> None:
+        """Back as it was: the node the chaos step took down rejoins, empty."""
+        from shardwise.e2e import kapi
+        if not self.downed_node:
+            return
+        try:
+            self.client.merge_patch(f"/api/v1/nodes/{self.downed_node}", {
+                "metadata": {"labels": {self.cp.NODE_DOWN_LABEL: None}}})
+            say(f"  {self.downed_node} is back up")
+            self.downed_node = None
+        except (kapi.ApiError, OSError):
+            pass
 
     def stop_operator(self) -> None:
         proc = self.operator
@@ -416,9 +439,12 @@ class Demo:
         `shardwise dev down` stops it too."""
         state = self.plane.state()
         if state is not None and self.operator is not None:
+            # The marker is an argument only this cluster's operator has (see controlplane._alive).
             state.components.append(self.cp.Component(
-                "operator", self.operator.pid, "shardwise operator run", str(self.operator_log)))
+                "operator", self.operator.pid, f"--kubeconfig={self.plane.kubeconfig}",
+                str(self.operator_log)))
             state.save(self.plane.state_file)
+        self.node_up()
         ip = self.serving_ip(self.pods()) or "<pod-ip>"
         say("\nleft running (--keep). Look around:")
         say('  eval "$(shardwise dev env)"' + (f"   # with --state-dir {self.plane.dir}: "
