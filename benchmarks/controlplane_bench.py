@@ -75,7 +75,8 @@ def main() -> int:
     if build.missing_binaries():
         print("Kubernetes binaries are not built; run `shardwise dev build` first", file=sys.stderr)
         return 1
-    print(f"machine: {os.cpu_count()} CPUs; binaries: {build.bin_dir()}")
+    print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} "
+          f"(other work competes for them); binaries: {build.bin_dir()}")
 
     print("\n== time to a Ready cluster (4 simulated + 1 local GPU node), warm build cache")
     times = time_to_ready(args.runs)

@@ -80,8 +80,13 @@ class IPPool:
         self.used: set[str] = set()
         self.lock = threading.Lock()
 
-    def take(self) -> str:
+    def take(self, wanted: str | None = None) -> str:
+        """A free address; `wanted` (the pod's earlier IP, after a runtime or node restart) if free."""
         with self.lock:
+            if wanted and wanted.startswith("127.") and wanted != "127.0.0.1" \
+                    and wanted not in self.used:
+                self.used.add(wanted)
+                return wanted
             x, y = self.base
             for i in range(254 * 16):
                 ip = f"127.{x}.{(y + i // 254) % 256}.{i % 254 + 1}"
@@ -350,7 +355,7 @@ class PodRunner(threading.Thread):
         self.node = pod["spec"]["nodeName"]
         self.ns, self.name = pod["metadata"]["namespace"], pod["metadata"]["name"]
         self.dir = runtime.dir / f"{self.ns}_{self.name}"
-        self.ip = runtime.ips.take()
+        self.ip = runtime.ips.take(pod.get("status", {}).get("podIP"))
         self.containers = [ContainerProc(c) for c in pod["spec"]["containers"]]
         self.inits = [ContainerProc(c) for c in pod["spec"].get("initContainers") or []]
         self.start_time = now()
