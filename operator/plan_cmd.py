@@ -37,10 +37,14 @@ def _from_cluster() -> tuple[list[Any], list[Any]]:
     from kubernetes import client, config
 
     try:
+        config.load_kube_config()
+    except Exception as e:  # noqa: BLE001 - inside a pod there is no kubeconfig file
         try:
-            config.load_kube_config()
-        except Exception:  # noqa: BLE001 - inside a pod there is no kubeconfig file
             config.load_incluster_config()
+        except Exception:  # noqa: BLE001
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ValueError(f"no cluster to read: {first} (and not running in a pod)") from None
+    try:
         core = client.CoreV1Api()
         nodes = core.list_node(_request_timeout=30).items
         pods = core.list_pod_for_all_namespaces(
