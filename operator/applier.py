@@ -8,6 +8,7 @@ whole replica group, and the ShardedModel's status. Every request is counted in
 """
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any, Mapping
 
@@ -24,19 +25,29 @@ FIELD_MANAGER = "shardwise-operator"
 
 def load_config(kubeconfig: str | None = None) -> client.ApiClient:
     """In-cluster config when running in a pod, else the kubeconfig (explicit path or $KUBECONFIG)."""
+    configuration = client.Configuration()
     if kubeconfig:
-        config.load_kube_config(config_file=kubeconfig)
+        config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
     else:
         try:
-            config.load_incluster_config()
+            config.load_incluster_config(client_configuration=configuration)
         except config.ConfigException:
-            config.load_kube_config()
-    return client.ApiClient()
+            config.load_kube_config(client_configuration=configuration)
+    # Reconciles run on several threads at once; the default pool of 4 connections would make them
+    # queue (and discard connections).
+    configuration.connection_pool_maxsize = 32
+    return client.ApiClient(configuration)
+
+
+def _json(response: Any) -> Any:
+    """Responses are read as plain JSON: turning a pod list into model objects and back costs more
+    CPU than the rest of a reconcile."""
+    return json.loads(response.data)
 
 
 class Applier:
     def __init__(self, api: client.ApiClient | None = None):
-        self.api = api or client.ApiClient()
+        self.api = api or load_config()
         self.core = client.CoreV1Api(self.api)
         self.policy = client.PolicyV1Api(self.api)
         self.custom = client.CustomObjectsApi(self.api)
@@ -51,7 +62,8 @@ class Applier:
     def get_model(self, namespace: str, name: str) -> dict | None:
         self._count("get", "ShardedModel")
         try:
-            return self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+            return _json(self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name,
+                                                                   _preload_content=False))
         except ApiException as e:
             if e.status == 404:
                 return None
@@ -61,8 +73,8 @@ class Applier:
         """Merge-patch the status subresource. Lists (conditions, groups) are replaced whole."""
         self._count("patch", "ShardedModel/status")
         try:
-            return self.custom.patch_namespaced_custom_object_status(
-                GROUP, VERSION, namespace, PLURAL, name, {"status": dict(status)})
+            return _json(self.custom.patch_namespaced_custom_object_status(
+                GROUP, VERSION, namespace, PLURAL, name, {"status": dict(status)}, _preload_content=False))
         except ApiException as e:
             if e.status == 404:
                 return None  # deleted meanwhile: its dependents go with it
@@ -72,17 +84,17 @@ class Applier:
 
     def list_model_pods(self, namespace: str, model: str) -> list[dict]:
         self._count("list", "Pod")
-        pods = self.core.list_namespaced_pod(namespace, label_selector=f"{LABEL_MODEL}={model}")
-        return [self.api.sanitize_for_serialization(p) for p in pods.items]
+        return _json(self.core.list_namespaced_pod(namespace, label_selector=f"{LABEL_MODEL}={model}",
+                                                   _preload_content=False))["items"]
 
     def list_nodes(self) -> list[dict]:
         self._count("list", "Node")
-        return [self.api.sanitize_for_serialization(n) for n in self.core.list_node().items]
+        return _json(self.core.list_node(_preload_content=False))["items"]
 
     def list_all_pods(self) -> list[dict]:
         self._count("list", "Pod")
-        pods = self.core.list_pod_for_all_namespaces(field_selector="status.phase!=Succeeded,status.phase!=Failed")
-        return [self.api.sanitize_for_serialization(p) for p in pods.items]
+        return _json(self.core.list_pod_for_all_namespaces(
+            field_selector="status.phase!=Succeeded,status.phase!=Failed", _preload_content=False))["items"]
 
     # --- writes ----------------------------------------------------------------------------------
 
@@ -90,7 +102,7 @@ class Applier:
         """Create-or-get: True when created now, False when it already existed."""
         self._count("create", "Pod")
         try:
-            self.core.create_namespaced_pod(pod["metadata"]["namespace"], pod)
+            self.core.create_namespaced_pod(pod["metadata"]["namespace"], pod, _preload_content=False)
             return True
         except ApiException as e:
             if e.status == 409:
@@ -101,7 +113,8 @@ class Applier:
         """Server-side apply of a per-model object: creates it, or updates the fields we own."""
         kind, ns, name = obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"]
         self._count("apply", kind)
-        kw = dict(field_manager=FIELD_MANAGER, force=True, _content_type="application/apply-patch+yaml")
+        kw = dict(field_manager=FIELD_MANAGER, force=True, _content_type="application/apply-patch+yaml",
+                  _preload_content=False)
         if kind == "ConfigMap":
             self.core.patch_namespaced_config_map(name, ns, obj, **kw)
         elif kind == "Service":
@@ -117,7 +130,8 @@ class Applier:
         for name in names:
             self._count("delete", "Pod")
             try:
-                self.core.delete_namespaced_pod(name, namespace, grace_period_seconds=0 if force else None)
+                self.core.delete_namespaced_pod(name, namespace, grace_period_seconds=0 if force else None,
+                                                _preload_content=False)
             except ApiException as e:
                 if e.status != 404:
                     raise
@@ -126,4 +140,4 @@ class Applier:
         """Tear a replica group down as one unit (one request for all its pods)."""
         self._count("deletecollection", "Pod")
         self.core.delete_collection_namespaced_pod(
-            namespace, label_selector=f"{LABEL_MODEL}={model},{LABEL_REPLICA}={replica}")
+            namespace, label_selector=f"{LABEL_MODEL}={model},{LABEL_REPLICA}={replica}", _preload_content=False)

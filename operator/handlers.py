@@ -26,6 +26,7 @@ from shardwise.operator.applier import Applier
 from shardwise.operator.inventory import pod_gpus
 
 log = logging.getLogger("shardwise.operator")
+DEBOUNCE_SECONDS = 0.2
 
 
 class Capacity:
@@ -197,6 +198,9 @@ async def model_loop(namespace: str, name: str, body: kopf.Body, stopped: kopf.D
                 kopf.event(body, type=ev.type, reason=ev.reason, message=ev.message[:1000])
             try:
                 await asyncio.wait_for(wake.wait(), timeout=outcome.requeue_after)
+                # A pod's start is a burst of events (bound, running, ready): let it settle so that
+                # one pass sees them all.
+                await asyncio.sleep(DEBOUNCE_SECONDS)
             except asyncio.TimeoutError:
                 pass
     finally:
