@@ -94,6 +94,7 @@ def setup_rank(spec: RankSpec, rank: int, world: int, local_rank: int, init_meth
     model = load_stage(source, start, end, embedding=stage_idx == 0, head=stage_idx == p - 1,
                        tp_rank=tp_rank, tp_world=t, group=info.tp_group, device=device,
                        dtype=DTYPES[spec.dtype])
+    model.fuse_for_inference()
     stats = {"rank": rank, "stage": stage_idx, "tp_rank": tp_rank, "layers": [start, end],
              "weight_bytes": parallel.weight_bytes(model), "load_seconds": time.perf_counter() - t0,
              "peak_rss_bytes": peak_rss_bytes()}

@@ -1,0 +1,200 @@
+"""Worker inference speed against Hugging Face transformers on the same model and machine.
+
+    python benchmarks/worker_bench.py [--model smollm2] [--prompt-tokens 128] [--new-tokens 64]
+                                      [--layouts 1x1,2x1,1x2] [--device cpu] [--dtype float32] [--json]
+
+Measured in one run: the machine's memory bandwidth (a large tensor copy); for each TP x PP
+layout, transformers' `generate` and ours in alternating rounds (best of each, so both see the same
+load on a shared machine): prefill tokens/s, decode
+tokens/s, the fraction of the memory-bandwidth bound the decode reaches (every decode step reads
+each rank's weights once: bound = bandwidth / weight bytes), weight bytes and peak memory per rank.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def measure_bandwidth(device: str, mib: int = 512, repeats: int = 6) -> float:
+    """Bytes/s of a large copy (read + write), best of `repeats`."""
+    import torch
+    n = mib * 2**20 // 4
+    src = torch.ones(n, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    del src, dst
+    return 2 * n * 4 / best
+
+
+class HFRunner:
+    """transformers' generate on the same weights; prefill = time of a 1-token generate."""
+
+    def __init__(self, model: str, prompt: list[int], dtype):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from shardwise.worker.loader import resolve_model
+        path = resolve_model(model)
+        if path.endswith(".gguf"):
+            self.hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
+                                                           gguf_file=os.path.basename(path), dtype=dtype)
+        else:
+            self.hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        self.hf.eval()
+        self.ids = torch.tensor([prompt])
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.hf.parameters())
+        self.run(2)
+
+    def run(self, n: int) -> float:
+        import torch
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            self.hf.generate(self.ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+        return time.perf_counter() - t0
+
+
+def compare(model: str, layouts: list[tuple[int, int]], prompt: list[int], new_tokens: int, device: str,
+            dtype: str, rounds: int, threads: int, bandwidth: float, with_hf: bool) -> dict:
+    """Ours per layout, with transformers measured in the same rounds (alternating, best of each),
+    so both see the same load on a shared machine."""
+    from shardwise.worker.engine import Engine, Request
+    from shardwise.worker.loader import DTYPES
+    from shardwise.worker.runtime import LocalRuntime, RankSpec
+    hf = HFRunner(model, prompt, DTYPES[dtype]) if with_hf else None
+    results = {}
+    for tp, pp in layouts:
+        print(f"  TP={tp} PP={pp} ...", flush=True)
+        spec = RankSpec(model, tp, pp, device=device, dtype=dtype, max_batch=1,
+                        max_seq=len(prompt) + new_tokens + 8, threads=threads)
+        rt = LocalRuntime(spec)
+        ctx = rt.start()
+        best = {"prefill": float("inf"), "decode": float("inf"), "hf_prefill": float("inf"),
+                "hf_decode": float("inf")}
+        try:
+            engine = Engine(ctx.stage, 1, ctx.max_seq, [])
+            engine.generate([Request(prompt, max_new_tokens=4)])          # warm-up
+            for _ in range(rounds):
+                req = Request(prompt, max_new_tokens=new_tokens)
+                t0 = time.perf_counter()
+                engine.generate([req])
+                best["prefill"] = min(best["prefill"], req.first_token_at - t0)
+                best["decode"] = min(best["decode"], (req.finished_at - req.first_token_at) / (new_tokens - 1))
+                if hf is not None:
+                    t1, tn = hf.run(1), hf.run(new_tokens)
+                    best["hf_prefill"] = min(best["hf_prefill"], t1)
+                    best["hf_decode"] = min(best["hf_decode"], (tn - t1) / (new_tokens - 1))
+            loaded = ctx.loaded
+        finally:
+            final = rt.stop()
+        r = {"prefill_tps": len(prompt) / best["prefill"], "decode_tps": 1 / best["decode"],
+             "weight_bytes": [x["weight_bytes"] for x in loaded],
+             "peak_rss_bytes": [x["peak_rss_bytes"] for x in final or []],
+             "comm_seconds": [round(x["comm_seconds"], 3) for x in final or []]}
+        # One decode step reads every rank's weights once; the ranks share the machine's bandwidth.
+        r["bound_fraction"] = r["decode_tps"] * sum(r["weight_bytes"]) / bandwidth
+        if hf is not None:
+            r["hf_prefill_tps"] = len(prompt) / best["hf_prefill"]
+            r["hf_decode_tps"] = 1 / best["hf_decode"]
+            r["hf_bound_fraction"] = r["hf_decode_tps"] * hf.weight_bytes / bandwidth
+            r["decode_vs_hf"] = r["decode_tps"] / r["hf_decode_tps"]
+            r["prefill_vs_hf"] = r["prefill_tps"] / r["hf_prefill_tps"]
+            print(f"    transformers: prefill {r['hf_prefill_tps']:.0f} tok/s, decode {r['hf_decode_tps']:.2f} "
+                  f"tok/s, {100 * r['hf_bound_fraction']:.0f}% of bandwidth bound", flush=True)
+        vs = (f"; {r['decode_vs_hf']:.2f}x transformers decode, {r['prefill_vs_hf']:.2f}x prefill"
+              if hf is not None else "")
+        print(f"    shardwise:    prefill {r['prefill_tps']:.0f} tok/s, decode {r['decode_tps']:.2f} tok/s, "
+              f"{100 * r['bound_fraction']:.0f}% of bandwidth bound{vs}", flush=True)
+        print("    weight MiB per rank: " + ", ".join(f"{b / 2**20:.0f}" for b in r["weight_bytes"])
+              + "; peak RSS MiB per rank: " + ", ".join(f"{b / 2**20:.0f}" for b in r["peak_rss_bytes"])
+              + "; communication s per rank: " + ", ".join(map(str, r["comm_seconds"])), flush=True)
+        results[f"{tp}x{pp}"] = r
+    return results
+
+
+def random_llama(path: str) -> str:
+    """A SmolLM2-sized random Llama whose 8 heads / 4 kv heads split for TP=2 (SmolLM2's 9/3 do not)."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from shardwise.worker.loader import open_model
+    from shardwise.worker.tokenizer import load_tokenizer
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
+                      tie_word_embeddings=True)
+    LlamaForCausalLM(cfg).save_pretrained(path, max_shard_size="200MB")
+    load_tokenizer(open_model("smollm2")).tok.save(os.path.join(path, "tokenizer.json"))
+    return path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2", help="model for --layouts (default smollm2)")
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--layouts", default="1x1,1x2", help="comma-separated TPxPP for --model")
+    ap.add_argument("--tp2-layouts", default="1x1,2x1,1x2",
+                    help="layouts for a SmolLM2-sized random Llama with 8 heads (TP=2 works); '' to skip")
+    ap.add_argument("--random-dir", default=os.path.expanduser("~/.cache/shardwise/bench/random-llama-8h"))
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds; best of each side")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads, for transformers and for each of our ranks (default 1: on a shared "
+                         "machine, OpenMP barriers of 2+ threads stall badly when the cores are busy)")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from shardwise.worker.loader import DTYPES, open_model
+    from shardwise.worker.tokenizer import load_tokenizer
+    torch.set_num_threads(args.threads)
+    source = open_model(args.model)
+    tok = load_tokenizer(source)
+    words = ("The history of the printing press begins in the fifteenth century, when movable type "
+             "changed how knowledge spread across Europe and the world. ") * 40
+    prompt = tok.encode(words)[:args.prompt_tokens]
+    out = {"model": args.model, "device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads(),
+           "cpus": os.cpu_count(), "prompt_tokens": len(prompt), "new_tokens": args.new_tokens}
+
+    print(f"model {args.model}: {source.config.num_layers} layers, {source.config.num_params / 1e6:.0f}M params; "
+          f"{args.device} {args.dtype}, {os.cpu_count()} cpus; prompt {len(prompt)} tokens, "
+          f"{args.new_tokens} new", flush=True)
+
+    def parse_layouts(text):
+        return [tuple(int(x) for x in item.lower().split("x")) for item in text.split(",") if item]
+    suites = [(args.model, parse_layouts(args.layouts))]
+    if args.tp2_layouts:
+        suites.append((random_llama(args.random_dir), parse_layouts(args.tp2_layouts)))
+    bw = measure_bandwidth(args.device)
+    out["bandwidth_gbs"] = bw / 1e9
+    print(f"memory bandwidth (copy, {args.threads} thread(s)): {bw / 1e9:.1f} GB/s", flush=True)
+
+    out["models"] = {}
+    for model, layouts in suites:
+        print(f"{model}:", flush=True)
+        out["models"][model] = compare(model, layouts, prompt, args.new_tokens, args.device, args.dtype,
+                                       args.rounds, args.threads, bw, not args.skip_hf)
+    if args.json:
+        print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
