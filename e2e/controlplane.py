@@ -455,6 +455,15 @@ class ControlPlane:
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             "--authorization-mode=Node,RBAC", f"--service-cluster-ip-range={SERVICE_CIDR}",
             "--allow-privileged=true", "--profiling=false",
+            # The `kubernetes` Service cannot point at a loopback address; nothing in-cluster needs it.
+            "--endpoint-reconciler-type=none",
+            # Without a request-header CA every component logs about the missing bundle; no
+            # certificate of ours has the allowed name, so no one can use the header auth.
+            f"--requestheader-client-ca-file={p / 'ca.crt'}",
+            "--requestheader-allowed-names=front-proxy-client",
+            "--requestheader-username-headers=X-Remote-User",
+            "--requestheader-group-headers=X-Remote-Group",
+            "--requestheader-extra-headers-prefix=X-Remote-Extra-",
             f"--default-not-ready-toleration-seconds={TOLERATION_SECONDS}",
             f"--default-unreachable-toleration-seconds={TOLERATION_SECONDS}",
         ], str(self.bin / "kube-apiserver"), api_port)

@@ -161,3 +161,11 @@ def test_a_crashed_component_is_named_with_its_log(cluster, tmp_path):
     assert line.endswith(f"see {state / 'logs' / 'kube-scheduler.log'}")
     # the half-started cluster was stopped
     assert not cp.ControlPlane(state).is_running()
+
+
+def test_kube_api_fixture_talks_to_the_cluster(kube_api, namespace):
+    from kubernetes import client
+    core = client.CoreV1Api(kube_api)
+    assert core.read_namespace(namespace).status.phase == "Active"
+    gpus = [n.status.allocatable.get("nvidia.com/gpu") for n in core.list_node().items]
+    assert gpus and all(g is not None for g in gpus)
