@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import socket
-import subprocess
 import sys
 import time
 import warnings
@@ -90,20 +88,61 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(argv: list[str], world: int) -> int:
-    """Run `shardwise train argv` as `world` local ranks; stop them all if one fails."""
+_mp_ctx = None
+
+
+def _context():
+    """A fork server with torch and the training code imported: ranks start without re-importing."""
+    global _mp_ctx
+    if _mp_ctx is None:
+        import multiprocessing as mp
+        _mp_ctx = mp.get_context("forkserver")
+        _mp_ctx.set_forkserver_preload(["shardwise.worker.train"])
+    return _mp_ctx
+
+
+def _rank_main(opts, rank: int, world: int, port: int) -> None:
+    """One local rank: named `shardwise-rk<N>` in ps/top; only rank 0 prints to stdout."""
+    import torch
+
+    from . import checkpoint as ckpt
+    from .data import DataError
+    from .errors import WorkerError
+    from .train import run_training
+
+    try:
+        with open("/proc/self/comm", "w") as f:
+            f.write(f"shardwise-rk{rank}")
+    except OSError:
+        pass
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if rank != 0:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+    try:
+        code = run_training(opts, rank, world)
+    except (WorkerError, DataError, ckpt.CheckpointError) as e:
+        if rank == 0:
+            print(f"shardwise train: {e}", file=sys.stderr, flush=True)
+        code = 2
+    sys.stdout.flush()
+    os._exit(code)
+
+
+def launch(opts, world: int) -> int:
+    """Run `world` local ranks of `opts`; if one fails, stop the others (the group is one unit)."""
     port = _free_port()
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        procs.append(subprocess.Popen([sys.executable, "-m", "shardwise", "train", *argv], env=env,
-                                      stdout=None if rank == 0 else subprocess.DEVNULL))
+    ctx = _context()
+    procs = [ctx.Process(target=_rank_main, args=(opts, rank, world, port), name=f"rank{rank}")
+             for rank in range(world)]
+    for p in procs:
+        p.start()
     code = 0
     try:
         while True:
-            codes = [p.poll() for p in procs]
+            codes = [p.exitcode for p in procs]
             failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 rank, code = failed[0]
@@ -114,19 +153,18 @@ def launch(argv: list[str], world: int) -> int:
                 break
             if all(c == 0 for c in codes):
                 return 0
-            time.sleep(0.1)
+            time.sleep(0.05)
     except KeyboardInterrupt:
         code = 130
-    for p in procs:   # one rank gone means the group is gone: stop the rest as a unit
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        if p.exitcode is None:
+            p.terminate()
     deadline = time.time() + 10
     for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.time()))
-        except subprocess.TimeoutExpired:
+        p.join(max(0.1, deadline - time.time()))
+        if p.exitcode is None:
             p.kill()
-            p.wait()
+            p.join()
     return code
 
 
@@ -135,27 +173,16 @@ def run(args) -> int:
     from .data import DataError
     from .errors import WorkerError
 
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")   # ranks are forked after tokenizing
     opts = options(args)
     in_group = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     try:
         if not in_group:
             check_inputs(opts)
-            return launch(_argv_of(args), opts.world_size)
+            return launch(opts, opts.world_size)
         from .train import run_training
         return run_training(opts)
     except (WorkerError, DataError, ckpt.CheckpointError) as e:
         if not in_group or os.environ.get("RANK") == "0":
             print(f"shardwise train: {e}", file=sys.stderr)
         return 2
-
-
-def _argv_of(args) -> list[str]:
-    """Rebuild the command line from parsed args (when called as a function, not from the CLI)."""
-    out = []
-    for key, value in vars(args).items():
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            out += [flag] if value else []
-        elif value is not None:
-            out += [flag, str(value)]
-    return out

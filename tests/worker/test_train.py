@@ -95,15 +95,24 @@ def test_resume_tp2_checkpoint_in_another_layout_matches_uninterrupted_losses(wo
     assert [s for s, _ in ckpt.committed(ckdir)] == [8, 12, 16]
 
 
-def _children(pid: int) -> dict[int, int]:
-    """rank -> pid of the launcher's rank processes."""
-    kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    ranks = {}
-    for k in kids:
-        env = Path(f"/proc/{k}/environ").read_bytes().split(b"\0")
-        rank = next(int(e[5:]) for e in env if e.startswith(b"RANK="))
-        ranks[rank] = int(k)
-    return ranks
+def _ranks(pid: int) -> dict[int, int]:
+    """rank -> pid of the local ranks started by the launcher `pid` (named shardwise-rk<N>)."""
+    found, todo = {}, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            kids = Path(f"/proc/{p}/task/{p}/children").read_text().split()
+        except OSError:
+            continue
+        for k in map(int, kids):
+            try:
+                comm = Path(f"/proc/{k}/comm").read_text().strip()
+            except OSError:
+                continue
+            if comm.startswith("shardwise-rk"):
+                found[int(comm[len("shardwise-rk"):])] = k
+            todo.append(k)
+    return found
 
 
 def _start(work, ckdir, *layout, env=None):
@@ -122,7 +131,7 @@ def test_rank_killed_mid_run_restarts_from_last_complete_checkpoint(work, refere
         rec = json.loads(line)
         seen[rec["step"]] = rec["loss"]
         if rec["step"] >= 6 and ckpt.committed(ckdir):
-            os.kill(_children(proc.pid)[1], signal.SIGKILL)     # the last stage dies
+            os.kill(_ranks(proc.pid)[1], signal.SIGKILL)     # the last stage dies
             break
     proc.stdout.read()
     assert proc.wait(60) != 0
@@ -147,7 +156,7 @@ def test_rank_killed_mid_save_never_loads_the_cut_off_checkpoint(work, reference
     while not (tmp / ".metadata").exists():        # every rank's data written, commit pending
         assert time.time() < deadline and proc.poll() is None
         time.sleep(0.05)
-    os.kill(_children(proc.pid)[0], signal.SIGKILL)   # rank 0: the one that commits
+    os.kill(_ranks(proc.pid)[0], signal.SIGKILL)   # rank 0: the one that commits
     proc.communicate(timeout=60)
     assert proc.returncode != 0
     assert [s for s, _ in ckpt.committed(ckdir)] == [4]     # the cut-off step 8 is not visible
@@ -175,6 +184,17 @@ def _greedy_reference(ckdir: Path, prompt: list[int], n: int) -> list[int]:
     return ids[len(prompt):]
 
 
+def _greedy_base(model_dir: Path, prompt: list[int], n: int) -> list[int]:
+    from shardwise.worker.loader import load_stage, open_model
+    source = open_model(str(model_dir))
+    model = load_stage(source, 0, source.config.num_layers, True, True)
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
 def test_generate_from_training_checkpoint_gives_trained_greedy_tokens(work, reference):
     _, ref_dir = reference
     p = subprocess.run([sys.executable, "-m", "shardwise", "generate", "--model", str(ref_dir),
@@ -184,10 +204,7 @@ def test_generate_from_training_checkpoint_gives_trained_greedy_tokens(work, ref
     out = json.loads(p.stdout.strip().splitlines()[-1])
     trained = _greedy_reference(ref_dir, out["prompt_token_ids"], 8)
     assert out["token_ids"] == trained
-    base = subprocess.run([sys.executable, "-m", "shardwise", "generate", "--model", str(work / "model"),
-                           "--prompt", "the quick brown", "--max-new-tokens", "8", "--json"],
-                          capture_output=True, text=True, timeout=300)
-    assert json.loads(base.stdout.strip().splitlines()[-1])["token_ids"] != trained   # training changed it
+    assert _greedy_base(work / "model", out["prompt_token_ids"], 8) != trained   # training changed it
 
 
 def test_corrupt_latest_checkpoint_falls_back_with_a_warning(work, reference, tmp_path):
@@ -208,15 +225,28 @@ def test_bad_input_is_one_clear_line(work, reference, tmp_path):
     empty.write_text("")
     cases = [
         (["--data", str(empty)], f"dataset {empty} is empty"),
-        (["--data", str(tmp_path / "missing.txt")], "cannot be read"),
         (["--tensor-parallel", "3"], "tensor parallel degree 3 does not divide"),
-        (["--batch-size", "3", "--data-parallel", "2"], "--batch-size 3 is not divisible by --data-parallel 2"),
     ]
     for extra, message in cases:
         cmd = _cmd(work, tmp_path / "ck", extra=extra)
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         assert p.returncode == 2, (extra, p.stderr)
         assert message in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    # The same checks, in process (they run before any rank starts).
+    from shardwise.worker.cmd_train import check_inputs
+    from shardwise.worker.data import DataError
+    from shardwise.worker.errors import WorkerError
+    from shardwise.worker.train import TrainOptions
+    base = dict(model=str(work / "model"), data=str(work / "data.txt"), checkpoint_dir=str(tmp_path / "ck"), steps=2)
+    for change, error, message in [
+        ({"data": str(tmp_path / "missing.txt")}, DataError, "missing.txt cannot be read"),
+        ({"data": str(tmp_path)}, DataError, "is a directory"),
+        ({"batch_size": 3, "data_parallel": 2}, WorkerError, "--batch-size 3 is not divisible by --data-parallel 2"),
+        ({"pipeline": 5}, WorkerError, "pipeline parallel degree 5 is more stages than the model's 4 layers"),
+        ({"model": str(tmp_path / "nope")}, WorkerError, "not found"),
+    ]:
+        with pytest.raises(error, match=message):
+            check_inputs(TrainOptions(**{**base, **change}))
     # A checkpoint directory written for another model.
     other = tmp_path / "other"
     write_tiny_model(other, _text(), layers=2, hidden=32, heads=4, kv_heads=2)
