@@ -294,8 +294,11 @@ class State:
             raw = json.loads(path.read_text())
         except (OSError, ValueError):
             return None
-        raw["components"] = [Component(**c) for c in raw.get("components", [])]
-        return cls(**raw)
+        try:
+            raw["components"] = [Component(**c) for c in raw.get("components", [])]
+            return cls(**raw)
+        except TypeError:  # written at the very start of `up`, before anything ran
+            return None
 
     def save(self, path: Path) -> None:
         tmp = path.with_suffix(".tmp")
@@ -403,8 +406,10 @@ class ControlPlane:
         if spec.apiserver_port and port_taken(spec.apiserver_port):
             raise ControlPlaneError(f"kube-apiserver: port 127.0.0.1:{spec.apiserver_port} is taken")
         if self.dir.exists():
+            self._check_ours()
             shutil.rmtree(self.dir)  # leftovers of a cluster that is no longer running
         self.logs.mkdir(parents=True)
+        self.state_file.write_text("{}")  # marks the folder as ours from the first moment
         t0 = time.monotonic()
         try:
             self._up(spec, say, timeout)
@@ -535,6 +540,14 @@ class ControlPlane:
                        "kube-controller-manager", "the default ServiceAccount",
                        max(1, deadline - time.monotonic()))
 
+    def _check_ours(self) -> None:
+        """Refuse to delete a folder that is not a state folder (say, a mistyped $SHARDWISE_DEV_DIR)."""
+        if self.state_file.exists() or not any(self.dir.iterdir()):
+            return
+        raise ControlPlaneError(f"{self.dir} exists and is not a local cluster's state folder "
+                                "(no state.json); choose another with --state-dir or "
+                                "$SHARDWISE_DEV_DIR")
+
     def _wait_for(self, predicate, component: str, what: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while not predicate():
@@ -561,6 +574,7 @@ class ControlPlane:
             proc.wait()
         self._procs.clear()
         if remove_state and self.dir.exists():
+            self._check_ours()
             shutil.rmtree(self.dir, ignore_errors=True)
         return stopped
 

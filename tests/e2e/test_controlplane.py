@@ -169,3 +169,14 @@ def test_kube_api_fixture_talks_to_the_cluster(kube_api, namespace):
     assert core.read_namespace(namespace).status.phase == "Active"
     gpus = [n.status.allocatable.get("nvidia.com/gpu") for n in core.list_node().items]
     assert gpus and all(g is not None for g in gpus)
+
+
+def test_dev_refuses_to_wipe_a_folder_that_is_not_its_own(tmp_path):
+    precious = tmp_path / "notes"
+    precious.mkdir()
+    (precious / "thesis.tex").write_text("years of work")
+    for action in ("up", "down"):
+        out = dev("--state-dir", str(precious), action)
+        assert out.returncode == 1
+        assert "is not a local cluster's state folder" in out.stderr
+    assert (precious / "thesis.tex").read_text() == "years of work"
