@@ -306,7 +306,6 @@ class Trainer:
         self.step = step
         # Mean loss over the global batch: the last stage's TP rank 0 of each replica contributes.
         report = loss_sum if (self.last and self.pos.tp_rank == 0) else torch.zeros_like(loss_sum)
-        report = report.detach().float().cpu()
         dist.all_reduce(report)
         return {"step": step, "loss": report.item() / opts.data_parallel, "lr": lr, "grad_norm": norm}
 
@@ -379,7 +378,8 @@ def run_training(opts: TrainOptions, rank: int | None = None, world_size: int | 
                           f"pipeline x {opts.data_parallel} data parallel = {opts.world_size} ranks")
     torch.manual_seed(opts.seed)
     if not dist.is_initialized():
-        backend = "nccl" if opts.device.startswith("cuda") else "gloo"
+        # CUDA: NCCL for tensors on the GPU, gloo for the CPU-side agreement and checkpoint groups
+        backend = "cpu:gloo,cuda:nccl" if opts.device.startswith("cuda") else "gloo"
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(minutes=10))
     lead = rank == 0
@@ -524,3 +524,13 @@ def options_from_env(plan, model: str, env: dict | None = None) -> TrainOptions:
             raise WorkerError(f"training pod: {var} is not set")
     values["json"] = True
     return options_from_plan(plan, model=model, **values)
+
+
+def run_training_rank(plan, model: str, replica: int, stage: int, local_rank: int,
+                      env: dict | None = None) -> int:
+    """A training pod's rank process: options from the plan and SHARDWISE_* variables, global rank
+    from (replica, stage, local GPU). MASTER_ADDR/MASTER_PORT must name replica 0, stage 0."""
+    opts = options_from_env(plan, model, env)
+    if opts.device == "cuda":
+        os.environ.setdefault("LOCAL_RANK", str(local_rank))
+    return run_training(opts, rank=pod_rank(replica, stage, local_rank, plan), world_size=opts.world_size)

@@ -255,3 +255,40 @@ def test_bad_input_is_one_clear_line(work, reference, tmp_path):
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     assert "was written for a different model" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_training_pods_from_a_plan_reproduce_the_reference(work, reference, tmp_path):
+    """What ShardedModel pods run: layout and (uneven) layer split from the plan, options from
+    SHARDWISE_* variables, one world over the pods; losses match the reference run."""
+    from shardwise.crds.plan import ShardPlan, StagePlacement
+    losses, _ = reference
+    plan = ShardPlan(tensor=1, pipeline=2, replicas=1, num_layers=4, placements=[
+        StagePlacement(replica=0, stage=s, node=f"node-{s}", gpus=1, layer_start=(0, 3)[s],
+                       layer_end=(3, 4)[s], embedding=s == 0, head=s == 1) for s in range(2)])
+    (tmp_path / "plan.json").write_text(plan.model_dump_json())
+    env = {**os.environ, "SHARDWISE_WORKLOAD": "training", "SHARDWISE_TRAIN_DATA": str(work / "data.txt"),
+           "SHARDWISE_TRAIN_STEPS": "4", "SHARDWISE_CHECKPOINT_DIR": str(tmp_path / "ck"),
+           "SHARDWISE_CHECKPOINT_EVERY": "2", "SHARDWISE_TRAIN_LR": "3e-3", "SHARDWISE_TRAIN_SEED": "7",
+           "SHARDWISE_TRAIN_BATCH_SIZE": "4", "SHARDWISE_TRAIN_SEQ_LEN": "32",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}
+    code = ("import sys; from shardwise.crds.plan import ShardPlan; from shardwise.worker.train import run_training_rank; "
+            f"plan = ShardPlan.model_validate_json(open({str(tmp_path / 'plan.json')!r}).read()); "
+            f"sys.exit(run_training_rank(plan, {str(work / 'model')!r}, 0, int(sys.argv[1]), 0))")
+    pods = [subprocess.Popen([sys.executable, "-c", code, str(stage)], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for stage in range(2)]
+    outs = [p.communicate(timeout=300) for p in pods]
+    assert [p.returncode for p in pods] == [0, 0], outs[0][1] + outs[1][1]
+    got = _losses(outs[0][0])
+    assert sorted(got) == [1, 2, 3, 4]
+    _assert_same_losses(got, losses, got)
+    progress = json.loads((tmp_path / "ck" / "progress.json").read_text())
+    assert progress["done"] and progress["last_checkpoint"]["step"] == 4
+    from shardwise.worker.train import last_checkpoint
+    assert last_checkpoint(str(tmp_path / "ck"))["step"] == 4
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
