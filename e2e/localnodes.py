@@ -391,43 +391,53 @@ class PodRunner(threading.Thread):
         self.mounts = {}
         self._report()
         while not self.halt.is_set():
-            with self.lock:
-                pod = self.pod
-            if pod["metadata"].get("deletionTimestamp"):
-                grace = pod["metadata"].get("deletionGracePeriodSeconds")
-                self._kill_all(30 if grace is None else min(float(grace), 30))
-                self._report()
-                try:  # what a kubelet does once the containers are gone
-                    self.rt.client.delete(f"/api/v1/namespaces/{self.ns}/pods/{self.name}",
-                                          {"gracePeriodSeconds": 0,
-                                           "preconditions": {"uid": self.uid}})
-                except kapi.ApiError as e:
-                    if e.status not in (404, 409):
-                        log.warning("deleting %s/%s: %s", self.ns, self.name, e)
-                return
-            if not self.mounts:
-                try:
-                    self.mounts = self._materialise_volumes(pod)
-                except _Waiting as w:
-                    for c in self.containers:
-                        c.waiting = (w.reason, w.message)
-                    self._report()
-                    self.halt.wait(1.0)
-                    continue
-            if not self._run_inits(restart):
-                self._report()
-                self.halt.wait(0.5)
-                continue
-            for c in self.containers:
-                self._tend(c, restart)
+            try:
+                if self._step(restart):
+                    return
+            except Exception as e:  # an API hiccup must not orphan the pod's processes
+                log.warning("pod %s/%s: %s", self.ns, self.name, e)
+                self.halt.wait(1.0)
+
+    def _step(self, restart: str) -> bool:
+        """One pass over the pod; True when the pod is gone and the runner should end."""
+        with self.lock:
+            pod = self.pod
+        if pod["metadata"].get("deletionTimestamp"):
+            grace = pod["metadata"].get("deletionGracePeriodSeconds")
+            self._kill_all(30 if grace is None else min(float(grace), 30))
             self._report()
-            if self._finished(restart):
+            try:  # what a kubelet does once the containers are gone
+                self.rt.client.delete(f"/api/v1/namespaces/{self.ns}/pods/{self.name}",
+                                      {"gracePeriodSeconds": 0,
+                                       "preconditions": {"uid": self.uid}})
+            except kapi.ApiError as e:
+                if e.status not in (404, 409):
+                    log.warning("deleting %s/%s: %s", self.ns, self.name, e)
+            return True
+        if not self.mounts:
+            try:
+                self.mounts = self._materialise_volumes(pod)
+            except _Waiting as w:
+                for c in self.containers:
+                    c.waiting = (w.reason, w.message)
                 self._report()
-                # keep watching for deletion, but there is nothing left to run
-                while not self.halt.is_set() and not self.pod["metadata"].get("deletionTimestamp"):
-                    self.halt.wait(0.5)
-                continue
-            self.halt.wait(0.25)
+                self.halt.wait(1.0)
+                return False
+        if not self._run_inits(restart):
+            self._report()
+            self.halt.wait(0.5)
+            return False
+        for c in self.containers:
+            self._tend(c, restart)
+        self._report()
+        if self._finished(restart):
+            self._report()
+            # keep watching for deletion, but there is nothing left to run
+            while not self.halt.is_set() and not self.pod["metadata"].get("deletionTimestamp"):
+                self.halt.wait(0.5)
+            return False
+        self.halt.wait(0.25)
+        return False
 
     def _run_inits(self, restart: str) -> bool:
         for c in self.inits:
@@ -531,12 +541,12 @@ class PodRunner(threading.Thread):
             except OSError:
                 return False
         if "exec" in probe:
-            env = self._env(c.spec)
             try:
+                env = self._env(c.spec)
                 return subprocess.run(self._rewrite_list(probe["exec"]["command"], env), env=env,
                                       timeout=max(1, timeout), capture_output=True,
                                       cwd=self.dir).returncode == 0
-            except (OSError, subprocess.TimeoutExpired):
+            except (OSError, subprocess.TimeoutExpired, _Waiting, kapi.ApiError):
                 return False
         return True
 
