@@ -104,6 +104,8 @@ class _SliceSavePlanner(DefaultSavePlanner):
     def create_local_plan(self) -> SavePlan:
         items = []
         for fqn, s in self.slices.items():
+            if s.tensor.numel() == 0:   # a rank holding only vocabulary padding has nothing to write
+                continue
             offsets = torch.Size(s.offsets)
             items.append(WriteItem(
                 index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
@@ -137,7 +139,8 @@ class _SliceLoadPlanner(DefaultLoadPlanner):
             if tuple(md.size) != tuple(s.full_shape):
                 raise CheckpointError(f"checkpoint {self.where}: {fqn!r} has shape {tuple(md.size)}, "
                                       f"this model needs {tuple(s.full_shape)}: it was written for a different model")
-            items += create_read_items_for_chunk_list(fqn, md, [s.chunk()])
+            if s.tensor.numel():
+                items += create_read_items_for_chunk_list(fqn, md, [s.chunk()])
         return LoadPlan(items)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:

@@ -25,7 +25,6 @@ import datetime
 import json
 import math
 import os
-import shutil
 import sys
 import time
 import warnings
@@ -263,13 +262,13 @@ class Trainer:
 
     def train_step(self) -> dict:
         step = self.step + 1
-        opts, P, s = self.opts, self.opts.pipeline, self.pos.stage
+        opts, s = self.opts, self.pos.stage
         batch = self.batches.batch(step, self.pos.replica, opts.data_parallel).to(self.device)
         inputs, targets = batch[:, :-1], batch[:, 1:]
         mbs = list(zip(inputs.chunk(self.micro), targets.chunk(self.micro)))
         hidden = self.config.hidden_size
-        for g in self.params:
-            g.grad = None
+        for p in self.params:
+            p.grad = None
         lr = opts.lr * min(1.0, step / opts.warmup) if opts.warmup else opts.lr
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -286,11 +285,11 @@ class Trainer:
             if self.last:
                 loss = F.cross_entropy(out.float().reshape(-1, out.shape[-1]), y.reshape(-1)) / self.micro
                 loss_sum += loss.detach()
-                saved.append((inp, loss, None))
+                saved.append((inp, loss))
             else:
                 dist.send(out.detach().contiguous(), self._peer(s + 1))
-                saved.append((inp, out, None))
-        for inp, out, _ in reversed(saved):                 # backward, in reverse order
+                saved.append((inp, out))
+        for inp, out in reversed(saved):                 # backward, in reverse order
             if self.last:
                 out.backward()
             else:

@@ -6,7 +6,6 @@ import json
 import multiprocessing as mp
 import os
 import socket
-import time
 
 import pytest
 import torch
