@@ -273,7 +273,7 @@ class Demo:
             model = self.model()
             status = model.get("status") or {}
             pods = self.pods()
-            line = progress_line(status, pods)
+            line = progress_line(status, pods, self.downed_node)
             now = time.monotonic()
             if line != last or now - last_print > 15:
                 say(f"  {self.elapsed()}  {line}")
@@ -454,8 +454,9 @@ class Demo:
         say(f"  kubectl describe sm {MODEL_NAME} -n {NAMESPACE}")
         say(f"  kubectl get pods,svc -n {NAMESPACE} -o wide")
         say(f"  kubectl get events -n {NAMESPACE} --sort-by=.lastTimestamp")
-        say(f"  curl -s http://{ip}:{SERVING_PORT}/v1/completions -H 'Content-Type: "
-            "application/json' -d '{\"prompt\": \"The capital of France is\", \"max_tokens\": 8}'")
+        say(f"  curl -s http://{ip}:{SERVING_PORT}/v1/chat/completions -H 'Content-Type: "
+            "application/json' -d '{\"messages\": [{\"role\": \"user\", \"content\": "
+            "\"Name three colours.\"}], \"max_tokens\": 24, \"temperature\": 0}'")
         say(f"  tail -f {self.operator_log}")
         say("stop it all with:  shardwise dev down")
 
@@ -470,7 +471,7 @@ def pod_ready(pod: dict) -> bool:
                for c in pod.get("status", {}).get("conditions") or [])
 
 
-def progress_line(status: dict, pods: list[dict]) -> str:
+def progress_line(status: dict, pods: list[dict], lost_node: str | None = None) -> str:
     shards = (status.get("pipeline") or 0) * max(status.get("replicas") or 0, 1)
     parts = [f"phase {status.get('phase') or '- (the operator has not seen it yet)'}",
              f"ready shards {status.get('readyShards', 0)}/{shards or '?'}",
@@ -481,6 +482,8 @@ def progress_line(status: dict, pods: list[dict]) -> str:
         phase = pod.get("status", {}).get("phase") or "Pending"
         if pod["metadata"].get("deletionTimestamp"):
             phase = "Terminating"
+        elif lost_node and pod["spec"].get("nodeName") == lost_node:
+            phase = "lost with its node"
         elif phase == "Running":
             phase = "Ready" if pod_ready(pod) else "loading"
         pod_parts.append(f"{name}@{pod['spec'].get('nodeName') or '?'} {phase}")
