@@ -69,7 +69,8 @@ def _slim(pod: Mapping[str, Any], node: str | None) -> dict:
     and its containers' resources."""
     spec = pod.get("spec") or {}
     meta = pod["metadata"]
-    labels = {k: v for k, v in (meta.get("labels") or {}).items() if k == renderer.LABEL_MODEL}
+    labels = {k: v for k, v in (meta.get("labels") or {}).items()
+              if k in (renderer.LABEL_MODEL, renderer.LABEL_REPLICA)}
     return {"metadata": {"name": meta["name"], "namespace": meta.get("namespace"), "labels": labels},
             "spec": {"nodeName": node,
                      "containers": [{"resources": c.get("resources") or {}} for c in spec.get("containers") or []]},

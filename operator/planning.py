@@ -13,7 +13,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from shardwise.crds.models import ShardedModelSpec
 from shardwise.crds.plan import ShardPlan, StagePlacement
 from shardwise.operator import inventory, modelfacts, planner, recovery
-from shardwise.operator.renderer import LABEL_MODEL
+from shardwise.operator.renderer import LABEL_MODEL, LABEL_REPLICA
 
 # PlanError messages that no amount of capacity will fix: the spec must change.
 _INVALID_MARKS = ("does not divide", "exceeds the model's", "divides the model's")
@@ -46,8 +46,15 @@ def plan_groups(spec: ShardedModelSpec, namespace: str, model: str, nodes: Mappi
     keep = [r for r in keep if current is not None]
     kept = [p for p in (current.placements if current else []) if p.replica in keep]
     same_layout = current is not None and _layout_ok(current, spec)
-    own = lambda p: (p.get("metadata", {}).get("namespace") == namespace  # noqa: E731
-                     and (p.get("metadata", {}).get("labels") or {}).get(LABEL_MODEL) == model)
+    # This model's pods of the groups being planned or kept are left out of the inventory (the
+    # planner subtracts kept placements itself); its other pods - groups on an old layout still
+    # serving during a roll - hold their GPUs like any other workload.
+    mine = {str(r) for r in replicas} | {str(r) for r in keep}
+
+    def own(p: Mapping[str, Any]) -> bool:
+        labels = p.get("metadata", {}).get("labels") or {}
+        return (p.get("metadata", {}).get("namespace") == namespace and labels.get(LABEL_MODEL) == model
+                and labels.get(LABEL_REPLICA, "") in mine)
     pods = list(pods)
     infos = inventory.build(nodes.values(), pods, spec.gpu.resource_name, ignore_pod=own)
     if kept and not same_layout:

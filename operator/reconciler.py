@@ -145,10 +145,18 @@ def _reconcile(applier: Applier, body: dict, nodes: Mapping[str, Mapping[str, An
     for pod in pods:
         pods_by_replica.setdefault(int(pod["metadata"]["labels"].get(renderer.LABEL_REPLICA, -1)), []).append(pod)
 
-    # A new layout (TP/PP) asked for: groups on the old layout are replaced one at a time (below).
+    # A new layout (TP/PP) asked for: the plan becomes the target (empty at first); the groups on the
+    # old layout keep serving, marked Outdated, and are replaced one at a time below.
     if plan is not None and not layout_matches(plan, spec):
+        for r in _planned(plan):
+            if r in groups and groups[r].get("phase") not in (recovery.FAILED, recovery.PENDING):
+                groups[r]["phase"] = recovery.OUTDATED
         out.events.append(Event("Normal", "LayoutChanged",
-                                f"re-planning from TP={plan.tensor} PP={plan.pipeline} to the spec's layout"))
+                                f"rolling from TP={plan.tensor} PP={plan.pipeline} to the spec's layout, "
+                                f"one replica at a time"))
+        plan = None
+        applier.patch_status(namespace, name, {"plan": None, "groups": [groups[r] for r in sorted(groups)]})
+    spec_hash = renderer.spec_hash(body.get("spec") or {}, default_image)
     shared_applied = False
 
     def ensure_shared(current: ShardPlan) -> None:
@@ -180,13 +188,26 @@ def _reconcile(applier: Applier, body: dict, nodes: Mapping[str, Mapping[str, An
     rolled = False
     for r in range(desired):
         g = groups.setdefault(r, {"replica": r, "attempt": 0, "phase": recovery.PENDING, "restarts": 0})
-        stale_layout = plan is not None and r in _planned(plan) and not layout_matches(plan, spec)
-        if stale_layout and not rolled and _others_serving(groups, r, desired):
-            # Roll: this group is replaced by one on the new layout; the others keep serving.
-            rolled = True
-            applier.delete_group(namespace, name, r)
-            plan = drop_replicas(plan, {r})
-            g.update(phase=recovery.PENDING, lastFailure=None)
+        if g.get("phase") == recovery.OUTDATED:
+            # On the old layout: replaced when every other replica serves (or it is the only one).
+            if not rolled and _others_serving(groups, r, desired):
+                rolled = True
+                g.update(phase=recovery.PENDING, lastFailure=None)
+                out.events.append(Event("Normal", "Rolling", f"replacing replica {r} with the new layout"))
+            else:
+                continue
+        elif plan is not None and r in _planned(plan) and g.get("phase") == recovery.READY and \
+                _outdated_pods(pods_by_replica.get(r, []), int(g.get("attempt", 0)), spec_hash):
+            # Same layout, new model/image/resources: replaced the same way, one replica at a time.
+            if not rolled and _others_serving(groups, r, desired):
+                rolled = True
+                applier.delete_group(namespace, name, r)
+                pods_by_replica[r] = []
+                plan = drop_replicas(plan, {r})
+                g.update(phase=recovery.PENDING, lastFailure=None)
+                out.events.append(Event("Normal", "Rolling", f"replacing replica {r} with the new spec"))
+            else:
+                continue
         if plan is None or r not in _planned(plan):
             if g.get("phase") != recovery.FAILED or g.get("lastFailure", "").startswith("invalid"):
                 replan.append(r)
@@ -293,7 +314,7 @@ def _reconcile(applier: Applier, body: dict, nodes: Mapping[str, Mapping[str, An
             ready_shards += sum(recovery.pod_ready(p) for p in pods_by_replica.get(r, [])
                                 if p["metadata"]["labels"].get(renderer.LABEL_ATTEMPT) == attempt)
     phase = status_mod.model_phase(live, desired, invalid)
-    ready_replicas = sum(g.get("phase") == recovery.READY for g in live)
+    ready_replicas = sum(g.get("phase") in (recovery.READY, recovery.OUTDATED) for g in live)
     message = status_mod.phase_message(live, desired, invalid)
     conditions = status_mod.set_condition(
         conditions, "Planned", plan is not None and not invalid and all(g.get("phase") != recovery.PENDING for g in live),
@@ -355,7 +376,13 @@ def _others_serving(groups: Mapping[int, Mapping[str, Any]], r: int, desired: in
     """A rolling replacement of replica r keeps at least one other replica serving (when there are two+)."""
     if desired < 2:
         return True
-    return all(groups.get(o, {}).get("phase") == recovery.READY for o in range(desired) if o != r)
+    return all(groups.get(o, {}).get("phase") in (recovery.READY, recovery.OUTDATED)
+               for o in range(desired) if o != r)
+
+
+def _outdated_pods(pods: list[dict], attempt: int, spec_hash: str) -> bool:
+    live = [p for p in pods if p["metadata"]["labels"].get(renderer.LABEL_ATTEMPT) == str(attempt)]
+    return any(p["metadata"]["labels"].get(renderer.LABEL_SPEC_HASH) not in (None, spec_hash) for p in live)
 
 
 def _differs(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:

@@ -25,6 +25,7 @@ RECOVERING = "Recovering"  # failure seen; group torn down, waiting for backoff,
 PENDING = "Pending"        # no capacity for this group (no plan); retried on the next timer tick
 FAILED = "Failed"          # restart budget spent
 SUCCEEDED = "Succeeded"    # training: every pod exited 0
+OUTDATED = "Outdated"      # serving on an old layout or spec; replaced one replica at a time
 
 DEFAULT_MAX_RESTARTS = 3
 DEFAULT_BACKOFF_SECONDS = 10.0

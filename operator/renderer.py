@@ -25,6 +25,7 @@ LABEL_REPLICA = "shardwise.dev/replica"
 LABEL_STAGE = "shardwise.dev/stage"
 LABEL_PLAN_HASH = "shardwise.dev/plan-hash"
 LABEL_ATTEMPT = "shardwise.dev/attempt"
+LABEL_SPEC_HASH = "shardwise.dev/spec-hash"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "shardwise"
 
@@ -100,6 +101,15 @@ def replica_hash(plan: ShardPlan, replica: int) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:10]
 
 
+def spec_hash(spec: Mapping[str, Any], default_image: str = DEFAULT_IMAGE) -> str:
+    """Hash of what a running pod depends on, besides its placement: a change rolls the replicas.
+    Replicas, recovery and placement preferences are left out: changing them rolls nothing."""
+    keep = {k: v for k, v in spec.items() if k not in ("parallelism", "recovery", "placement")}
+    keep["parallelism"] = {k: v for k, v in (spec.get("parallelism") or {}).items() if k != "replicas"}
+    keep["image"] = spec.get("image") or default_image
+    return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:10]
+
+
 # --- common metadata -----------------------------------------------------------------------------
 
 def owner_reference(body: Mapping[str, Any]) -> dict:
@@ -147,7 +157,8 @@ def render_pod(body: Mapping[str, Any], plan: ShardPlan, placement: StagePlaceme
     model_path, volume, mount = model_volume(spec_get(spec, "model.uri", ""))
 
     labels = {**model_labels(model), LABEL_REPLICA: str(r), LABEL_STAGE: str(s),
-              LABEL_PLAN_HASH: replica_hash(plan, r), LABEL_ATTEMPT: str(attempt)}
+              LABEL_PLAN_HASH: replica_hash(plan, r), LABEL_ATTEMPT: str(attempt),
+              LABEL_SPEC_HASH: spec_hash(spec, default_image)}
     resources = _resources(spec, gpu_resource, placement.gpus)
     env = [
         {"name": "SHARDWISE_MODEL_NAME", "value": model},

@@ -27,7 +27,9 @@ def model_phase(groups: Iterable[Mapping[str, Any]], desired: int, invalid: str 
     """`invalid`: why the spec cannot run at all (not a capacity problem) - terminal until it changes."""
     if invalid:
         return FAILED
-    phases = [g.get("phase", recovery.CREATING) for g in groups if g.get("replica", 0) < desired]
+    # An Outdated group still serves (on the old layout) until its replacement is Ready.
+    phases = [recovery.READY if g.get("phase") == recovery.OUTDATED else g.get("phase", recovery.CREATING)
+              for g in groups if g.get("replica", 0) < desired]
     phases += [recovery.PENDING] * (desired - len(phases))
     if desired == 0:
         return READY

@@ -389,3 +389,30 @@ def test_two_operators_one_active_and_the_standby_takes_over(kube, operator, tmp
         assert len(kube.pods("h")) == 2
     finally:
         standby.stop()
+
+
+def test_new_layout_rolls_replica_by_replica_keeping_one_serving(kube, operator):
+    ns = kube.ns
+    kube.add_nodes([(f"{ns}-n{i}", f"{ns}-rack-{i % 2}") for i in range(4)])
+    model(kube, "roll", tensor=4, pipeline=2, replicas=2)
+    wait(ready(kube, "roll", 2), 90, "roll Ready on TP=4 x PP=2")
+    kube.kubectl("patch", "sm", "roll", "-n", ns, "--type=merge",
+                 "-p", json.dumps({"spec": {"parallelism": {"tensor": 8, "pipeline": 1}}}))
+    # Sample while it rolls: some replica serves at every moment.
+    serving, deadline = [], time.monotonic() + 120
+    while time.monotonic() < deadline:
+        st = kube.model("roll").get("status", {})
+        serving.append(st.get("readyReplicas", 0))
+        if st.get("tensor") == 8 and st.get("phase") == "Ready" and st.get("readyReplicas") == 2 \
+                and all(g["phase"] == "Ready" for g in st.get("groups", [])):
+            break
+        time.sleep(0.3)
+    else:
+        raise AssertionError(f"roll did not finish: {kube.model('roll').get('status')}")
+    assert min(serving) >= 1, serving
+    wait(lambda: len(kube.pods("roll")) == 2, 60, "old pods gone")
+    for pod in kube.pods("roll"):
+        assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    events = [e["reason"] for e in kube.get("events")["items"] if e["involvedObject"].get("name") == "roll"]
+    assert "LayoutChanged" in events and events.count("Rolling") >= 2
+    assert kube.model("roll")["status"]["restarts"] == 0
