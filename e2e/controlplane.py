@@ -25,6 +25,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
@@ -210,6 +211,40 @@ def wait_nodes_ready(client: kapi.Client, names: list[str], timeout: float,
         missing = sorted(wanted - ready)
         raise ControlPlaneError(f"nodes not Ready after {timeout:.0f}s: "
                                 f"{', '.join(missing[:5])}{' …' if len(missing) > 5 else ''}")
+
+
+def set_node_down(client: kapi.Client, name: str, down: bool, timeout: float = 30) -> None:
+    """Stop (down=True) or resume a node's heartbeat. Resuming waits for the node's Lease to be
+    renewed, then touches the pods bound to it: kwok does not look again at pods of a node it takes
+    back, so without that, pods evicted while the node was down would stay Terminating."""
+    since = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    client.merge_patch(f"/api/v1/nodes/{name}",
+                       {"metadata": {"labels": {NODE_DOWN_LABEL: "true" if down else None}}})
+    if down:
+        return
+    lease = f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{name}"
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            renewed = client.get(lease)["spec"].get("renewTime") or ""
+        except kapi.ApiError as e:
+            if e.status != 404:
+                raise
+            renewed = ""
+        if renewed >= since:
+            break
+        if time.monotonic() > deadline:
+            raise ControlPlaneError(f"node {name}: heartbeat did not resume in {timeout:.0f}s")
+        time.sleep(0.2)
+    pods = client.get("/api/v1/pods", fieldSelector=f"spec.nodeName={name}")["items"]
+    for pod in pods:
+        meta = pod["metadata"]
+        try:
+            client.merge_patch(f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}",
+                               {"metadata": {"annotations": {"shardwise.dev/node-up": since}}})
+        except kapi.ApiError as e:
+            if e.status != 404:
+                raise
 
 
 # ---------------------------------------------------------------- processes

@@ -141,8 +141,7 @@ def _node_down(plane, cp, name: str, down: bool) -> int:
         return _err("no local cluster is running")
     from shardwise.e2e import kapi
     try:
-        plane.client().merge_patch(f"/api/v1/nodes/{name}", {"metadata": {"labels": {
-            cp.NODE_DOWN_LABEL: "true" if down else None}}})
+        cp.set_node_down(plane.client(), name, down)
     except kapi.ApiError as e:
         if e.status == 404:
             return _err(f"node {name!r} not found")

@@ -93,12 +93,11 @@ class Cluster:
                 raise
 
     def node_down(self, name: str) -> None:
-        self.client.merge_patch(f"/api/v1/nodes/{name}",
-                                {"metadata": {"labels": {cp.NODE_DOWN_LABEL: "true"}}})
+        cp.set_node_down(self.client, name, True)
 
     def node_up(self, name: str) -> None:
-        self.client.merge_patch(f"/api/v1/nodes/{name}",
-                                {"metadata": {"labels": {cp.NODE_DOWN_LABEL: None}}})
+        """Resume the heartbeat; returns once the node's Lease is renewed again."""
+        cp.set_node_down(self.client, name, False)
 
     def wait_node_ready(self, name: str, ready: bool = True, timeout: float = 60) -> None:
         wait_until(lambda: cp.node_ready(self.client.get(f"/api/v1/nodes/{name}")) == ready,

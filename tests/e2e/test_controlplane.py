@@ -95,6 +95,11 @@ def test_node_failure_evicts_pods_in_seconds(kubectl, namespace, node_factory, c
     assert "node.kubernetes.io/unreachable" in taints
     wait_until(lambda: get(kubectl, "pod", "on-flaky")["metadata"].get("deletionTimestamp"), 30,
                "the pod on the failed node to be evicted")
+    # back up: kwok takes the node again and the evicted pod, still Terminating, is finished off
+    cluster.node_up(node)
+    cluster.wait_node_ready(node, timeout=40)
+    wait_until(lambda: "on-flaky" not in kubectl("get", "pods", "-o", "name"), 30,
+               "the evicted pod to go once its node is back")
 
 
 # ---------------------------------------------------------------- shardwise dev
