@@ -87,6 +87,21 @@ def test_helm_install_establishes_the_crd_and_runs_the_operator_deployment(clust
     assert can("list", "secrets", "-n", namespace) == "no"
     assert can("delete", "nodes") == "no"
 
+    # Namespace users get ShardedModels through the built-in roles: edit may create and scale them,
+    # view may only read them (aggregated by the controller-manager, so allow it a moment).
+    cluster.kubectl("create", "rolebinding", "alice-edit", "--clusterrole=edit", "--user=alice", namespace=namespace)
+    cluster.kubectl("create", "rolebinding", "bob-view", "--clusterrole=view", "--user=bob", namespace=namespace)
+
+    def user_can(user: str, *args: str) -> str:
+        return cluster.kubectl("auth", "can-i", *args, f"--as={user}", "-n", namespace, check=False).strip()
+    wait_until(lambda: user_can("alice", "create", "shardedmodels.shardwise.dev") == "yes", 30,
+               "the edit role to include ShardedModels")
+    assert user_can("alice", "update", "shardedmodels.shardwise.dev", "--subresource=scale") == "yes"
+    assert user_can("alice", "update", "shardedmodels.shardwise.dev", "--subresource=status") == "no"
+    wait_until(lambda: user_can("bob", "list", "shardedmodels.shardwise.dev") == "yes", 30,
+               "the view role to include ShardedModels")
+    assert user_can("bob", "delete", "shardedmodels.shardwise.dev") == "no"
+
 
 def _service_account_kubeconfig(cluster, namespace: str, sa: str, path: Path) -> Path:
     """A kubeconfig that authenticates as the ServiceAccount itself, with a short-lived token."""
