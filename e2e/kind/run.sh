@@ -7,7 +7,7 @@
 #   KEEP_CLUSTER=1 e2e/kind/run.sh  # leave the cluster up afterwards (reused by the next run)
 #   SKIP_BUILD=1 e2e/kind/run.sh    # reuse images built earlier
 #
-# Needs: docker, kind (>= 0.20), kubectl, helm, curl. Takes about 10 minutes, most of it the worker image.
+# Needs: docker, kind (>= 0.20), kubectl, helm, curl, python3. Takes about 10 minutes, most of it the worker image.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -27,7 +27,7 @@ say() { printf '\n== %s\n' "$*"; }
 die() { printf 'e2e/kind: %s\n' "$*" >&2; exit 1; }
 k() { kubectl --context "$KCTX" "$@"; }
 
-for tool in docker kind kubectl helm curl; do
+for tool in docker kind kubectl helm curl python3; do
   command -v "$tool" >/dev/null || die "$tool: not found on PATH"
 done
 
