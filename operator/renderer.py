@@ -269,13 +269,13 @@ def render_configmap(body: Mapping[str, Any], plan: ShardPlan) -> dict:
 def render_pdb(body: Mapping[str, Any], replicas: int, pipeline: int) -> dict:
     """A drain may take at most one replica's worth of pods: losing one pod stops its whole group, so
     with two or more replicas the others must keep serving. With one replica nothing can be protected
-    without blocking drains forever, so a single pod may go (and the group is recreated elsewhere)."""
+    without blocking drains forever (minAvailable 0; the group is recreated elsewhere).
+
+    Always an integer minAvailable: with maxUnavailable or a percentage the disruption controller
+    would ask the pods' controller (the ShardedModel) for its scale, which counts replicas, not pods."""
     model = body["metadata"]["name"]
-    spec: dict[str, Any] = {"selector": {"matchLabels": {LABEL_MODEL: model}}}
-    if replicas >= 2:
-        spec["minAvailable"] = (replicas - 1) * pipeline
-    else:
-        spec["maxUnavailable"] = 1
+    spec: dict[str, Any] = {"selector": {"matchLabels": {LABEL_MODEL: model}},
+                            "minAvailable": max(0, replicas - 1) * pipeline}
     return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
             "metadata": _meta(body, pdb_name(model), model_labels(model)), "spec": spec}
 

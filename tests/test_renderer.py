@@ -116,7 +116,8 @@ def test_replica_hash_changes_only_for_the_replanned_replica():
 
 def test_pdb_lets_a_drain_take_at_most_one_replica():
     assert renderer.render_pdb(_body(), replicas=3, pipeline=2)["spec"]["minAvailable"] == 4
-    assert renderer.render_pdb(_body(), replicas=1, pipeline=2)["spec"]["maxUnavailable"] == 1
+    assert renderer.render_pdb(_body(), replicas=1, pipeline=2)["spec"]["minAvailable"] == 0
+    assert "maxUnavailable" not in renderer.render_pdb(_body(), replicas=1, pipeline=2)["spec"]
 
 
 def test_plain_path_uri_is_passed_through_without_a_volume():
