@@ -126,11 +126,19 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.weight = weight
         self.vocab_start, self.group = vocab_start, group
+        self.rows = weight.shape[0]
+        self.weight_t = None
+
+    def use_transposed(self, weight_t: nn.Parameter) -> None:
+        """Read rows from the tied head's transposed table instead (model.fuse_for_inference)."""
+        del self.weight
+        self.weight_t = weight_t
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.vocab_start
-        outside = (local < 0) | (local >= self.weight.shape[0])
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        outside = (local < 0) | (local >= self.rows)
+        local = local.masked_fill(outside, 0)
+        out = F.embedding(local, self.weight) if self.weight_t is None else self.weight_t.t()[local]
         out = out.masked_fill(outside[..., None], 0)
         return _ReduceFromTP.apply(out, self.group)
 
@@ -140,10 +148,18 @@ class VocabParallelHead(nn.Module):
         super().__init__()
         self.weight = weight
         self.vocab_size, self.group, self.world, self.rank = vocab_size, group, world, rank
+        self.weight_t = None
+
+    def transpose_weight(self) -> nn.Parameter:
+        """Keep the slice as [hidden, vocab/world] for inference (see model.InferenceLinear)."""
+        self.weight_t = nn.Parameter(self.weight.detach().t().contiguous(), requires_grad=False)
+        del self.weight
+        return self.weight_t
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         h = _CopyToTP.apply(h, self.group)
-        logits = _GatherFromTP.apply(F.linear(h, self.weight), self.group, self.world, self.rank)
+        local = F.linear(h, self.weight) if self.weight_t is None else h @ self.weight_t
+        logits = _GatherFromTP.apply(local, self.group, self.world, self.rank)
         return logits[..., :self.vocab_size]
 
 

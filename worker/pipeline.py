@@ -18,6 +18,7 @@ keeps one micro-batch per stage in flight).
 """
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -104,6 +105,12 @@ class Stage:
         self.pending: deque = deque()        # rank 0: launched steps whose logits are not back yet
         # gloo moves CPU tensors, NCCL device tensors.
         self.comm_device = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        self.decode_fn = model
+        if self.device.type == "cuda" and info.tensor == 1 and os.environ.get("SHARDWISE_COMPILE", "1") != "0":
+            # Decode is launch-bound on a GPU: capture one step as CUDA graphs (static shapes, no
+            # host syncs). TP stages stay eager: their all-reduces sit inside the forward.
+            model.static_shapes = True
+            self.decode_fn = torch.compile(model, mode="reduce-overhead", dynamic=False)
 
     def _c(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.comm_device)
@@ -115,8 +122,10 @@ class Stage:
             return None
         positions = ints[:b * t].view(b, t).to(self.device)
         slots = ints[b * t:].to(self.device)
+        fn = self.decode_fn if t == 1 else self.model
         with torch.no_grad():
-            return self.model(x, positions=positions, cache_slots=slots, last_only=True)
+            out = fn(x, positions=positions, cache_slots=slots, last_only=True)
+        return out.clone() if fn is not self.model else out   # graph outputs are reused buffers
 
     def _forward_next(self, header, ints, out) -> None:
         msgs = [header, ints] + ([out] if out is not None else [])
