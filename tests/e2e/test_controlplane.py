@@ -185,3 +185,20 @@ def test_dev_refuses_to_wipe_a_folder_that_is_not_its_own(tmp_path):
         assert out.returncode == 1
         assert "is not a local cluster's state folder" in out.stderr
     assert (precious / "thesis.tex").read_text() == "years of work"
+
+
+def test_fixtures_skip_without_binaries_unless_the_cluster_is_required(tmp_path):
+    (tmp_path / "conftest.py").write_text("from shardwise.e2e.pytest_plugin import *\n")
+    (tmp_path / "test_uses_cluster.py").write_text("def test_it(namespace):\n    pass\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("SHARDWISE_KUBECONFIG", "SHARDWISE_REQUIRE_CLUSTER")}
+    env["SHARDWISE_CACHE"] = str(tmp_path / "empty-cache")
+
+    def pytest_run(**extra) -> str:
+        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                               str(tmp_path)], capture_output=True, text=True, timeout=120,
+                              cwd=tmp_path, env={**env, **extra}).stdout
+    skipped = pytest_run()
+    assert "1 skipped" in skipped and "run `shardwise dev build`" in skipped
+    required = pytest_run(SHARDWISE_REQUIRE_CLUSTER="1")
+    assert "1 error" in required and "SHARDWISE_REQUIRE_CLUSTER is set" in required
