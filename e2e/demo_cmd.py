@@ -88,6 +88,8 @@ class Demo:
         self.t0 = time.monotonic()
         self.steps = 6 + (2 if args.chaos else 0)
         self.step_no = 0
+        self._client = None
+        self.seen_events: set[tuple[str, int]] = set()
 
     # ------------------------------------------------------------ plumbing
 
@@ -105,7 +107,10 @@ class Demo:
 
     @property
     def client(self):
-        return self.plane.client()
+        # One client for the run: each new one writes the kubeconfig's certificates to a temp folder.
+        if self._client is None:
+            self._client = self.plane.client()
+        return self._client
 
     def elapsed(self) -> str:
         return f"{time.monotonic() - self.t0:5.0f}s"
@@ -274,6 +279,7 @@ class Demo:
             status = model.get("status") or {}
             pods = self.pods()
             line = progress_line(status, pods, self.downed_node)
+            self.print_events(model)
             now = time.monotonic()
             if line != last or now - last_print > 15:
                 say(f"  {self.elapsed()}  {line}")
@@ -289,6 +295,27 @@ class Demo:
                                 f"{status.get('phase') or 'none yet'}); worker logs are in "
                                 f"{self.plane.dir / 'pods'}", log=self.operator_log)
             time.sleep(1)
+
+    def print_events(self, model: dict) -> None:
+        """The operator's Events on the model (one per transition), each once, oldest first: the
+        phases between two polls show up here even when the status has already moved on."""
+        from shardwise.e2e import kapi
+        uid = model["metadata"]["uid"]
+        try:
+            items = self.client.get(f"/api/v1/namespaces/{NAMESPACE}/events", fieldSelector=(
+                f"involvedObject.kind=ShardedModel,involvedObject.name={MODEL_NAME}"))["items"]
+        except (kapi.ApiError, OSError):
+            return  # progress output only: the next poll tries again
+        fresh = []
+        for event in items:
+            key = (event["metadata"]["uid"], event.get("count") or 1)
+            if event["involvedObject"].get("uid") != uid or key in self.seen_events:
+                continue
+            self.seen_events.add(key)
+            when = event.get("eventTime") or event.get("lastTimestamp") or ""
+            fresh.append((when, event))
+        for _, event in sorted(fresh, key=lambda pair: pair[0]):
+            say(f"  {self.elapsed()}  event {event.get('reason')}: {event.get('message', '')[:160]}")
 
     def model(self) -> dict:
         return self.client.get(
@@ -367,6 +394,8 @@ class Demo:
                 f"NotReady within ~{cp.NODE_MONITOR_GRACE}")
             t_down = time.monotonic()
             model = self.wait_ready(restarts_above=restarts)
+            time.sleep(0.5)  # the operator's Recovered event follows the status by a moment
+            self.print_events(model)
             status = model["status"]
             nodes = sorted({p["spec"].get("nodeName") for p in self.pods()
                             if not p["metadata"].get("deletionTimestamp")})
@@ -490,7 +519,8 @@ def progress_line(status: dict, pods: list[dict], lost_node: str | None = None) 
     line = ", ".join(parts)
     if pod_parts:
         line += " | " + "; ".join(pod_parts)
-    if status.get("phase") in ("Recovering", "Degraded", "Failed", "Pending") and status.get("message"):
+    # Recovering and Degraded are told by the operator's Events; why a model waits or failed is not.
+    if status.get("phase") in ("Failed", "Pending") and status.get("message"):
         line += f" | {status['message'][:120]}"
     return line
 
