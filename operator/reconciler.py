@@ -140,6 +140,11 @@ def _reconcile(applier: Applier, body: dict, nodes: Mapping[str, Mapping[str, An
     desired = spec.parallelism.replicas
     plan = plan_from_summary(old_status.get("plan"))
     groups = {int(g["replica"]): dict(g) for g in old_status.get("groups") or []}
+    if old_status.get("observedGeneration") not in (None, meta.get("generation")):
+        # A changed spec is a fresh start for groups that gave up (restart budget or invalid spec).
+        for g in groups.values():
+            if g.get("phase") == recovery.FAILED:
+                g.update(phase=recovery.PENDING, restarts=0, lastFailure=None, retryAt=None)
     pods = applier.list_model_pods(namespace, name)
     pods_by_replica: dict[int, list[dict]] = {}
     for pod in pods:
