@@ -115,6 +115,23 @@ def test_pod_runs_its_command_and_is_ready_only_when_its_probe_answers(kubectl, 
     gate.touch()
     wait_until(lambda: ready(pod(kubectl, "rank-0")), 15, "the pod to become Ready")
 
+    # A Service name resolves to a Ready pod behind it; a pod that exits 0 with
+    # restartPolicy Never has Succeeded.
+    kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "server"},
+        "spec": {"selector": {"role": "server"}, "ports": [{"port": 8080}]}}))
+    answer = out / "client.txt"
+    kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "client"},
+        "spec": {"nodeName": "local-node-0", "restartPolicy": "Never", "containers": [{
+            "name": "client", "image": "not-pulled",
+            "command": ["sh", "-c", f'echo "$TARGET" > {answer}'],
+            "env": [{"name": "TARGET",
+                     "value": f"http://server.{namespace}.svc.cluster.local:8080/"}]}]}}))
+    wait_until(lambda: pod(kubectl, "client")["status"].get("phase") == "Succeeded", 20,
+               "the client pod to succeed")
+    assert answer.read_text().strip() == f"http://{ip}:8080/"
+
     kubectl("delete", "pod", "rank-0", "--wait=false")
     wait_until(lambda: not alive(seen["pid"]), 15, "the process of the deleted pod to end")
     wait_until(lambda: "rank-0" not in kubectl("get", "pods", "-o", "name"), 15,
