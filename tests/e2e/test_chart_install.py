@@ -10,14 +10,17 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import yaml
 
-from shardwise.e2e.controlplane import SIMULATED_LABEL
+from shardwise.e2e.build import cache_root
+from shardwise.e2e.controlplane import LOCAL_NODE_LABEL, SIMULATED_LABEL
 from shardwise.e2e.pytest_plugin import wait_until
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.slow, pytest.mark.timeout(300)]
@@ -42,13 +45,13 @@ def release(cluster, namespace):
     """Installs the chart into the test's namespace; uninstalls it (and its cluster-scoped RBAC) after."""
     installed: list[str] = []
 
-    def install(*args: str) -> str:
+    def install(*args: str, node_label: str = SIMULATED_LABEL) -> str:
         # Named so that the objects (Deployment, ServiceAccount) carry the release name as it is.
         name = f"shardwise-{secrets.token_hex(3)}"
-        # The Deployment's pods go to the simulated nodes (kwok runs them as Running, without a
-        # process); a local node would try to execute the operator's command for real.
+        # By default the Deployment's pods go to the simulated nodes (kwok reports them Running, with
+        # no process); a local node executes the operator's command for real.
         helm(cluster, "install", name, str(CHART), "--namespace", namespace, "--wait", "--timeout", "120s",
-             "--set-string", "nodeSelector." + SIMULATED_LABEL.replace(".", r"\.") + "=true", *args)
+             "--set-string", "nodeSelector." + node_label.replace(".", r"\.") + "=true", *args)
         installed.append(name)
         return name
     yield install
@@ -198,3 +201,68 @@ def _drive_a_model_through_its_life(cluster, ns: str, nodes: list[str]) -> None:
     # Delete: kopf removes its finalizer (a patch), the garbage collector the rest.
     cluster.kubectl("delete", "sm", "rbac", "--wait=false", namespace=ns)
     wait_until(lambda: not get(cluster, "sm", namespace=ns)["items"], 60, "the model deleted (finalizer removed)")
+
+
+def test_the_charts_deployment_runs_the_operator_with_a_standby_that_takes_over(cluster, namespace, release,
+                                                                                tmp_path):
+    """The Deployment as rendered (command, args, downward-API env, named probe ports, Lease flags) run
+    on a local node, whose runtime executes pods as processes and probes them: both replicas go Ready on
+    /healthz, one leads, the model is reconciled, and when the leader's pod is deleted the standby leads."""
+    local = get(cluster, "nodes", "-l", f"{LOCAL_NODE_LABEL}=true")["items"]
+    if not local:
+        pytest.skip("this cluster has no local node (shardwise dev up --local-nodes 1)")
+    models = f"{namespace[:50]}-models"
+    cluster.kubectl("create", "namespace", models)
+    # No image on a local node: the container's command runs as a process of this machine, with no
+    # in-cluster credentials, so it is handed a kubeconfig of the chart's ServiceAccount. Each pod has
+    # its own loopback IP; binding to it keeps the two replicas' ports apart.
+    name = release("--set", "replicaCount=0", "--set", f"operator.watchNamespaces={{{models}}}",
+                   node_label=LOCAL_NODE_LABEL)
+    # Not under /tmp: the local runtime maps the pod's /tmp (an emptyDir in the chart) to a folder of
+    # its own, paths in args included.
+    outside_tmp = Path(tempfile.mkdtemp(prefix="chart-test-", dir=cache_root()))
+    sa_config = _service_account_kubeconfig(cluster, namespace, name, outside_tmp / "sa.kubeconfig")
+    helm(cluster, "upgrade", name, str(CHART), "--namespace", namespace, "--reuse-values", "--wait",
+         "--timeout", "120s", "--set", "replicaCount=2",
+         "--set", f"operator.extraArgs={{--kubeconfig={sa_config},--bind-address=$(POD_IP)}}")
+    try:
+        dep = get(cluster, "deployment", name, namespace=namespace)
+        assert dep["status"].get("readyReplicas") == 2  # both answered the readiness probe on /healthz
+
+        def holder() -> str:
+            lease = get(cluster, "lease", name, namespace=namespace)
+            return (lease.get("spec") or {}).get("holderIdentity") or ""
+        pods = {p["metadata"]["name"] for p in get(cluster, "pods", "-l", f"app.kubernetes.io/instance={name}",
+                                                    namespace=namespace)["items"]}
+        leader = wait_until(lambda: holder() in pods and holder(), 60, "one operator pod to hold the Lease")
+
+        nodes = [f"{models[:40]}-d{i}" for i in range(2)]
+        for n in nodes:
+            cluster.add_node(n, gpus=8, rack="rack-chart", labels={TEST_LABEL: models[:63]})
+        sm = {"apiVersion": "shardwise.dev/v1alpha1", "kind": "ShardedModel",
+              "metadata": {"name": "dep", "namespace": models},
+              "spec": {"model": {"uri": "/models/llama-8b", "parameters": 8_000_000_000, "layers": 32,
+                                 "heads": 32, "kvHeads": 8, "hiddenSize": 4096, "vocabSize": 128256},
+                       "parallelism": {"tensor": 4, "pipeline": 2, "replicas": 1},
+                       "placement": {"nodeSelector": {TEST_LABEL: models[:63]}}}}
+        cluster.kubectl("apply", "-f", "-", input=json.dumps(sm))
+
+        def phase_and_replicas() -> tuple:
+            st = get(cluster, "sm", "dep", namespace=models).get("status", {})
+            return st.get("phase"), st.get("readyReplicas")
+        wait_until(lambda: phase_and_replicas() == ("Ready", 1), 90, "the model Ready, reconciled by the Deployment")
+
+        # The leader goes; the standby takes the Lease and reconciles the next change.
+        cluster.kubectl("delete", "pod", leader, "--wait=false", namespace=namespace)
+        successor = wait_until(lambda: holder() not in ("", leader) and holder(), 60, "the standby to take the Lease")
+        assert successor in pods
+        cluster.kubectl("scale", "sm/dep", "--replicas=2", namespace=models)
+        wait_until(lambda: phase_and_replicas() == ("Ready", 2), 90, "the scaled model Ready under the new leader")
+        cluster.kubectl("delete", "sm", "dep", namespace=models)
+    finally:
+        shutil.rmtree(outside_tmp, ignore_errors=True)
+        cluster.kubectl("patch", "sm", "dep", "--type=merge", "-p", '{"metadata":{"finalizers":null}}',
+                        namespace=models, check=False)
+        for n in [f"{models[:40]}-d{i}" for i in range(2)]:
+            cluster.delete_node(n)
+        cluster.kubectl("delete", "namespace", models, "--wait=false", check=False)
