@@ -13,6 +13,7 @@ the node lifecycle controller marks it NotReady and evicts its pods: the way tes
 from __future__ import annotations
 
 import base64
+import ctypes
 import json
 import os
 import shutil
@@ -344,8 +345,12 @@ class State:
 class ControlPlane:
     """Start, inspect and stop one local control plane rooted at a state folder."""
 
-    def __init__(self, state_dir: Path | str | None = None, bin_dir: Path | str | None = None):
+    def __init__(self, state_dir: Path | str | None = None, bin_dir: Path | str | None = None,
+                 die_with_parent: bool = False):
+        """die_with_parent: components get SIGTERM if this process dies without `down()` (a test
+        session killed from outside); `shardwise dev up` leaves it off, its cluster outlives it."""
         self.dir = Path(state_dir) if state_dir else default_state_dir()
+        self.die_with_parent = die_with_parent
         self.bin = Path(bin_dir) if bin_dir else build.bin_dir()
         self._procs: dict[str, subprocess.Popen] = {}
         self._state: State | None = None
@@ -408,7 +413,9 @@ class ControlPlane:
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True,
-                                    cwd=self.dir, env=env)
+                                    cwd=self.dir, env=env,
+                                    preexec_fn=_die_with_parent(name) if self.die_with_parent
+                                    else None)
         self._procs[name] = proc
         self._state.components.append(Component(name, proc.pid, marker, str(log_path), port))
         self._state.save(self.state_file)
@@ -629,6 +636,25 @@ class ControlPlane:
         proc = self._procs.get(c.name)
         if proc is not None:
             proc.wait()
+
+
+_PR_SET_PDEATHSIG = 1
+try:
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux
+    _prctl = None
+
+
+def _die_with_parent(component: str):
+    """For the child between fork and exec: the kernel signals it when the forking thread ends.
+    SIGKILL for the binaries (a throwaway cluster; the API server's graceful shutdown would hang
+    on a dead etcd), SIGTERM for the local-node runtime so that it kills its pods first."""
+    sig = signal.SIGTERM if component == "local-nodes" else signal.SIGKILL
+
+    def preexec() -> None:
+        if _prctl is not None:
+            _prctl(_PR_SET_PDEATHSIG, sig)
+    return preexec
 
 
 def _insecure_context() -> ssl.SSLContext:

@@ -123,7 +123,7 @@ def cluster():
         return
     bin_dir = _binaries_or_skip()
     state = Path(tempfile.mkdtemp(prefix="shardwise-test-cluster-"))
-    plane = cp.ControlPlane(state, bin_dir)
+    plane = cp.ControlPlane(state, bin_dir, die_with_parent=True)
     try:
         plane.up(SESSION_SPEC, say=lambda s: None)
     except cp.ControlPlaneError as e:
