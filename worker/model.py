@@ -213,8 +213,11 @@ class Attention(nn.Module):
         if self.kv_cache is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
-            k, v = self.kv_cache.update(cache_slots, positions, k, v, length)
-            y = cached_attention(q, k, v, mask)
+            kc, vc = self.kv_cache.update(cache_slots, positions, k, v, length)
+            if mask is None:    # prefill from position 0: the new keys are all there is
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            else:
+                y = cached_attention(q, kc, vc, mask)
         return self.wo(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
 
@@ -350,8 +353,12 @@ class Transformer(nn.Module):
             length = self.max_seq       # fixed shapes for CUDA graphs: attend over the whole cache, masked
         else:
             length = int(positions.max()) + 1
-        # Row b attends to every cached position up to its own (rows' lengths differ).
-        mask = torch.arange(length, device=h.device)[None, None, :] <= positions[:, :, None] if cached else None
+        # Row b attends to every cached position up to its own (rows' lengths differ); a prefill
+        # that starts every row at position 0 needs only a causal mask (mask None).
+        fresh = cached and not self.static_shapes and t > 1 and bool((positions[:, 0] == 0).all())
+        mask = None
+        if cached and not fresh:
+            mask = torch.arange(length, device=h.device)[None, None, :] <= positions[:, :, None]
         cos, sin = self.rope(positions, h.dtype)
         for layer in self.layers.values():
             h = layer(h, cos, sin, positions if cached else None, cache_slots, length, mask)
