@@ -1,9 +1,10 @@
 """kopf handlers: thin wiring between watch events and the reconciler.
 
-- One daemon per ShardedModel runs its reconcile loop (created, resumed after an operator restart,
-  stopped when the model is deleted). Passes are serialized per model by construction.
+- One asyncio task per ShardedModel runs its reconcile loop (started when the model is first seen,
+  also after an operator restart; stopped when it is deleted). Passes are serialized per model by
+  construction; the blocking API calls run on a small thread pool.
 - Pod events (pods labelled shardwise.dev/model) and node events (Ready flips, node added or gone)
-  wake the daemons concerned at once, so a lost node is acted on within seconds, not at the next tick.
+  wake the loops concerned at once, so a lost node is acted on within seconds, not at the next tick.
 - Two in-memory indexes fed by watches: nodes (the planner's inventory) and pods holding GPUs (what
   is allocated), so a reconcile costs few API requests however big the cluster is.
 
@@ -21,7 +22,7 @@ from typing import Any, Mapping
 import kopf
 
 from shardwise.crds.models import GROUP, PLURAL, VERSION
-from shardwise.operator import recovery, reconciler, renderer
+from shardwise.operator import metrics, recovery, reconciler, renderer
 from shardwise.operator.applier import Applier
 from shardwise.operator.inventory import pod_gpus
 
@@ -87,6 +88,7 @@ class Runtime:
         self.capacity = Capacity()
         self.node_ready: dict[str, bool] = {}
         self.wakers: dict[tuple[str, str], asyncio.Event] = {}
+        self.tasks: dict[tuple[str, str], asyncio.Task] = {}
         self.reconciles = 0
         self.requests = 0
 
@@ -107,7 +109,6 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.posting.level = logging.INFO
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
-    settings.persistence.finalizer = "shardwise.dev/operator"
     # Status is ours; kopf keeps its bookkeeping in annotations, not in our status schema.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="operator.shardwise.dev")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="operator.shardwise.dev")
@@ -164,25 +165,43 @@ def pod_event(namespace: str, labels: Mapping[str, str], **_: Any) -> None:
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
-def model_event(type: str, namespace: str, name: str, body: kopf.Body, **_: Any) -> None:
-    """A spec change (new generation, e.g. `kubectl scale`) wakes the model's loop at once; our own
-    status writes do not."""
-    if body.metadata.get("generation") != (body.get("status") or {}).get("observedGeneration"):
-        RUNTIME.wake((namespace, name))
+async def model_event(type: str, namespace: str, name: str, body: kopf.Body, logger: logging.Logger,
+                      nodes_index: kopf.Index, gpu_pods_index: kopf.Index, **_: Any) -> None:
+    """Starts a model's reconcile loop when the model is first seen (created, or listed after an
+    operator start), stops it when the model is gone, and wakes it on a spec change (a new
+    generation, e.g. `kubectl scale`); our own status writes do not wake it.
+
+    A plain task per model rather than a kopf daemon: daemons need a finalizer on every object, which
+    would make deleting a ShardedModel wait for a running operator. Without one, deletion is plain
+    garbage collection through the ownerReferences."""
+    key = (namespace, name)
+    if type == "DELETED" or body.metadata.get("deletionTimestamp"):
+        task = RUNTIME.tasks.pop(key, None)
+        if task is not None:
+            task.cancel()
+        RUNTIME.wakers.pop(key, None)
+        metrics.forget(namespace, name)
+        return
+    task = RUNTIME.tasks.get(key)
+    if task is None or task.done():
+        ref = {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
+               "metadata": {"name": name, "namespace": namespace, "uid": body.metadata.uid}}
+        RUNTIME.tasks[key] = asyncio.create_task(model_loop(namespace, name, ref, logger, nodes_index,
+                                                            gpu_pods_index), name=f"reconcile {namespace}/{name}")
+    elif body.metadata.get("generation") != (body.get("status") or {}).get("observedGeneration"):
+        RUNTIME.wake(key)
 
 
 # --- the per-model reconcile loop ------------------------------------------------------------------
 
-@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10.0, initial_delay=0)
-async def model_loop(namespace: str, name: str, body: kopf.Body, stopped: kopf.DaemonStopped,
-                     logger: logging.Logger, nodes_index: kopf.Index, gpu_pods_index: kopf.Index,
-                     **_: Any) -> None:
+async def model_loop(namespace: str, name: str, ref: dict, logger: logging.Logger, nodes_index: kopf.Index,
+                     gpu_pods_index: kopf.Index) -> None:
     key = (namespace, name)
     wake = RUNTIME.waker(key)
     loop = asyncio.get_running_loop()
     failures = 0
     try:
-        while not stopped:
+        while True:
             wake.clear()
             # Snapshots taken here, on the event loop that updates the indexes, are consistent.
             nodes = {k: v for k, store in nodes_index.items() for v in store}
@@ -196,7 +215,7 @@ async def model_loop(namespace: str, name: str, body: kopf.Body, stopped: kopf.D
                                f"retrying")
                 outcome = reconciler.Outcome(requeue_after=min(30.0, 0.5 * 2 ** failures))
             for ev in outcome.events:
-                kopf.event(body, type=ev.type, reason=ev.reason, message=ev.message[:1000])
+                kopf.event(ref, type=ev.type, reason=ev.reason, message=ev.message[:1000])
             try:
                 await asyncio.wait_for(wake.wait(), timeout=outcome.requeue_after)
                 # A pod's start is a burst of events (bound, running, ready): let it settle so that
@@ -205,7 +224,8 @@ async def model_loop(namespace: str, name: str, body: kopf.Body, stopped: kopf.D
             except asyncio.TimeoutError:
                 pass
     finally:
-        RUNTIME.wakers.pop(key, None)
+        if RUNTIME.wakers.get(key) is wake:
+            RUNTIME.wakers.pop(key, None)
 
 
 def _reconcile_once(namespace: str, name: str, nodes: dict[str, dict]) -> reconciler.Outcome:
@@ -215,10 +235,3 @@ def _reconcile_once(namespace: str, name: str, nodes: dict[str, dict]) -> reconc
     RUNTIME.reconciles += 1
     RUNTIME.requests += outcome.requests
     return outcome
-
-
-@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
-def model_deleted(namespace: str, name: str, **_: Any) -> None:
-    """Dependents go by garbage collection (ownerReferences); only our metrics series are dropped."""
-    from shardwise.operator import metrics
-    metrics.forget(namespace, name)
