@@ -226,12 +226,14 @@ class Demo:
             argv = [sys.executable, "-m", "shardwise", "operator", "run",
                     f"--kubeconfig={self.plane.kubeconfig}", f"--namespace={NAMESPACE}",
                     f"--lease-namespace={NAMESPACE}", "--metrics-port=0", "--health-port=0"]
+            log_start = self.operator_log.stat().st_size if self.operator_log.exists() else 0
             with open(self.operator_log, "ab") as log:
                 # Its own session: Ctrl-C in this terminal reaches the demo, which stops it in order.
                 self.operator = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                                                  stdin=subprocess.DEVNULL, start_new_session=True)
             say(f"  pid {self.operator.pid}, log {self.operator_log}")
-            self.wait(lambda: "leader: " in self.operator_log.read_text(errors="replace"),
+            # Only this operator's lines count: the log may hold an earlier run's.
+            self.wait(lambda: b"leader: " in self.operator_log.read_bytes()[log_start:],
                       60, "the operator to take the lead")
 
     def kept_operator(self):
@@ -255,8 +257,10 @@ class Demo:
             path = f"/apis/shardwise.dev/v1alpha1/namespaces/{NAMESPACE}/shardedmodels"
             try:
                 self.client.delete(f"{path}/{MODEL_NAME}")  # a leftover of an earlier --keep run
-                self.wait(lambda: not self.client.exists(f"{path}/{MODEL_NAME}"), 60,
-                          "the earlier demo model to go away")
+                # ...pods included: the new model's pods take the same names.
+                self.wait(lambda: not self.client.exists(f"{path}/{MODEL_NAME}")
+                          and not self.pods(), 90, "the earlier demo model and its pods to go away")
+                say("  replaced the demo model an earlier run left")
             except kapi.ApiError as e:
                 if e.status != 404:
                     raise self.fail(str(e)) from None
@@ -476,9 +480,8 @@ class Demo:
         self.node_up()
         ip = self.serving_ip(self.pods()) or "<pod-ip>"
         say("\nleft running (--keep). Look around:")
-        say('  eval "$(shardwise dev env)"' + (f"   # with --state-dir {self.plane.dir}: "
-                                               f"SHARDWISE_DEV_DIR={self.plane.dir}"
-                                               if self.args.state_dir else ""))
+        dev = f"shardwise dev --state-dir {self.plane.dir}" if self.args.state_dir else "shardwise dev"
+        say(f'  eval "$({dev} env)"')
         say(f"  kubectl get sm -n {NAMESPACE}")
         say(f"  kubectl describe sm {MODEL_NAME} -n {NAMESPACE}")
         say(f"  kubectl get pods,svc -n {NAMESPACE} -o wide")
@@ -487,7 +490,7 @@ class Demo:
             "application/json' -d '{\"messages\": [{\"role\": \"user\", \"content\": "
             "\"Name three colours.\"}], \"max_tokens\": 24, \"temperature\": 0}'")
         say(f"  tail -f {self.operator_log}")
-        say("stop it all with:  shardwise dev down")
+        say(f"stop it all with:  {dev} down")
 
 
 def _established(crd: dict) -> bool:
