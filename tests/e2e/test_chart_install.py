@@ -203,11 +203,11 @@ def _drive_a_model_through_its_life(cluster, ns: str, nodes: list[str]) -> None:
     wait_until(lambda: not get(cluster, "sm", namespace=ns)["items"], 60, "the model deleted (finalizer removed)")
 
 
-def test_the_charts_deployment_runs_the_operator_with_a_standby_that_takes_over(cluster, namespace, release,
-                                                                                tmp_path):
+def test_the_charts_deployment_runs_two_operators_and_another_leads_when_the_leader_goes(
+        cluster, namespace, release, tmp_path):
     """The Deployment as rendered (command, args, downward-API env, named probe ports, Lease flags) run
     on a local node, whose runtime executes pods as processes and probes them: both replicas go Ready on
-    /healthz, one leads, the model is reconciled, and when the leader's pod is deleted the standby leads."""
+    /healthz, one leads, the model is reconciled, and when the leader's pod is deleted another leads."""
     local = get(cluster, "nodes", "-l", f"{LOCAL_NODE_LABEL}=true")["items"]
     if not local:
         pytest.skip("this cluster has no local node (shardwise dev up --local-nodes 1)")
@@ -252,10 +252,11 @@ def test_the_charts_deployment_runs_the_operator_with_a_standby_that_takes_over(
             return st.get("phase"), st.get("readyReplicas")
         wait_until(lambda: phase_and_replicas() == ("Ready", 1), 90, "the model Ready, reconciled by the Deployment")
 
-        # The leader goes; the standby takes the Lease and reconciles the next change.
+        # The leader goes (and gives the Lease up as it stops); another operator pod takes the Lease -
+        # the standby, or the Deployment's replacement pod if it is quicker - and reconciles the next
+        # change.
         cluster.kubectl("delete", "pod", leader, "--wait=false", namespace=namespace)
-        successor = wait_until(lambda: holder() not in ("", leader) and holder(), 60, "the standby to take the Lease")
-        assert successor in pods
+        wait_until(lambda: holder() not in ("", leader), 60, "another operator pod to take the Lease")
         cluster.kubectl("scale", "sm/dep", "--replicas=2", namespace=models)
         wait_until(lambda: phase_and_replicas() == ("Ready", 2), 90, "the scaled model Ready under the new leader")
         cluster.kubectl("delete", "sm", "dep", namespace=models)
