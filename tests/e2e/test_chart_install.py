@@ -152,10 +152,6 @@ def test_operator_works_with_only_the_charts_rbac(cluster, namespace, release, t
         except subprocess.TimeoutExpired:
             operator.kill()
             operator.wait(5)
-        # A model left behind by a failure keeps the operator's finalizer, which nobody would remove
-        # now: drop it, or its namespace would never finish terminating.
-        cluster.kubectl("patch", "sm", "rbac", "--type=merge", "-p", '{"metadata":{"finalizers":null}}',
-                        namespace=models, check=False)
         for n in nodes:
             cluster.delete_node(n)
         cluster.kubectl("delete", "namespace", models, "--wait=false", check=False)
@@ -198,9 +194,10 @@ def _drive_a_model_through_its_life(cluster, ns: str, nodes: list[str]) -> None:
               if e["involvedObject"].get("name") == "rbac"]
     assert "Recovering" in events  # kopf posted Events with the chart's RBAC
 
-    # Delete: kopf removes its finalizer (a patch), the garbage collector the rest.
-    cluster.kubectl("delete", "sm", "rbac", "--wait=false", namespace=ns)
-    wait_until(lambda: not get(cluster, "sm", namespace=ns)["items"], 60, "the model deleted (finalizer removed)")
+    # Delete: the garbage collector takes the pods, Services, ConfigMap and PDB with it.
+    cluster.kubectl("delete", "sm", "rbac", namespace=ns)
+    wait_until(lambda: not get(cluster, "pods", "-l", "shardwise.dev/model=rbac", namespace=ns)["items"], 60,
+               "the model's pods garbage-collected")
 
 
 def test_the_charts_deployment_runs_two_operators_and_another_leads_when_the_leader_goes(
@@ -262,8 +259,6 @@ def test_the_charts_deployment_runs_two_operators_and_another_leads_when_the_lea
         cluster.kubectl("delete", "sm", "dep", namespace=models)
     finally:
         shutil.rmtree(outside_tmp, ignore_errors=True)
-        cluster.kubectl("patch", "sm", "dep", "--type=merge", "-p", '{"metadata":{"finalizers":null}}',
-                        namespace=models, check=False)
         for n in [f"{models[:40]}-d{i}" for i in range(2)]:
             cluster.delete_node(n)
         cluster.kubectl("delete", "namespace", models, "--wait=false", check=False)

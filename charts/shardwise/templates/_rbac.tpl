@@ -24,11 +24,11 @@ tests/e2e/test_chart_install.py runs the operator as this ServiceAccount against
 
 {{/* What the operator reads and writes in the namespaces it watches. */}}
 {{- define "shardwise.namespacedRules" -}}
-# The ShardedModels: watched, read at the start of each reconcile, and patched by kopf for its
-# finalizer and progress annotations.
+# The ShardedModels: watched, and read at the start of each reconcile. No finalizer and no
+# annotations of the operator's: deleting a model never waits for the operator.
 - apiGroups: ["shardwise.dev"]
   resources: ["shardedmodels"]
-  verbs: ["get", "list", "watch", "patch"]
+  verbs: ["get", "list", "watch"]
 # Phase, conditions, plan, groups and ready shards: merge-patched into the status subresource.
 - apiGroups: ["shardwise.dev"]
   resources: ["shardedmodels/status"]
