@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import shutil
 import ssl
 import tempfile
 import threading
@@ -61,10 +62,14 @@ class Client:
             target.chmod(0o600)
             return str(target)
 
-        return cls(cluster["server"],
-                   materialise("certificate-authority-data", "certificate-authority", cluster, "ca.crt"),
-                   materialise("client-certificate-data", "client-certificate", user, "client.crt"),
-                   materialise("client-key-data", "client-key", user, "client.key"), timeout)
+        try:
+            return cls(cluster["server"],
+                       materialise("certificate-authority-data", "certificate-authority", cluster, "ca.crt"),
+                       materialise("client-certificate-data", "client-certificate", user, "client.crt"),
+                       materialise("client-key-data", "client-key", user, "client.key"), timeout)
+        finally:
+            # The SSL context has read them: leaving them would add a folder per client to /tmp.
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def _conn(self, timeout: float | None = None) -> http.client.HTTPSConnection:
         if timeout is not None:  # watches get their own connection
