@@ -113,6 +113,14 @@ def _k8s_ldflags() -> str:
     return " ".join(flags)
 
 
+def _helm_kube_ldflags() -> str:
+    """The Kubernetes version `helm template` and `helm lint` assume when no cluster is asked (helm's
+    Makefile stamps it; unstamped it says 1.20, which charts that need a newer one refuse)."""
+    major, minor, _ = KUBERNETES.removeprefix("v").split(".")
+    return " ".join(f"-X helm.sh/helm/v3/pkg/{pkg}.k8sVersion{part}={value}"
+                    for pkg in ("chartutil", "lint/rules") for part, value in (("Major", major), ("Minor", minor)))
+
+
 def _steps(work: Path, log) -> list[_Step]:
     header = "module shardwise.dev/build/{name}\n\ngo 1.26.0\n\nrequire {mod} {ver}\n"
     return [
@@ -130,7 +138,7 @@ def _steps(work: Path, log) -> list[_Step]:
         _Step("helm", work / "helm",
               header.format(name="helm", mod="helm.sh/helm/v3", ver=HELM),
               ["helm.sh/helm/v3/cmd/helm"],
-              f"-s -w -X helm.sh/helm/v3/internal/version.version={HELM}"),
+              f"-s -w -X helm.sh/helm/v3/internal/version.version={HELM} " + _helm_kube_ldflags()),
     ]
 
 

@@ -16,8 +16,8 @@ from shardwise.e2e.build import KUBERNETES, bin_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "shardwise"
-# Our helm is built without the ldflags that stamp its default Kubernetes version (it would say 1.20);
-# render for the pinned version the rest of the project runs against.
+# Render for the Kubernetes version the rest of the project runs against (a helm cached before
+# e2e/build.py stamped its default version would otherwise assume 1.20).
 KUBE_VERSION = KUBERNETES.removeprefix("v")
 
 
