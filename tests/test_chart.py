@@ -25,8 +25,8 @@ def _helm() -> str:
     helm = bin_dir() / "helm"
     if not os.access(helm, os.X_OK):
         if os.environ.get("SHARDWISE_REQUIRE_CLUSTER"):
-            pytest.fail(f"helm is not built at {helm}; run `python3 e2e/build.py`")
-        pytest.skip(f"helm is not built at {helm}; run `python3 e2e/build.py`")
+            pytest.fail(f"helm is not built at {helm}; run `shardwise dev build`")
+        pytest.skip(f"helm is not built at {helm}; run `shardwise dev build`")
     return str(helm)
 
 
@@ -38,13 +38,11 @@ def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return proc
 
 
-def render(*sets: str, values: dict | None = None, namespace: str = "shardwise-system",
+def render(values: dict | None = None, namespace: str = "shardwise-system",
            tmp_path: Path | None = None, include_crds: bool = False) -> list[dict]:
     args = ["template", "sw", str(CHART), "--namespace", namespace, "--kube-version", KUBE_VERSION]
     if include_crds:
         args.append("--include-crds")
-    for s in sets:
-        args += ["--set", s]
     if values is not None:
         assert tmp_path is not None
         f = tmp_path / "values.yaml"
