@@ -1,9 +1,16 @@
-"""The chart on a live cluster: `helm install` against the local control plane (or any cluster given by
-SHARDWISE_KUBECONFIG, kind included), and the operator running with nothing but the chart's RBAC.
+"""The chart on a live cluster: `helm install` against the local control plane, and the operator
+running with nothing but the chart's RBAC.
 
-The second test logs the operator in as the chart's ServiceAccount (a token from the TokenRequest API,
-the same identity the Deployment's pods get), drives a ShardedModel through create, node loss,
-recovery, scale and delete, and requires that the API server refused nothing.
+- install: CRD established, the Deployment available, RBAC bound to the release's ServiceAccount, the
+  built-in edit/view roles extended to ShardedModels;
+- RBAC: the operator logs in as the chart's ServiceAccount (a token from the TokenRequest API, the
+  identity the Deployment's pods get) and drives a ShardedModel through create, node loss, recovery
+  and delete; the API server must refuse nothing;
+- Deployment: the rendered Deployment runs on a local node (pods as processes): both replicas pass
+  the /healthz probe, one leads, and another leads when the leader's pod goes.
+
+They rely on the local control plane's simulated and local nodes (the `cluster` fixture); on kind,
+e2e/kind/run.sh covers the same ground with real images.
 """
 from __future__ import annotations
 
