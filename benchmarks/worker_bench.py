@@ -3,11 +3,13 @@
     python benchmarks/worker_bench.py [--model smollm2] [--prompt-tokens 128] [--new-tokens 64]
                                       [--layouts 1x1,2x1,1x2] [--device cpu] [--dtype float32] [--json]
 
-Measured in one run: the machine's memory bandwidth (a large tensor copy); for each TP x PP
+Measured in one run: the machine's memory bandwidth (reading a large tensor); for each TP x PP
 layout, transformers' `generate` and ours in alternating rounds (best of each, so both see the same
 load on a shared machine): prefill tokens/s, decode
 tokens/s, the fraction of the memory-bandwidth bound the decode reaches (every decode step reads
-each rank's weights once: bound = bandwidth / weight bytes), weight bytes and peak memory per rank.
+each rank's weights once: bound = read bandwidth / weight bytes), weight bytes and peak memory per
+rank, communication seconds per rank, and for PP > 1 the throughput of 4 concurrent requests with
+one micro-batch vs one micro-batch per stage in flight.
 """
 from __future__ import annotations
 
@@ -18,23 +20,35 @@ import sys
 import time
 
 
-def measure_bandwidth(device: str, mib: int = 512, repeats: int = 6) -> float:
-    """Bytes/s of a large copy (read + write), best of `repeats`."""
-    import torch
-    n = mib * 2**20 // 4
-    src = torch.ones(n, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
+class Bandwidth:
+    """The machine's memory bandwidth for reading (what a decode step does with the weights):
+    the sum of a 512 MiB tensor, which does no work but stream it. Measured again in every round
+    and the best kept, since other processes on a shared machine take bandwidth in bursts."""
+
+    def __init__(self, device: str, mib: int = 512):
+        import torch
+        self.device = device
+        self.src = torch.ones(mib * 2**20 // 4, dtype=torch.float32, device=device)
+        self.best = 0.0
+        self.copy_best = 0.0
+
+    def sample(self, repeats: int = 3) -> float:
+        import torch
+        sync = torch.cuda.synchronize if self.device == "cuda" else (lambda: None)
+        n = self.src.numel() * 4
+        for _ in range(repeats):
+            sync()
+            t0 = time.perf_counter()
+            self.src.sum()
+            sync()
+            self.best = max(self.best, n / (time.perf_counter() - t0))
+        dst = torch.empty_like(self.src)
+        sync()
         t0 = time.perf_counter()
-        dst.copy_(src)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    del src, dst
-    return 2 * n * 4 / best
+        dst.copy_(self.src)
+        sync()
+        self.copy_best = max(self.copy_best, 2 * n / (time.perf_counter() - t0))
+        return self.best
 
 
 class HFRunner:
@@ -66,7 +80,7 @@ class HFRunner:
 
 
 def compare(model: str, layouts: list[tuple[int, int]], prompt: list[int], new_tokens: int, device: str,
-            dtype: str, rounds: int, threads: int, bandwidth: float, with_hf: bool) -> dict:
+            dtype: str, rounds: int, threads: int, bandwidth: "Bandwidth", with_hf: bool, concurrent: int = 4) -> dict:
     """Ours per layout, with transformers measured in the same rounds (alternating, best of each),
     so both see the same load on a shared machine."""
     from shardwise.worker.engine import Engine, Request
@@ -76,7 +90,7 @@ def compare(model: str, layouts: list[tuple[int, int]], prompt: list[int], new_t
     results = {}
     for tp, pp in layouts:
         print(f"  TP={tp} PP={pp} ...", flush=True)
-        spec = RankSpec(model, tp, pp, device=device, dtype=dtype, max_batch=1,
+        spec = RankSpec(model, tp, pp, device=device, dtype=dtype, max_batch=max(1, concurrent),
                         max_seq=len(prompt) + new_tokens + 8, threads=threads)
         rt = LocalRuntime(spec)
         ctx = rt.start()
@@ -86,6 +100,7 @@ def compare(model: str, layouts: list[tuple[int, int]], prompt: list[int], new_t
             engine = Engine(ctx.stage, 1, ctx.max_seq, [])
             engine.generate([Request(prompt, max_new_tokens=4)])          # warm-up
             for _ in range(rounds):
+                bandwidth.sample()
                 req = Request(prompt, max_new_tokens=new_tokens)
                 t0 = time.perf_counter()
                 engine.generate([req])
@@ -95,6 +110,14 @@ def compare(model: str, layouts: list[tuple[int, int]], prompt: list[int], new_t
                     t1, tn = hf.run(1), hf.run(new_tokens)
                     best["hf_prefill"] = min(best["hf_prefill"], t1)
                     best["hf_decode"] = min(best["hf_decode"], (tn - t1) / (new_tokens - 1))
+            if pp > 1 and concurrent > 1:
+                # Several requests in flight: one micro-batch at a time vs one per stage.
+                for mbs in (1, pp):
+                    engine = Engine(ctx.stage, concurrent, ctx.max_seq, [], micro_batches=mbs)
+                    reqs = [Request(prompt[:16], max_new_tokens=new_tokens) for _ in range(concurrent)]
+                    t0 = time.perf_counter()
+                    engine.generate(reqs)
+                    best[f"batch_tps_mb{mbs}"] = concurrent * new_tokens / (time.perf_counter() - t0)
             loaded = ctx.loaded
         finally:
             final = rt.stop()
@@ -103,11 +126,12 @@ def compare(model: str, layouts: list[tuple[int, int]], prompt: list[int], new_t
              "peak_rss_bytes": [x["peak_rss_bytes"] for x in final or []],
              "comm_seconds": [round(x["comm_seconds"], 3) for x in final or []]}
         # One decode step reads every rank's weights once; the ranks share the machine's bandwidth.
-        r["bound_fraction"] = r["decode_tps"] * sum(r["weight_bytes"]) / bandwidth
+        r["bound_fraction"] = r["decode_tps"] * sum(r["weight_bytes"]) / bandwidth.best
+        r["read_bandwidth_gbs"] = bandwidth.best / 1e9
         if hf is not None:
             r["hf_prefill_tps"] = len(prompt) / best["hf_prefill"]
             r["hf_decode_tps"] = 1 / best["hf_decode"]
-            r["hf_bound_fraction"] = r["hf_decode_tps"] * hf.weight_bytes / bandwidth
+            r["hf_bound_fraction"] = r["hf_decode_tps"] * hf.weight_bytes / bandwidth.best
             r["decode_vs_hf"] = r["decode_tps"] / r["hf_decode_tps"]
             r["prefill_vs_hf"] = r["prefill_tps"] / r["hf_prefill_tps"]
             print(f"    transformers: prefill {r['hf_prefill_tps']:.0f} tok/s, decode {r['hf_decode_tps']:.2f} "
@@ -119,6 +143,12 @@ def compare(model: str, layouts: list[tuple[int, int]], prompt: list[int], new_t
         print("    weight MiB per rank: " + ", ".join(f"{b / 2**20:.0f}" for b in r["weight_bytes"])
               + "; peak RSS MiB per rank: " + ", ".join(f"{b / 2**20:.0f}" for b in r["peak_rss_bytes"])
               + "; communication s per rank: " + ", ".join(map(str, r["comm_seconds"])), flush=True)
+        if "batch_tps_mb1" in best:
+            r["concurrent_requests"] = concurrent
+            r["batch_tps_one_microbatch"] = best["batch_tps_mb1"]
+            r["batch_tps_microbatch_per_stage"] = best[f"batch_tps_mb{pp}"]
+            print(f"    {concurrent} concurrent requests: {best['batch_tps_mb1']:.1f} tok/s with one micro-batch, "
+                  f"{best[f'batch_tps_mb{pp}']:.1f} tok/s with {pp} in flight (one per stage)", flush=True)
         results[f"{tp}x{pp}"] = r
     return results
 
@@ -182,15 +212,36 @@ def main(argv=None) -> int:
     suites = [(args.model, parse_layouts(args.layouts))]
     if args.tp2_layouts:
         suites.append((random_llama(args.random_dir), parse_layouts(args.tp2_layouts)))
-    bw = measure_bandwidth(args.device)
-    out["bandwidth_gbs"] = bw / 1e9
-    print(f"memory bandwidth (copy, {args.threads} thread(s)): {bw / 1e9:.1f} GB/s", flush=True)
+    bw = Bandwidth(args.device)
+    bw.sample(6)
+    print(f"memory bandwidth, {args.threads} thread(s): read {bw.best / 1e9:.1f} GB/s, "
+          f"copy {bw.copy_best / 1e9:.1f} GB/s (read + write); sampled again every round, best kept", flush=True)
 
     out["models"] = {}
     for model, layouts in suites:
         print(f"{model}:", flush=True)
         out["models"][model] = compare(model, layouts, prompt, args.new_tokens, args.device, args.dtype,
                                        args.rounds, args.threads, bw, not args.skip_hf)
+    # Summary with the best bandwidth seen over the whole run.
+    print(f"\nsummary (bound = read bandwidth {bw.best / 1e9:.1f} GB/s / weight bytes per decode step):")
+    print(f"{'model':<14} {'TPxPP':<6} {'decode tok/s':>12} {'HF decode':>10} {'vs HF':>6} {'prefill tok/s':>13} "
+          f"{'HF prefill':>10} {'% bound':>8} {'HF % bound':>10}")
+    for model, per_layout in out["models"].items():
+        for layout, r in per_layout.items():
+            r["bound_fraction"] = r["decode_tps"] * sum(r["weight_bytes"]) / bw.best
+            if "hf_decode_tps" in r:
+                r["hf_bound_fraction"] = r["hf_bound_fraction"] * r["read_bandwidth_gbs"] * 1e9 / bw.best
+            name = os.path.basename(model.rstrip("/"))[:14]
+            hf = (f"{r['hf_decode_tps']:>10.2f} {r['decode_vs_hf']:>5.2f}x {r['prefill_tps']:>13.0f} "
+                  f"{r['hf_prefill_tps']:>10.0f} {100 * r['bound_fraction']:>7.0f}% {100 * r['hf_bound_fraction']:>9.0f}%"
+                  if "hf_decode_tps" in r else f"{'-':>10} {'-':>6} {r['prefill_tps']:>13.0f} {'-':>10} "
+                  f"{100 * r['bound_fraction']:>7.0f}% {'-':>10}")
+            print(f"{name:<14} {layout:<6} {r['decode_tps']:>12.2f} {hf}")
+    out["read_bandwidth_gbs"] = bw.best / 1e9
+    out["copy_bandwidth_gbs"] = bw.copy_best / 1e9
+    print(f"memory bandwidth at the end, best of all rounds: read {bw.best / 1e9:.1f} GB/s, "
+          f"copy {bw.copy_best / 1e9:.1f} GB/s. Fractions above use the best read figure seen when "
+          f"they were printed.", flush=True)
     if args.json:
         print(json.dumps(out))
     return 0
