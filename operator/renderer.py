@@ -78,6 +78,17 @@ def master_addr(model: str, namespace: str, replica: int) -> str:
     return f"{hostname(model, replica, 0)}.{headless_service_name(model)}.{namespace}.svc.cluster.local"
 
 
+def master_port(namespace: str, model: str, replica: int, attempt: int) -> int:
+    """The rendezvous port of one group incarnation, in 20000-29999.
+
+    In a cluster every pod has its own network namespace and any fixed port would do. On the
+    local-node runtime pods are processes sharing the machine's ports, and torch's TCPStore listens
+    on all addresses: a port of its own per group and attempt keeps a predecessor that is still
+    shutting down (or another group) from holding it."""
+    digest = hashlib.sha256(f"{namespace}/{model}/{replica}/{attempt}".encode()).hexdigest()
+    return 20000 + int(digest[:8], 16) % 10000
+
+
 def endpoint(model: str, namespace: str, port: int) -> str:
     return f"http://{serving_service_name(model)}.{namespace}.svc.cluster.local:{port}"
 
@@ -160,12 +171,13 @@ def render_pod(body: Mapping[str, Any], plan: ShardPlan, placement: StagePlaceme
               LABEL_PLAN_HASH: replica_hash(plan, r), LABEL_ATTEMPT: str(attempt),
               LABEL_SPEC_HASH: spec_hash(spec, default_image)}
     resources = _resources(spec, gpu_resource, placement.gpus)
+    rendezvous = master_port(namespace, model, r, attempt)
     env = [
         {"name": "SHARDWISE_MODEL_NAME", "value": model},
         {"name": "SHARDWISE_REPLICA", "value": str(r)},
         {"name": "SHARDWISE_STAGE", "value": str(s)},
         {"name": "MASTER_ADDR", "value": master_addr(model, namespace, r)},
-        {"name": "MASTER_PORT", "value": str(MASTER_PORT)},
+        {"name": "MASTER_PORT", "value": str(rendezvous)},
         {"name": "WORLD_SIZE", "value": str(plan.world_size)},
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
@@ -188,7 +200,7 @@ def render_pod(body: Mapping[str, Any], plan: ShardPlan, placement: StagePlaceme
         "args": ["--plan", f"{PLAN_MOUNT}/{PLAN_FILE}", "--model", model_path, "--port", str(port)],
         "env": env,
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"},
-                  {"name": "rendezvous", "containerPort": MASTER_PORT, "protocol": "TCP"}],
+                  {"name": "rendezvous", "containerPort": rendezvous, "protocol": "TCP"}],
         "resources": resources,
         "readinessProbe": {"httpGet": {"path": "/healthz", "port": port},
                            "periodSeconds": 2, "failureThreshold": 3},
@@ -247,7 +259,7 @@ def render_headless_service(body: Mapping[str, Any]) -> dict:
             "spec": {"clusterIP": "None", "selector": {LABEL_MODEL: model},
                      # Ranks rendezvous before any of them is Ready.
                      "publishNotReadyAddresses": True,
-                     "ports": [{"name": "rendezvous", "port": MASTER_PORT, "targetPort": MASTER_PORT}]}}
+                     "ports": [{"name": "rendezvous", "port": MASTER_PORT, "targetPort": "rendezvous"}]}}
 
 
 def render_serving_service(body: Mapping[str, Any]) -> dict:

@@ -55,7 +55,12 @@ def test_worker_gets_rendezvous_env_and_command():
     env = {e["name"]: e for e in c["env"]}
     assert env["SHARDWISE_REPLICA"]["value"] == "1" and env["SHARDWISE_STAGE"]["value"] == "1"
     assert env["MASTER_ADDR"]["value"] == "llama-r1-s0.llama-ranks.prod.svc.cluster.local"
-    assert env["MASTER_PORT"]["value"] == str(renderer.MASTER_PORT)
+    # One rendezvous port per group incarnation, the same for every stage of it.
+    port = env["MASTER_PORT"]["value"]
+    other_stage = renderer.render_pod(_body(), plan, plan.placement(1, 0), attempt=4)
+    assert {e["name"]: e.get("value") for e in other_stage["spec"]["containers"][0]["env"]}["MASTER_PORT"] == port
+    assert 20000 <= int(port) < 30000
+    assert {"name": "rendezvous", "containerPort": int(port), "protocol": "TCP"} in c["ports"]
     assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     assert c["command"] + c["args"] == ["shardwise", "worker", "--plan", "/etc/shardwise/plan.json",
                                         "--model", "/models/models/smollm2", "--port", "8080"]
