@@ -56,8 +56,9 @@ def run(args: argparse.Namespace) -> int:
     # kopf logs every successful event handler at INFO: one line per pod or node update is noise.
     if args.log_level != "debug":
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
-    for noisy in ("kubernetes", "urllib3", "aiohttp"):
+    for noisy in ("kubernetes", "aiohttp"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    logging.getLogger("urllib3").setLevel(logging.ERROR)  # its retry warnings repeat what we say once
     if args.kubeconfig:
         if not os.path.exists(args.kubeconfig):
             print(f"shardwise operator: kubeconfig {args.kubeconfig} does not exist", file=sys.stderr)

@@ -82,13 +82,18 @@ class LeaseLock:
     def wait_until_leader(self, progress: bool = True) -> None:
         announced = False
         while not self._stop.is_set():
+            held_by_other = False
             try:
                 if self.try_acquire():
                     log.info(f"leader: {self.who} holds lease {self.namespace}/{self.name}")
                     return
+                held_by_other = True
             except ApiException as e:
                 log.warning(f"lease {self.namespace}/{self.name}: {e.status} {e.reason}")
-            if progress and not announced:
+            except Exception as e:  # API server unreachable: say so in one line and keep trying
+                log.warning(f"lease {self.namespace}/{self.name}: cannot reach the API server "
+                            f"({type(e).__name__}); retrying")
+            if progress and held_by_other and not announced:
                 log.info(f"standby: another operator holds lease {self.namespace}/{self.name}; waiting")
                 announced = True
             self._stop.wait(self.renew_seconds / 2)
