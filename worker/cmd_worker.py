@@ -4,6 +4,7 @@
     env: SHARDWISE_REPLICA, SHARDWISE_STAGE   which placement of the plan this pod is
          MASTER_ADDR, MASTER_PORT             rendezvous (the replica's stage-0 pod)
          POD_IP                               address to bind (--host overrides)
+         SHARDWISE_MODEL_NAME                 optional: the model name the API reports
 
 The pod process reads the plan, then starts one process per TP rank (plan.tensor of them) with
 RANK = stage * tensor + local_rank and WORLD_SIZE = tensor * pipeline, and supervises them: if
@@ -168,7 +169,8 @@ def _rank_main(spec, rank, world, local_rank, host, port, model_name, loaded_q, 
         from .loader import open_model
         from .server import App, Server, run_engine
         from .tokenizer import load_tokenizer
-        app = App(model_name, load_tokenizer(open_model(spec.model)))
+        # The API reports the ShardedModel's name when the operator passes it.
+        app = App(os.environ.get("SHARDWISE_MODEL_NAME") or model_name, load_tokenizer(open_model(spec.model)))
         server = Server(app, host, port).start()
         stop = stop_on_signals()
         ctx = setup_rank(spec, 0, world, local_rank, "env://", spec.tensor)
