@@ -26,6 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--lease-namespace", default=None,
                      help="namespace of the leader-election Lease (default: $POD_NAMESPACE, else 'default')")
     run.add_argument("--lease-name", default="shardwise-operator")
+    run.add_argument("--lease-duration", type=int, default=15,
+                     help="seconds without renewal after which a standby takes over (renewed every third)")
     run.add_argument("--no-leader-election", action="store_true",
                      help="run without a Lease (only when exactly one operator runs)")
 
@@ -91,7 +93,11 @@ def run(args: argparse.Namespace) -> int:
     lock = None
     if not args.no_leader_election:
         lease_ns = args.lease_namespace or os.environ.get("POD_NAMESPACE") or "default"
-        lock = LeaseLock(api, lease_ns, args.lease_name)
+        if args.lease_duration < 3:
+            print("shardwise operator: --lease-duration must be at least 3 seconds", file=sys.stderr)
+            return 2
+        lock = LeaseLock(api, lease_ns, args.lease_name, lease_seconds=args.lease_duration,
+                         renew_seconds=args.lease_duration / 3)
         lock.wait_until_leader()
 
         def lost() -> None:

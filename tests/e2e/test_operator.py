@@ -123,7 +123,7 @@ class Operator:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "shardwise", "operator", "run", "--kubeconfig", self.kube.kubeconfig,
              "--namespace", self.kube.ns, "--lease-namespace", self.kube.ns, "--metrics-port", "0",
-             "--health-port", "0", "--worker-image", "shardwise/worker:test"],
+             "--health-port", "0", "--worker-image", "shardwise/worker:test", "--lease-duration", "6"],
             stdout=out, stderr=subprocess.STDOUT, env=self.kube.env, cwd=ROOT)
         return self
 
