@@ -292,3 +292,21 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_tied_embedding_split_across_stages_trains_like_one_process(work, tmp_path):
+    """A tied embedding/head (SmolLM2, Llama 3.2) lives on the first and the last stage under
+    PP=2; its two gradients are summed so both copies stay one weight, and the checkpoint holds it
+    once."""
+    tied = write_tiny_model(tmp_path / "tied", _text(), layers=2, hidden=64, heads=4, kv_heads=2, tie=True)
+    runs = {}
+    for name, layout in (("one", ()), ("pp", ("--pipeline-parallel", "2"))):
+        cmd = _cmd(work, tmp_path / name, *layout)
+        cmd[cmd.index("--model") + 1] = str(tied)
+        cmd[cmd.index("--steps") + 1] = "4"
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr
+        runs[name] = _losses(p.stdout)
+    _assert_same_losses(runs["pp"], runs["one"], range(1, 5))
+    stored = ckpt.stored_shapes(ckpt.committed(tmp_path / "pp")[-1][1])
+    assert "model/tok_embeddings.weight" in stored and "model/output.weight" not in stored
