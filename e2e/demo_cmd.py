@@ -22,6 +22,7 @@ import importlib.util
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -264,6 +265,7 @@ class Demo:
             except kapi.ApiError as e:
                 if e.status != 404:
                     raise self.fail(str(e)) from None
+            self.wait_rendezvous_port()
             try:
                 self.client.create(path, body)
             except kapi.ApiError as e:
@@ -272,6 +274,20 @@ class Demo:
             say(f"  applied; waiting for {p} pod(s) to load their layers (worker logs: "
                 f"{self.plane.dir / 'pods'}/{NAMESPACE}_<pod>/worker.log)")
             self.wait_ready(restarts_above=-1)
+
+    def wait_rendezvous_port(self, timeout: float = 30) -> None:
+        """Local pods share this machine's ports, and a worker's rendezvous store listens on
+        MASTER_PORT on every address: while another process holds it (a model someone else runs on
+        local nodes, a torch job), stage 0 would fail to start. Say so instead of failing later."""
+        from shardwise.operator.renderer import MASTER_PORT
+        deadline = time.monotonic() + timeout
+        while port_in_use(MASTER_PORT):
+            if time.monotonic() > deadline:
+                raise self.fail(f"port {MASTER_PORT}, where the workers rendezvous, is in use on this "
+                                "machine (another ShardedModel on local nodes, or a torch job; "
+                                f"`ss -ltnp | grep {MASTER_PORT}` names it); local pods share the "
+                                "machine's ports, so stop it first", log=None)
+            time.sleep(1)
 
     def wait_ready(self, restarts_above: int) -> dict:
         """Until the model is Ready with more than `restarts_above` restarts, printing each change."""
@@ -491,6 +507,16 @@ class Demo:
             "\"Name three colours.\"}], \"max_tokens\": 24, \"temperature\": 0}'")
         say(f"  tail -f {self.operator_log}")
         say(f"stop it all with:  {dev} down")
+
+
+def port_in_use(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("0.0.0.0", port))
+            return False
+        except OSError:
+            return True
 
 
 def _established(crd: dict) -> bool:
