@@ -600,6 +600,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"shardwise demo: {where}{e}{log}", file=sys.stderr, flush=True)
     except KeyboardInterrupt:
         print("shardwise demo: interrupted", file=sys.stderr, flush=True)
+    except Exception as e:  # noqa: BLE001 - still one line naming the step, not a traceback
+        where = f"{demo.current_step}: " if demo.current_step else ""
+        log = f"; see {demo.step_log}" if demo.step_log else ""
+        print(f"shardwise demo: {where}{type(e).__name__}: {e}{log}", file=sys.stderr, flush=True)
     finally:
         if args.keep and not failed:
             demo.keep()
