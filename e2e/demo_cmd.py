@@ -276,17 +276,19 @@ class Demo:
             self.wait_ready(restarts_above=-1)
 
     def wait_rendezvous_port(self, timeout: float = 30) -> None:
-        """Local pods share this machine's ports, and a worker's rendezvous store listens on
-        MASTER_PORT on every address: while another process holds it (a model someone else runs on
-        local nodes, a torch job), stage 0 would fail to start. Say so instead of failing later."""
-        from shardwise.operator.renderer import MASTER_PORT
+        """Local pods share this machine's ports, and a worker's rendezvous store listens on its
+        group's MASTER_PORT on every address. The port follows from namespace, model, replica and
+        attempt, so a demo kept running from another state folder holds the very port the first
+        group here would take: say so instead of letting stage 0 fail."""
+        from shardwise.operator.renderer import master_port
+        port = master_port(NAMESPACE, MODEL_NAME, 0, 1)
         deadline = time.monotonic() + timeout
-        while port_in_use(MASTER_PORT):
+        while port_in_use(port):
             if time.monotonic() > deadline:
-                raise self.fail(f"port {MASTER_PORT}, where the workers rendezvous, is in use on this "
-                                "machine (another ShardedModel on local nodes, or a torch job; "
-                                f"`ss -ltnp | grep {MASTER_PORT}` names it); local pods share the "
-                                "machine's ports, so stop it first", log=None)
+                raise self.fail(f"port {port}, where the demo's workers rendezvous, is in use on this "
+                                "machine (a demo kept running from another state folder? "
+                                f"`ss -ltnp | grep {port}` names the process); local pods share "
+                                "the machine's ports, so stop it first", log=None)
             time.sleep(1)
 
     def wait_ready(self, restarts_above: int) -> dict:
