@@ -192,7 +192,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from shardwise.worker.loader import DTYPES, open_model
+    from shardwise.worker.loader import open_model
     from shardwise.worker.tokenizer import load_tokenizer
     torch.set_num_threads(args.threads)
     source = open_model(args.model)

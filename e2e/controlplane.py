@@ -256,11 +256,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def port_taken(port: int) -> bool:
+def port_taken(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind((host, port))
             return False
         except OSError:
             return True

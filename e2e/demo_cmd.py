@@ -22,7 +22,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -280,10 +279,12 @@ class Demo:
         group's MASTER_PORT on every address. The port follows from namespace, model, replica and
         attempt, so a demo kept running from another state folder holds the very port the first
         group here would take: say so instead of letting stage 0 fail."""
+        from shardwise.e2e.controlplane import port_taken
         from shardwise.operator.renderer import master_port
         port = master_port(NAMESPACE, MODEL_NAME, 0, 1)
         deadline = time.monotonic() + timeout
-        while port_in_use(port):
+        # torch's TCPStore listens on every address, so probe them all, not just loopback.
+        while port_taken(port, "0.0.0.0"):
             if time.monotonic() > deadline:
                 raise self.fail(f"port {port}, where the demo's workers rendezvous, is in use on this "
                                 "machine (a demo kept running from another state folder? "
@@ -509,16 +510,6 @@ class Demo:
             "\"Name three colours.\"}], \"max_tokens\": 24, \"temperature\": 0}'")
         say(f"  tail -f {self.operator_log}")
         say(f"stop it all with:  {dev} down")
-
-
-def port_in_use(port: int) -> bool:
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("0.0.0.0", port))
-            return False
-        except OSError:
-            return True
 
 
 def _established(crd: dict) -> bool:

@@ -112,7 +112,7 @@ def _up(plane, args, cp) -> int:
     if args.gpu_memory_mib:
         spec.gpu_memory_mib = args.gpu_memory_mib
     plane.up(spec, say=lambda s: print(s, flush=True))
-    print(f"\nuse it with:  eval \"$(shardwise dev env)\"  then  kubectl get nodes")
+    print("\nuse it with:  eval \"$(shardwise dev env)\"  then  kubectl get nodes")
     return 0
 
 

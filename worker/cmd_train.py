@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import time
 import warnings
@@ -82,23 +81,6 @@ def check_inputs(opts) -> None:
         ckpt.check_same_model(found[2].get("model", {}), ckpt.structure_of(source.config.to_dict()), found[1])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-_mp_ctx = None
-
-
-def _context():
-    """A fork server with torch and the training code imported: ranks start without re-importing."""
-    global _mp_ctx
-    if _mp_ctx is None:
-        import multiprocessing as mp
-        _mp_ctx = mp.get_context("forkserver")
-        _mp_ctx.set_forkserver_preload(["shardwise.worker.train"])
-    return _mp_ctx
 
 
 def _rank_main(opts, rank: int, world: int, port: int) -> None:
@@ -133,8 +115,9 @@ def _rank_main(opts, rank: int, world: int, port: int) -> None:
 
 def launch(opts, world: int) -> int:
     """Run `world` local ranks of `opts`; if one fails, stop the others (the group is one unit)."""
-    port = _free_port()
-    ctx = _context()
+    from .runtime import forkserver, free_port
+    port = free_port()
+    ctx = forkserver("shardwise.worker.train")   # ranks start with the training code imported
     procs = [ctx.Process(target=_rank_main, args=(opts, rank, world, port), name=f"rank{rank}")
              for rank in range(world)]
     for p in procs:

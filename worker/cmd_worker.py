@@ -81,7 +81,7 @@ def _run(args) -> int:
     import torch
 
     from .errors import WorkerError
-    from .runtime import RankSpec, _mp, validate
+    from .runtime import RankSpec, forkserver, validate
 
     plan = read_plan(args.plan)
     replica = _env_int("SHARDWISE_REPLICA", args.replica)
@@ -114,7 +114,7 @@ def _run(args) -> int:
     _say(f"replica {replica} stage {stage}: layers [{placement.layer_start}, {placement.layer_end}), "
          f"ranks {stage * plan.tensor}..{stage * plan.tensor + plan.tensor - 1} of {world}, {device}")
 
-    mp = _mp()
+    mp = forkserver()
     loaded_q = mp.Queue()
     procs = []
     for local in range(plan.tensor):

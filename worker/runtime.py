@@ -146,17 +146,13 @@ def _child(spec: RankSpec, rank: int, world: int, init_method: str, errors) -> N
         raise SystemExit(1)
 
 
-_mp_ctx = None
-
-
-def _mp():
-    """A fork server with torch and the worker imported: children skip the multi-second import."""
-    global _mp_ctx
-    if _mp_ctx is None:
-        import multiprocessing as mp
-        _mp_ctx = mp.get_context("forkserver")
-        _mp_ctx.set_forkserver_preload(["shardwise.worker.runtime"])
-    return _mp_ctx
+def forkserver(preload: str = "shardwise.worker.runtime"):
+    """A fork server with torch and `preload` imported: children skip the multi-second import.
+    The preload takes effect when the server first starts, i.e. at the first child."""
+    import multiprocessing as mp
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([preload])
+    return ctx
 
 
 def validate(spec: RankSpec):
@@ -184,7 +180,7 @@ class LocalRuntime:
         self.final: list[dict] | None = None
 
     def start(self) -> RankContext:
-        mp = _mp()
+        mp = forkserver()
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         init_method = f"tcp://127.0.0.1:{free_port()}"
         self.errors = mp.Queue()

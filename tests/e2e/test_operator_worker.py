@@ -63,7 +63,7 @@ def test_operator_serves_smollm2_on_local_nodes_and_survives_a_node_loss(cluster
     cluster.kubectl("wait", "--for=condition=Established", "crd/shardedmodels.shardwise.dev", "--timeout=30s")
     label = {"shardwise.dev/test": namespace}
     # Three local nodes of TENSOR "GPUs" in one rack: one stage per node, one node to spare.
-    nodes = [node_factory(f"{namespace[-6:]}-local-{i}", TENSOR, local=True, rack=f"rack-{namespace[-6:]}",
+    [node_factory(f"{namespace[-6:]}-local-{i}", TENSOR, local=True, rack=f"rack-{namespace[-6:]}",
                           labels=label) for i in range(3)]
     log = open(tmp_path / "operator.log", "ab")
     operator = subprocess.Popen(
