@@ -41,15 +41,23 @@ SESSION_SPEC = cp.ClusterSpec(nodes=2, gpus_per_node=8, racks=2, zones=1, local_
 __all__ = ["Cluster", "cluster", "kube_api", "namespace", "kubectl", "node_factory", "wait_until"]
 
 
-def wait_until(predicate, timeout: float, what: str, interval: float = 0.25):
-    """Poll `predicate` until it returns something truthy; fail the test naming `what`."""
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.25,
+               retry_on: tuple[type[BaseException], ...] = ()):
+    """Poll `predicate` until it returns something truthy; fail the test naming `what`.
+    Exceptions of the `retry_on` types count as "not yet"; the last one, or the last value, is
+    reported on timeout."""
     deadline = time.monotonic() + timeout
+    last: object = None
     while True:
-        value = predicate()
-        if value:
-            return value
+        try:
+            last = predicate()
+        except retry_on as e:
+            last = e
+        else:
+            if last:
+                return last
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
         time.sleep(interval)
 
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from shardwise.e2e.pytest_plugin import wait_until
+
 pytestmark = [pytest.mark.controlplane, pytest.mark.slow, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,20 +98,7 @@ def _node_ready(node: dict) -> bool:
 
 
 def wait(predicate, timeout: float, what: str, interval: float = 0.5):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = predicate()
-        except AssertionError as e:
-            last = e
-            last_ok = False
-        else:
-            last_ok = bool(last)
-        if last_ok:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
+    return wait_until(predicate, timeout, what, interval, retry_on=(AssertionError,))
 
 
 class Operator:

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from shardwise.e2e.pytest_plugin import wait_until
+
 pytestmark = [pytest.mark.controlplane, pytest.mark.slow, pytest.mark.timeout(600)]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,20 +34,8 @@ def _smollm2_or_skip() -> None:
 
 
 def wait(predicate, timeout: float, what: str, interval: float = 0.5):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = predicate()
-        except (AssertionError, OSError, ValueError) as e:
-            last = None
-            err = e
-        else:
-            err = None
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}" + (f" ({err})" if err else ""))
+    # The endpoint refuses connections or answers half-loaded while the group starts.
+    return wait_until(predicate, timeout, what, interval, retry_on=(AssertionError, OSError, ValueError))
 
 
 def complete(ip: str, prompt: str) -> str:
