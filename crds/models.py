@@ -28,8 +28,10 @@ API_VERSION = f"{GROUP}/{VERSION}"
 DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
 DEFAULT_TOPOLOGY_KEYS = ["topology.shardwise.dev/rack", "topology.kubernetes.io/zone"]
 
-# The phases the operator reports in status.phase, in the order a healthy model passes them.
-PHASES = ("Pending", "Planning", "Starting", "Running", "Recovering", "Degraded", "Failed")
+# The phases the operator reports in status.phase (operator/status.py says when each holds).
+# Ready: every inference replica serves; Running: a training job has all its ranks up; Succeeded:
+# a training job finished every step and committed its last checkpoint.
+PHASES = ("Pending", "Starting", "Ready", "Running", "Recovering", "Degraded", "Failed", "Succeeded")
 
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"
 _QUANTITY_UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
@@ -199,6 +201,36 @@ class Checkpoint(ApiModel):
     keep: int = Field(3, ge=1, le=1000, description="Complete checkpoints kept; older ones are deleted.")
 
 
+class Training(ApiModel):
+    """What a `workload: training` model trains on, and how. The layout (tensor x pipeline x
+    replicas as data parallel) comes from the plan; checkpoints go to spec.checkpoint."""
+
+    model_config = ConfigDict(json_schema_extra=_cel(
+        ("!self.data.startsWith('pvc://') || self.data.matches('^pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/.+$')",
+         "training.data must look like pvc://<claim>/<path> when it starts with pvc://", ".data"),
+    ))
+
+    data: str = Field(min_length=1, max_length=4096, description=(
+        "UTF-8 text to train on: a path inside the pod, or pvc://<claim>/<path> to mount a "
+        "PersistentVolumeClaim read-only."))
+    steps: int = Field(ge=1, description="Optimizer steps in all; a restarted job does only the rest.")
+    batch_size: int = Field(8, ge=1, description="Sequences per step, over all data-parallel replicas.")
+    seq_length: int = Field(64, ge=2, le=1048576, description="Tokens per sequence.")
+    learning_rate: float = Field(3e-4, gt=0, le=10, description="AdamW learning rate (betas 0.9/0.95).")
+    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warmup.")
+    weight_decay: float = Field(0.0, ge=0, le=1)
+    seed: int = Field(0, ge=0, description="Data order and initial randomness: the batch of a step "
+                                           "depends on the seed and the step only, in any layout.")
+    micro_batches: Optional[int] = Field(None, ge=1, description=(
+        "Pipeline micro-batches per replica; default: the pipeline degree."))
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "Training":
+        if self.data.startswith("pvc://") and not re.match(r"^pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/.+$", self.data):
+            raise ValueError("training.data must look like pvc://<claim>/<path> when it starts with pvc://")
+        return self
+
+
 class Recovery(ApiModel):
     max_restarts: int = Field(3, ge=0, le=1000, description=(
         "Restarts of a replica group before the model is marked Failed."))
@@ -242,6 +274,13 @@ class ShardedModelSpec(ApiModel):
          "resources.requests must not name the GPU resource; the plan sets the GPU count", ".resources.requests"),
         ("!has(oldSelf.workload) || self.workload == oldSelf.workload",
          "workload cannot change; create a new ShardedModel", ".workload"),
+        ("self.workload != 'training' || has(self.training)",
+         "workload training needs spec.training (at least data and steps)", ".training"),
+        ("self.workload != 'training' || (has(self.checkpoint) && has(self.checkpoint.claim))",
+         "workload training needs checkpoint.claim: a ReadWriteMany claim every pod writes its shards to",
+         ".checkpoint"),
+        ("!has(self.training) || self.workload == 'training'",
+         "spec.training is only for workload: training", ".training"),
     ))
 
     model: ModelSource
@@ -252,6 +291,7 @@ class ShardedModelSpec(ApiModel):
     parallelism: Parallelism = Field(default_factory=Parallelism, json_schema_extra={"default": {}})
     gpu: GPU = Field(default_factory=GPU, json_schema_extra={"default": {}})
     placement: Placement = Field(default_factory=Placement, json_schema_extra={"default": {}})
+    training: Optional[Training] = Field(None, description="The data and hyperparameters of a training workload.")
     checkpoint: Optional[Checkpoint] = Field(None, description="Sharded checkpoints (training; resume after failure).")
     recovery: Recovery = Field(default_factory=Recovery, json_schema_extra={"default": {}})
     serving: Serving = Field(default_factory=Serving, json_schema_extra={"default": {}})
@@ -268,6 +308,14 @@ class ShardedModelSpec(ApiModel):
             raise ValueError("parallelism.pipeline must not exceed model.layers")
         if self.resources and self.gpu.resource_name in {**self.resources.limits, **self.resources.requests}:
             raise ValueError("resources must not name the GPU resource; the plan sets the GPU count")
+        if self.workload == "training":
+            if self.training is None:
+                raise ValueError("workload training needs spec.training (at least data and steps)")
+            if self.checkpoint is None or not self.checkpoint.claim:
+                raise ValueError("workload training needs checkpoint.claim: a ReadWriteMany claim every "
+                                 "pod writes its shards to")
+        elif self.training is not None:
+            raise ValueError("spec.training is only for workload: training")
         return self
 
 
@@ -315,6 +363,15 @@ class LastCheckpoint(ApiModel):
     path: Optional[str] = None
 
 
+class TrainingProgress(ApiModel):
+    """Where a training job is, as its first rank last reported it."""
+
+    step: int = Field(0, ge=0, description="optimizer steps done")
+    steps: int = Field(0, ge=0, description="steps asked for (spec.training.steps)")
+    loss: Optional[float] = Field(None, description="loss of the last step")
+    time: Optional[str] = Field(None, json_schema_extra={"format": "date-time"})
+
+
 class ReplicaGroupStatus(ApiModel):
     """The operator's record of one replica group (its pods restart as one unit), kept in status so
     that a restarted operator continues where it was."""
@@ -344,7 +401,9 @@ class ShardedModelStatus(ApiModel):
     selector: Optional[str] = Field(None, description="label selector of the pods (scale subresource)")
     endpoint: Optional[str] = Field(None, description="URL of the OpenAI-compatible API")
     plan: Optional[PlanSummary] = None
-    last_checkpoint: Optional[LastCheckpoint] = None
+    last_checkpoint: Optional[LastCheckpoint] = Field(None, description=(
+        "training: the newest complete checkpoint, which a restarted job resumes from"))
+    training: Optional[TrainingProgress] = None
     groups: list[ReplicaGroupStatus] = Field(default_factory=list, description="one record per replica group")
 
 

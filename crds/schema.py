@@ -84,6 +84,10 @@ def crd() -> dict[str, Any]:
         {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas",
          "description": "replicas whose every stage is ready"},
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+        {"name": "Step", "type": "integer", "jsonPath": ".status.training.step", "priority": 1,
+         "description": "training: optimizer steps done"},
+        {"name": "Checkpoint", "type": "integer", "jsonPath": ".status.lastCheckpoint.step", "priority": 1,
+         "description": "training: step of the newest complete checkpoint"},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]
     return {

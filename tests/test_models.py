@@ -50,11 +50,27 @@ def test_omitted_parallelism_means_the_planner_chooses():
     ({"model": {"uri": "/m", "layers": 4}, "parallelism": {"pipeline": 5}}, "parallelism.pipeline must not exceed model.layers"),
     ({"resources": {"limits": {"nvidia.com/gpu": 8}}}, "must not name the GPU resource"),
     ({"placement": {"topologyKeys": ["a", "a"]}}, "topology keys must not repeat"),
+    ({"workload": "training", "checkpoint": {"claim": "c"}}, "workload training needs spec.training"),
+    ({"workload": "training", "training": {"data": "/d.txt", "steps": 5}}, "workload training needs checkpoint.claim"),
+    ({"training": {"data": "/d.txt", "steps": 5}}, "spec.training is only for workload: training"),
+    ({"workload": "training", "checkpoint": {"claim": "c"}, "training": {"data": "pvc://Bad/x", "steps": 5}},
+     "training.data must look like pvc://<claim>/<path>"),
+    ({"workload": "training", "checkpoint": {"claim": "c"}, "training": {"data": "/d.txt", "steps": 0}},
+     "spec.training.steps: Input should be greater than or equal to 1"),
 ])
 def test_bad_spec_is_refused_in_one_line_naming_the_field(spec, message):
     with pytest.raises(ValueError) as e:
         load_manifest(minimal(**spec))
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_training_spec_reads_with_defaults_and_writes_back():
+    sm = load_manifest(minimal(workload="training", checkpoint={"claim": "ckpt"},
+                               training={"data": "pvc://corpora/wiki.txt", "steps": 500, "learningRate": 1e-4}))
+    t = sm.spec.training
+    assert (t.steps, t.batch_size, t.seq_length, t.learning_rate, t.seed) == (500, 8, 64, 1e-4, 0)
+    assert sm.to_api()["spec"]["training"]["learningRate"] == 1e-4
+    assert ShardedModel.model_validate(sm.to_api()) == sm
 
 
 def test_model_helpers():
@@ -109,10 +125,12 @@ def test_scale_subresource_paths_and_printer_columns_point_at_real_fields():
     assert field(scale["statusReplicasPath"])["type"] == "integer"
     assert field(scale["labelSelectorPath"])["type"] == "string"
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
-    assert list(columns) == ["Tensor", "Pipeline", "Replicas", "Ready", "Phase", "Age"]
+    assert list(columns) == ["Tensor", "Pipeline", "Replicas", "Ready", "Phase", "Step", "Checkpoint", "Age"]
     for name, path in columns.items():
         if not path.startswith(".metadata"):
             field(path)
+    # the training columns only with -o wide
+    assert {c["name"] for c in version["additionalPrinterColumns"] if c.get("priority")} == {"Step", "Checkpoint"}
     assert crd()["spec"]["names"]["shortNames"] == ["sm"]
 
 

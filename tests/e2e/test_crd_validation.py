@@ -27,8 +27,7 @@ def kubectl(cluster) -> Callable[..., str]:
     """kubectl in a namespace of this module's own, the ShardedModel CRD installed and Established."""
     namespace = f"crd-validation-{secrets.token_hex(3)}"
     cluster.client.create("/api/v1/namespaces", {"metadata": {"name": namespace}})
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/shardedmodels.shardwise.dev")
+    cluster.install_crd(CRD_FILE)
 
     def run(*args: str, input: str | None = None, check: bool = True) -> str:
         return cluster.kubectl(*args, input=input, check=check, namespace=namespace)
@@ -91,6 +90,18 @@ BAD = {
     "topology-duplicate": (manifest("a", placement__topologyKeys=["rack", "rack"]),
                            "spec.placement.topologyKeys[1]", "Duplicate value"),
     "checkpoint-path": (manifest("a", checkpoint={"path": "relative/dir"}), "spec.checkpoint.path", "should match"),
+    "training-without-spec": (manifest("a", workload="training", checkpoint={"claim": "ckpt"}),
+                              "spec.training", "workload training needs spec.training"),
+    "training-without-claim": (manifest("a", workload="training", training={"data": "/d.txt", "steps": 10}),
+                               "spec.checkpoint", "workload training needs checkpoint.claim"),
+    "training-for-inference": (manifest("a", training={"data": "/d.txt", "steps": 10}),
+                               "spec.training", "only for workload: training"),
+    "training-steps": (manifest("a", workload="training", checkpoint={"claim": "ckpt"},
+                                training={"data": "/d.txt", "steps": 0}),
+                       "spec.training.steps", "greater than or equal to 1"),
+    "training-data-pvc": (manifest("a", workload="training", checkpoint={"claim": "ckpt"},
+                                   training={"data": "pvc://data", "steps": 5}),
+                          "spec.training.data", "pvc://<claim>/<path>"),
 }
 
 
