@@ -12,6 +12,13 @@ one dies the pod exits non-zero so the operator sees it. On stage 0, global rank
 OpenAI API, /healthz (200 once every rank of the replica has loaded) and /metrics on --port. On
 other stages the pod process serves /healthz (200 once its own ranks have loaded) and /metrics
 (its ranks' weight bytes) on --port.
+
+With SHARDWISE_WORKLOAD=training the ranks train instead (worker/train.py, options from the
+SHARDWISE_TRAIN_* and SHARDWISE_CHECKPOINT_* variables): one world over every replica, RANK =
+(replica * pipeline + stage) * tensor + local_rank. Every pod serves /healthz (200 once its ranks
+have joined and resumed) and /progress (the job's progress.json from the shared checkpoint
+directory); when every step is done the pod writes the result to $SHARDWISE_TERMINATION_LOG and
+exits 0.
 """
 from __future__ import annotations
 
@@ -22,6 +29,8 @@ import signal
 import sys
 import threading
 import time
+
+WORKLOAD_ENV = "SHARDWISE_WORKLOAD"   # "training": the pod trains instead of serving
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -110,6 +119,8 @@ def _run(args) -> int:
     host = args.host or os.environ.get("POD_IP") or "0.0.0.0"
     if os.environ["MASTER_ADDR"].startswith("127.") or os.environ["MASTER_ADDR"] == "localhost":
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if os.environ.get(WORKLOAD_ENV) == "training":
+        return _run_training(args, plan, replica, stage, device, spec.dtype, host)
     world = plan.tensor * plan.pipeline
     _say(f"replica {replica} stage {stage}: layers [{placement.layer_start}, {placement.layer_end}), "
          f"ranks {stage * plan.tensor}..{stage * plan.tensor + plan.tensor - 1} of {world}, {device}")
@@ -127,6 +138,12 @@ def _run(args) -> int:
     health = None
     if stage != 0:
         health = _StageHealth(plan.tensor, host, args.port)
+    return _supervise(procs, loaded_q, health)
+
+
+def _supervise(procs, loaded_q, health, stopped_code: int = 0) -> int:
+    """Wait for the ranks; report their loading; stop them all when one fails or on SIGTERM.
+    0 when every rank exited 0, 1 when one failed, `stopped_code` when a signal stopped them."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -139,10 +156,14 @@ def _run(args) -> int:
                 health.loaded(stats)
         dead = [p for p in procs if p.exitcode is not None]
         if dead:
-            code = max(p.exitcode for p in dead) or 0
+            # the first non-zero status, killed by a signal (negative) included
+            code = next((p.exitcode for p in dead if p.exitcode), 0)
             if code or len(dead) == len(procs):
                 break
         time.sleep(0.2)
+    else:
+        if not all(p.exitcode == 0 for p in procs):
+            code = stopped_code
     # Rank 0 first: it stops the pipeline in order (STOP travels down the stages) before exiting.
     for p in procs:
         if p.exitcode is None:
@@ -150,9 +171,67 @@ def _run(args) -> int:
             p.join(10)
     if health is not None:
         health.close()
+    if code == stopped_code and stop.is_set():
+        return code
     if code:
         _say(f"a rank exited with code {code}; stopping the pod")
     return 1 if code else 0
+
+
+def _run_training(args, plan, replica: int, stage: int, device: str, dtype: str, host: str) -> int:
+    from .runtime import forkserver
+    from .train import options_from_env, pod_rank
+    env = {**os.environ, "SHARDWISE_DEVICE": device, "SHARDWISE_DTYPE": dtype}
+    opts = options_from_env(plan, args.model, env)     # a missing variable fails here, in one line
+    first = pod_rank(replica, stage, 0, plan)
+    _say(f"training replica {replica} stage {stage}: ranks {first}..{first + plan.tensor - 1} of "
+         f"{opts.world_size}, {device} {dtype}, {opts.steps} steps, checkpoints in {opts.checkpoint_dir}")
+    mp = forkserver()
+    started_q = mp.Queue()
+    procs = []
+    for local in range(plan.tensor):
+        p = mp.Process(target=_train_rank_main, args=(plan, args.model, replica, stage, local, env, started_q),
+                       daemon=False)
+        p.start()
+        procs.append(p)
+    health = _StageHealth(plan.tensor, host, args.port, progress_dir=opts.checkpoint_dir)
+    # Stopped by a signal before the last step, the pod must not look finished (exit 0 = Succeeded).
+    code = _supervise(procs, started_q, health, stopped_code=143)
+    if code == 0:
+        _write_result(opts.checkpoint_dir)
+    return code
+
+
+def _write_result(checkpoint_dir: str) -> None:
+    """The finished job's progress (steps, loss, last checkpoint) as the pod's termination message,
+    where the operator reads it once the pod has Succeeded."""
+    from .train import read_progress
+    path = os.environ.get("SHARDWISE_TERMINATION_LOG")
+    progress = read_progress(checkpoint_dir)
+    if not path or progress is None:
+        return
+    try:
+        with open(path, "w") as f:
+            f.write(json.dumps(progress))
+    except OSError as e:   # no termination log here: the result is in progress.json all the same
+        _say(f"cannot write the termination message to {path}: {e}")
+
+
+def _train_rank_main(plan, model, replica, stage, local_rank, env, started_q) -> None:
+    os.environ.update({k: v for k, v in env.items() if k in ("MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME")})
+    from .errors import WorkerError
+    from .train import run_training_rank
+
+    def started(trainer) -> None:
+        started_q.put({"rank": trainer.rank, "stage": trainer.pos.stage, "tp_rank": trainer.pos.tp_rank,
+                       "weight_bytes": sum(p.numel() * p.element_size() for p in trainer.params),
+                       "load_seconds": time.monotonic() - began, "step": trainer.step})
+    began = time.monotonic()
+    try:
+        raise SystemExit(run_training_rank(plan, model, replica, stage, local_rank, env, on_started=started))
+    except WorkerError as e:
+        print(f"shardwise worker: rank {os.environ.get('RANK', local_rank)}: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
 
 
 def _rank_main(spec, rank, world, local_rank, host, port, model_name, loaded_q, env) -> None:
@@ -190,9 +269,10 @@ def _rank_main(spec, rank, world, local_rank, host, port, model_name, loaded_q, 
 
 
 class _StageHealth:
-    """/healthz and /metrics of a pod that does not serve the API (pipeline stage > 0)."""
+    """/healthz and /metrics of a pod that does not serve the API (pipeline stage > 0, training);
+    /progress of a training job when `progress_dir` (its checkpoint directory) is given."""
 
-    def __init__(self, ranks: int, host: str, port: int):
+    def __init__(self, ranks: int, host: str, port: int, progress_dir: str | None = None):
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
         self.expected, self.stats = ranks, {}
         health = self
@@ -214,6 +294,12 @@ class _StageHealth:
                     lines += ["# TYPE shardwise_ready gauge",
                               f"shardwise_ready {int(len(health.stats) == health.expected)}"]
                     self._send(200, ("\n".join(lines) + "\n").encode(), "text/plain; version=0.0.4")
+                elif self.path == "/progress" and progress_dir is not None:
+                    from .train import read_progress
+                    progress = read_progress(progress_dir)
+                    self._send(200 if progress else 404,
+                               json.dumps(progress or {"error": {"message": "no progress yet"}}).encode(),
+                               "application/json")
                 else:
                     self._send(404, b'{"error": {"message": "no route"}}', "application/json")
 

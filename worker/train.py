@@ -362,13 +362,14 @@ def model_files(source, tokenizer) -> dict[str, bytes]:
 # ---------------------------------------------------------------- entry point for one rank
 
 def run_training(opts: TrainOptions, rank: int | None = None, world_size: int | None = None,
-                 out=sys.stdout) -> int:
+                 out=sys.stdout, on_started: Callable[["Trainer"], None] | None = None) -> int:
     """Train as one rank of a world of T*P*D processes (torchrun variables if not given).
 
     This is what `shardwise train` runs in each local process and what a training pod's
     `shardwise worker` calls. Rank 0 prints progress (JSON lines with --json) and writes
-    `<checkpoint_dir>/progress.json`. Returns 0 when all steps are done and the last checkpoint
-    is committed.
+    `<checkpoint_dir>/progress.json`. `on_started(trainer)` is called once this rank has joined
+    the world and loaded its slice (resumed from a checkpoint, if there was one). Returns 0 when
+    all steps are done and the last checkpoint is committed.
     """
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
@@ -411,6 +412,8 @@ def run_training(opts: TrainOptions, rank: int | None = None, world_size: int | 
         else:
             emit({"event": "start", "step": 0, "message": f"training from {opts.model} "
                   f"({_layout_text(dataclasses.asdict(opts))}, {len(trainer.data)} tokens)"})
+        if on_started is not None:
+            on_started(trainer)
         if lead:
             Path(opts.checkpoint_dir).mkdir(parents=True, exist_ok=True)
         tokens_per_step = opts.batch_size * opts.seq_len
@@ -447,7 +450,8 @@ def _write_progress(opts: TrainOptions, trainer: Trainer, rec: dict) -> None:
     last = trainer.manager.last_committed
     progress = {"step": trainer.step, "steps": opts.steps, "loss": rec.get("loss"),
                 "done": bool(rec.get("done")), "time": time.time(),
-                "last_checkpoint": None if last is None else {"step": last[0], "time": last[1]}}
+                "last_checkpoint": None if last is None else {"step": last[0], "time": last[1],
+                                                              "name": ckpt.step_dir_name(last[0])}}
     tmp = Path(opts.checkpoint_dir) / ".progress.json.tmp"
     tmp.write_text(json.dumps(progress))
     os.replace(tmp, Path(opts.checkpoint_dir) / "progress.json")
@@ -499,6 +503,8 @@ TRAIN_ENV = {
     "SHARDWISE_CHECKPOINT_KEEP": ("keep", int),
     "SHARDWISE_TRAIN_SEED": ("seed", int),
     "SHARDWISE_TRAIN_LR": ("lr", float),
+    "SHARDWISE_TRAIN_WARMUP": ("warmup", int),
+    "SHARDWISE_TRAIN_WEIGHT_DECAY": ("weight_decay", float),
     "SHARDWISE_TRAIN_BATCH_SIZE": ("batch_size", int),
     "SHARDWISE_TRAIN_SEQ_LEN": ("seq_len", int),
     "SHARDWISE_TRAIN_MICRO_BATCHES": ("micro_batches", int),
@@ -526,10 +532,19 @@ def options_from_env(plan, model: str, env: dict | None = None) -> TrainOptions:
 
 
 def run_training_rank(plan, model: str, replica: int, stage: int, local_rank: int,
-                      env: dict | None = None) -> int:
+                      env: dict | None = None, on_started: Callable[["Trainer"], None] | None = None) -> int:
     """A training pod's rank process: options from the plan and SHARDWISE_* variables, global rank
     from (replica, stage, local GPU). MASTER_ADDR/MASTER_PORT must name replica 0, stage 0."""
     opts = options_from_env(plan, model, env)
     if opts.device == "cuda":
         os.environ.setdefault("LOCAL_RANK", str(local_rank))
-    return run_training(opts, rank=pod_rank(replica, stage, local_rank, plan), world_size=opts.world_size)
+    return run_training(opts, rank=pod_rank(replica, stage, local_rank, plan), world_size=opts.world_size,
+                        on_started=on_started)
+
+
+def read_progress(checkpoint_dir: str) -> dict | None:
+    """`<checkpoint_dir>/progress.json` as rank 0 last wrote it, or None (not started, unreadable)."""
+    try:
+        return json.loads((Path(checkpoint_dir) / "progress.json").read_text())
+    except (OSError, ValueError):
+        return None

@@ -258,33 +258,77 @@ def test_bad_input_is_one_clear_line(work, reference, tmp_path):
 
 
 def test_training_pods_from_a_plan_reproduce_the_reference(work, reference, tmp_path):
-    """What ShardedModel pods run: layout and (uneven) layer split from the plan, options from
-    SHARDWISE_* variables, one world over the pods; losses match the reference run."""
+    """What a training ShardedModel's pods run: `shardwise worker` with SHARDWISE_WORKLOAD=training,
+    layout and (uneven) layer split from the plan, options from SHARDWISE_* variables, one world
+    over all the pods of both replicas (data parallel). The losses match the reference run; each pod
+    serves /healthz and /progress while it trains and leaves the result as its termination message."""
+    import urllib.request
     from shardwise.crds.plan import ShardPlan, StagePlacement
     losses, _ = reference
-    plan = ShardPlan(tensor=1, pipeline=2, replicas=1, num_layers=4, placements=[
-        StagePlacement(replica=0, stage=s, node=f"node-{s}", gpus=1, layer_start=(0, 3)[s],
-                       layer_end=(3, 4)[s], embedding=s == 0, head=s == 1) for s in range(2)])
+    plan = ShardPlan(tensor=1, pipeline=2, replicas=2, num_layers=4, placements=[
+        StagePlacement(replica=r, stage=s, node=f"node-{r}-{s}", gpus=1, layer_start=(0, 3)[s],
+                       layer_end=(3, 4)[s], embedding=s == 0, head=s == 1) for r in range(2) for s in range(2)])
+    (tmp_path / "plan.json").write_text(plan.model_dump_json())
+    steps = 6
+    env = {**os.environ, "SHARDWISE_WORKLOAD": "training", "SHARDWISE_TRAIN_DATA": str(work / "data.txt"),
+           "SHARDWISE_TRAIN_STEPS": str(steps), "SHARDWISE_CHECKPOINT_DIR": str(tmp_path / "ck"),
+           "SHARDWISE_CHECKPOINT_EVERY": "2", "SHARDWISE_TRAIN_LR": "3e-3", "SHARDWISE_TRAIN_SEED": "7",
+           "SHARDWISE_TRAIN_BATCH_SIZE": "4", "SHARDWISE_TRAIN_SEQ_LEN": "32", "POD_IP": "127.0.0.1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}
+    ports = [_free_port() for _ in range(4)]
+    pods = []
+    for (r, s), port in zip([(0, 0), (0, 1), (1, 0), (1, 1)], ports):
+        pod_env = {**env, "SHARDWISE_REPLICA": str(r), "SHARDWISE_STAGE": str(s),
+                   "SHARDWISE_TERMINATION_LOG": str(tmp_path / f"termination-{r}-{s}")}
+        pods.append(subprocess.Popen(
+            [sys.executable, "-m", "shardwise", "worker", "--plan", str(tmp_path / "plan.json"),
+             "--model", str(work / "model"), "--port", str(port), "--device", "cpu"],
+            env=pod_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    seen = []
+    deadline = time.monotonic() + 300
+    while any(p.poll() is None for p in pods) and time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{ports[3]}/progress", timeout=2) as resp:
+                seen.append(json.loads(resp.read())["step"])
+        except OSError:
+            pass
+        time.sleep(0.2)
+    outs = [p.communicate(timeout=60) for p in pods]
+    assert [p.returncode for p in pods] == [0, 0, 0, 0], "\n".join(o[1][-2000:] for o in outs)
+    got = _losses(outs[0][0])           # global rank 0 (replica 0, stage 0) reports the steps
+    assert sorted(got) == list(range(1, steps + 1))
+    _assert_same_losses(got, losses, got)
+    assert seen and max(seen) >= 1     # progress was readable from another pod while it trained
+    for r, s in [(0, 0), (0, 1), (1, 0), (1, 1)]:
+        result = json.loads((tmp_path / f"termination-{r}-{s}").read_text())
+        assert result["done"] and result["step"] == steps
+        assert result["last_checkpoint"]["step"] == steps and result["last_checkpoint"]["name"] == "step-00000006"
+    from shardwise.worker.train import last_checkpoint
+    assert last_checkpoint(str(tmp_path / "ck"))["step"] == steps
+
+
+def test_a_training_pod_stopped_before_the_end_does_not_exit_zero(work, tmp_path):
+    """SIGTERM (pod deleted, node drained) mid-run: the pod must not look finished (exit 0 would be
+    Succeeded, and the job would end early)."""
+    from shardwise.crds.plan import ShardPlan, StagePlacement
+    plan = ShardPlan(tensor=1, pipeline=1, replicas=1, num_layers=4, placements=[
+        StagePlacement(replica=0, stage=0, node="n", gpus=1, layer_start=0, layer_end=4, embedding=True, head=True)])
     (tmp_path / "plan.json").write_text(plan.model_dump_json())
     env = {**os.environ, "SHARDWISE_WORKLOAD": "training", "SHARDWISE_TRAIN_DATA": str(work / "data.txt"),
-           "SHARDWISE_TRAIN_STEPS": "4", "SHARDWISE_CHECKPOINT_DIR": str(tmp_path / "ck"),
-           "SHARDWISE_CHECKPOINT_EVERY": "2", "SHARDWISE_TRAIN_LR": "3e-3", "SHARDWISE_TRAIN_SEED": "7",
-           "SHARDWISE_TRAIN_BATCH_SIZE": "4", "SHARDWISE_TRAIN_SEQ_LEN": "32",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}
-    code = ("import sys; from shardwise.crds.plan import ShardPlan; from shardwise.worker.train import run_training_rank; "
-            f"plan = ShardPlan.model_validate_json(open({str(tmp_path / 'plan.json')!r}).read()); "
-            f"sys.exit(run_training_rank(plan, {str(work / 'model')!r}, 0, int(sys.argv[1]), 0))")
-    pods = [subprocess.Popen([sys.executable, "-c", code, str(stage)], env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True) for stage in range(2)]
-    outs = [p.communicate(timeout=300) for p in pods]
-    assert [p.returncode for p in pods] == [0, 0], outs[0][1] + outs[1][1]
-    got = _losses(outs[0][0])
-    assert sorted(got) == [1, 2, 3, 4]
-    _assert_same_losses(got, losses, got)
-    progress = json.loads((tmp_path / "ck" / "progress.json").read_text())
-    assert progress["done"] and progress["last_checkpoint"]["step"] == 4
-    from shardwise.worker.train import last_checkpoint
-    assert last_checkpoint(str(tmp_path / "ck"))["step"] == 4
+           "SHARDWISE_TRAIN_STEPS": "100000", "SHARDWISE_CHECKPOINT_DIR": str(tmp_path / "ck"),
+           "SHARDWISE_TRAIN_BATCH_SIZE": "4", "SHARDWISE_TRAIN_SEQ_LEN": "32", "POD_IP": "127.0.0.1",
+           "SHARDWISE_REPLICA": "0", "SHARDWISE_STAGE": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}
+    pod = subprocess.Popen([sys.executable, "-m", "shardwise", "worker", "--plan", str(tmp_path / "plan.json"),
+                            "--model", str(work / "model"), "--port", str(_free_port()), "--device", "cpu"],
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "ck" / "progress.json").exists() and time.monotonic() < deadline:
+        assert pod.poll() is None, pod.communicate()[1]
+        time.sleep(0.2)
+    pod.send_signal(signal.SIGTERM)
+    pod.communicate(timeout=60)
+    assert pod.returncode not in (0, None)
 
 
 def _free_port() -> int:
