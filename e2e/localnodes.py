@@ -18,13 +18,19 @@ Node labelled `shardwise.dev/local-node=true` that is not labelled `shardwise.de
 What a container sees, since there is no image and no mount namespace:
 - mountPath of a volume is rewritten to the materialised folder wherever it appears in command, args
   and env values (`/etc/shardwise/plan.json` -> `<state>/pods/ns_pod/volumes/plan/plan.json`);
+  a hostPath volume, and a PersistentVolumeClaim bound to a hostPath or local PersistentVolume, is
+  that folder of this machine (shared by every pod that mounts it, as a ReadWriteMany volume is);
+- the terminationMessagePath (default /dev/termination-log) is rewritten the same way to a file of
+  the container's own; what the process writes there (or, with FallbackToLogsOnError, the tail of
+  its log when it failed) is reported as the terminated state's message;
 - there is no cluster DNS: `<hostname>.<subdomain>.<namespace>.svc[.cluster.local]` in args and env
   values is rewritten to the IP of the pod with that hostname and subdomain, and
   `<service>.<namespace>.svc[.cluster.local]` to the IP of a Ready pod behind that Service; the
   container starts only once every such name resolves (as a real pod would retry DNS);
 - the environment is the runtime's own (PATH, HOME, ...) plus the container's env.
 Not done: images, resource limits (no cgroups), network isolation (ports are shared; bind to
-POD_IP), startupProbe, exec/logs/port-forward through the API, emptyDir size limits, PVCs.
+POD_IP), startupProbe, exec/logs/port-forward through the API, emptyDir size limits, claims bound
+to other kinds of volume, readOnly mounts (nothing stops a process writing there).
 """
 from __future__ import annotations
 
@@ -54,6 +60,9 @@ LEASE_SECONDS = 20
 RENEW_EVERY = 4.0
 STATUS_EVERY = 10.0
 MAX_BACKOFF = 10.0  # restart back-off cap in seconds (a kubelet's is 5 minutes)
+TERMINATION_LOG = "/dev/termination-log"
+MESSAGE_BYTES = 4096        # a kubelet keeps at most this much of a termination message
+FALLBACK_LOG_LINES = 80     # ... and of the log's tail in its place (FallbackToLogsOnError)
 
 log = logging.getLogger("shardwise.localnodes")
 DNS_NAME = re.compile(r"(?<![\w.-])((?:[a-z0-9](?:[a-z0-9-]*[a-z0-9])?\.){2,3}svc)"
@@ -364,6 +373,7 @@ class PodRunner(threading.Thread):
         self.kill_grace = 0.0
         self.last_status: str | None = None
         self.lock = threading.Lock()
+        self.container_paths: dict[str, str] = {}   # the launching container's own paths
 
     def update(self, pod: dict) -> None:
         with self.lock:
@@ -466,7 +476,8 @@ class PodRunner(threading.Thread):
             code = c.proc.returncode
             info = {"exitCode": code if code >= 0 else 128 - code,
                     "reason": "Completed" if code == 0 else "Error",
-                    "startedAt": c.started_at, "finishedAt": now()}
+                    "startedAt": c.started_at, "finishedAt": now(),
+                    **self._termination_message(c, code)}
             c.proc = None
             c.ready = False
             c.ready_ok = c.ready_fail = c.live_fail = 0
@@ -567,6 +578,9 @@ class PodRunner(threading.Thread):
                          "local nodes run only containers with a command (there is no image)")
             c.next_start = time.monotonic() + 3600
             return
+        message_file = self._message_file(c)
+        message_file.write_bytes(b"")
+        self.container_paths = {c.spec.get("terminationMessagePath") or TERMINATION_LOG: str(message_file)}
         try:
             env = self._env(c.spec)
             command = self._rewrite_list(command, env)
@@ -574,6 +588,8 @@ class PodRunner(threading.Thread):
             c.waiting = (w.reason, w.message)
             c.next_start = time.monotonic() + 0.5
             return
+        finally:
+            self.container_paths = {}
         cwd = c.spec.get("workingDir")
         cwd = self._rewrite(cwd, env) if cwd else str(self.dir)
         if not os.path.isdir(cwd):
@@ -628,9 +644,28 @@ class PodRunner(threading.Thread):
             if c.terminated is None:
                 c.terminated = {"exitCode": 137 if c.proc.returncode < 0 else c.proc.returncode,
                                 "reason": "Killed" if c.proc.returncode < 0 else "Completed",
-                                "startedAt": c.started_at, "finishedAt": now()}
+                                "startedAt": c.started_at, "finishedAt": now(),
+                                **self._termination_message(c, c.proc.returncode)}
             c.proc = None
             c.ready = False
+
+    def _message_file(self, c: ContainerProc) -> Path:
+        return self.dir / f"{c.name}.termination-log"
+
+    def _termination_message(self, c: ContainerProc, code: int) -> dict:
+        """{"message": ...} as a kubelet reports it: the file the container wrote, else (policy
+        FallbackToLogsOnError, the container failed) the tail of its log; {} when there is none."""
+        try:
+            text = self._message_file(c).read_bytes()[:MESSAGE_BYTES].decode(errors="replace")
+        except OSError:
+            text = ""
+        if not text.strip() and code != 0 and c.spec.get("terminationMessagePolicy") == "FallbackToLogsOnError":
+            try:
+                lines = (self.dir / f"{c.name}.log").read_bytes().decode(errors="replace").splitlines()
+            except OSError:
+                lines = []
+            text = "\n".join(lines[-FALLBACK_LOG_LINES:])[-MESSAGE_BYTES // 2:]
+        return {"message": text} if text.strip() else {}
 
     # env, volumes, name rewriting
     def _env(self, spec: dict) -> dict[str, str]:
@@ -717,6 +752,9 @@ class PodRunner(threading.Thread):
             if "hostPath" in vol:
                 folders[vol["name"]] = Path(vol["hostPath"]["path"])
                 continue
+            if "persistentVolumeClaim" in vol:
+                folders[vol["name"]] = self._claim_folder(vol["persistentVolumeClaim"]["claimName"])
+                continue
             if target.exists():
                 shutil.rmtree(target)
             target.mkdir(parents=True)
@@ -743,9 +781,35 @@ class PodRunner(threading.Thread):
                     mounts[m["mountPath"].rstrip("/") or "/"] = str(host).rstrip("/")
         return mounts or {"": ""}
 
+    def _claim_folder(self, claim: str) -> Path:
+        """The folder of this machine behind a claim: its bound PersistentVolume's hostPath or local
+        path (what the persistent-volume controller bound it to)."""
+        pvc = self._get_or_wait(f"/api/v1/namespaces/{self.ns}/persistentvolumeclaims/{claim}",
+                                f"persistentvolumeclaim {claim!r} not found")
+        volume = (pvc.get("spec") or {}).get("volumeName")
+        if (pvc.get("status") or {}).get("phase") != "Bound" or not volume:
+            raise _Waiting("ContainerCreating", f"waiting for claim {claim!r} to be bound")
+        pv = self._get_or_wait(f"/api/v1/persistentvolumes/{volume}", f"persistentvolume {volume!r} not found")
+        source = (pv.get("spec") or {}).get("hostPath") or (pv.get("spec") or {}).get("local")
+        if not source or not source.get("path"):
+            raise _Waiting("CreateContainerConfigError", f"claim {claim!r} is bound to {volume!r}, which is "
+                                                         "not a hostPath or local volume (local nodes mount only those)")
+        folder = Path(source["path"])
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+
+    def _get_or_wait(self, path: str, missing: str) -> dict:
+        try:
+            return self.rt.client.get(path)
+        except kapi.ApiError as e:
+            if e.status == 404:
+                raise _Waiting("CreateContainerConfigError", missing) from None
+            raise
+
     def _rewrite(self, text: str, env: dict | None = None) -> str:
-        for mount in sorted((m for m in self.mounts if m), key=len, reverse=True):
-            text = re.sub(re.escape(mount) + r"(?=/|$|[^\w.-])", self.mounts[mount].replace(
+        paths = {**self.mounts, **self.container_paths}
+        for mount in sorted((m for m in paths if m), key=len, reverse=True):
+            text = re.sub(re.escape(mount) + r"(?=/|$|[^\w.-])", paths[mount].replace(
                 "\\", "\\\\"), text)
 
         def resolve(m: re.Match) -> str:

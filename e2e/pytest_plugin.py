@@ -7,7 +7,7 @@ Fixtures
   temporary state folder (2 simulated 8-GPU nodes in 2 racks, 1 local node with 8 GPUs) and stopped
   at the end; or, when SHARDWISE_KUBECONFIG is set, that cluster is used and left running.
   Attributes and helpers: `kubeconfig`, `bin_dir`, `state_dir`, `client` (a small JSON client,
-  shardwise.e2e.kapi), `add_node(name, gpus=8, ...)` (a simulated GPU node, waits until Ready),
+  shardwise.e2e.kapi), `install_crd(path)` / `wait_crd_established()`, `add_node(name, gpus=8, ...)` (a simulated GPU node, waits until Ready),
   `add_local_node(name, gpus=8, ...)` (a node whose pods run as local processes),
   `delete_node(name)`, `node_down(name)` / `node_up(name)` (stop / resume its heartbeat: NotReady
   after ~12s, pods evicted 2s later), `wait_node_ready(name, ready=True)`, `kubectl(*args)`.
@@ -78,6 +78,21 @@ class Cluster:
         if check and proc.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)} failed: {proc.stderr.strip()}")
         return proc.stdout
+
+    # the ShardedModel CRD
+    def install_crd(self, path: Path | str) -> None:
+        """Apply a CRD file (server-side) and wait until the API server serves it."""
+        self.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(path))
+        self.wait_crd_established()
+
+    def wait_crd_established(self, name: str = "shardedmodels.shardwise.dev", timeout: float = 60) -> None:
+        # Read the condition ourselves: `kubectl wait` on a CRD created a moment ago can fail at once
+        # ("status.conditions accessor error") before the API server has written any status.
+        def established() -> bool:
+            crd = self.client.get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}")
+            return any(c.get("type") == "Established" and c.get("status") == "True"
+                       for c in (crd.get("status") or {}).get("conditions") or [])
+        wait_until(established, timeout, f"CRD {name} to be Established", retry_on=(kapi.ApiError,))
 
     # nodes
     def add_node(self, name: str, gpus: int = 8, *, zone: str = "zone-a", rack: str = "rack-0",

@@ -72,7 +72,7 @@ def get(cluster, *args: str, namespace: str | None = None) -> dict:
 
 def test_helm_install_establishes_the_crd_and_runs_the_operator_deployment(cluster, namespace, release):
     name = release()
-    cluster.kubectl("wait", "--for=condition=Established", "crd/shardedmodels.shardwise.dev", "--timeout=60s")
+    cluster.wait_crd_established()
     crd = get(cluster, "crd", "shardedmodels.shardwise.dev")
     assert crd["spec"]["names"]["shortNames"] == ["sm"]
     assert crd["spec"]["versions"][0]["subresources"].keys() >= {"status", "scale"}

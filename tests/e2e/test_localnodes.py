@@ -175,3 +175,45 @@ def test_a_node_going_down_kills_its_processes(kubectl, namespace, server, clust
         cluster.wait_node_ready(node, ready=False, timeout=40)
     finally:
         cluster.delete_node(node)
+
+
+def test_a_claim_is_its_bound_volume_folder_and_exits_leave_termination_messages(kubectl, namespace, cluster,
+                                                                                 tmp_path):
+    """Two pods mount one claim (bound by the volume controller to a hostPath volume) and see one
+    folder; what a container writes to its terminationMessagePath, or the tail of its log when it
+    failed with FallbackToLogsOnError, is its termination message."""
+    pv = f"{namespace}-shared"
+    cluster.kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
+        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"], "storageClassName": "",
+                 "hostPath": {"path": str(tmp_path / "volume")}}}))
+    try:
+        kubectl("apply", "-f", "-", input=json.dumps({
+            "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "shared"},
+            "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": pv,
+                     "resources": {"requests": {"storage": "1Gi"}}}}))
+
+        def job(name: str, script: str) -> dict:
+            return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+                    "spec": {"nodeName": "local-node-0", "restartPolicy": "Never",
+                             "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "shared"}}],
+                             "containers": [{"name": "main", "image": "not-pulled", "command": ["sh", "-c", script],
+                                             "env": [{"name": "OUT", "value": "/mnt/data"}],
+                                             "volumeMounts": [{"name": "data", "mountPath": "/mnt/data"}],
+                                             "terminationMessagePolicy": "FallbackToLogsOnError"}]}}
+        kubectl("apply", "-f", "-", input=json.dumps(job(
+            "writer", 'echo written > "$OUT/note" && echo "42 steps" > /dev/termination-log')))
+        wait_until(lambda: pod(kubectl, "writer")["status"].get("phase") == "Succeeded", 60, "the writer to finish")
+        kubectl("apply", "-f", "-", input=json.dumps(job(
+            "reader", 'cat "$OUT/note"; echo "error: nothing to do" >&2; exit 3')))
+        wait_until(lambda: pod(kubectl, "reader")["status"].get("phase") == "Failed", 60, "the reader to fail")
+    finally:
+        cluster.kubectl("delete", "pv", pv, "--wait=false", check=False)
+
+    assert (tmp_path / "volume" / "note").read_text() == "written\n"
+    done = pod(kubectl, "writer")["status"]["containerStatuses"][0]["state"]["terminated"]
+    assert done["exitCode"] == 0 and done["message"] == "42 steps\n"
+    failed = pod(kubectl, "reader")["status"]["containerStatuses"][0]["state"]["terminated"]
+    assert failed["exitCode"] == 3
+    # the log's tail: what the reader found in the shared folder, then its error
+    assert failed["message"].splitlines()[-2:] == ["written", "error: nothing to do"]

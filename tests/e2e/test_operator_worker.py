@@ -49,8 +49,7 @@ def complete(ip: str, prompt: str) -> str:
 def test_operator_serves_smollm2_on_local_nodes_and_survives_a_node_loss(cluster, namespace, kubectl,
                                                                        node_factory, tmp_path):
     _smollm2_or_skip()
-    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD))
-    cluster.kubectl("wait", "--for=condition=Established", "crd/shardedmodels.shardwise.dev", "--timeout=30s")
+    cluster.install_crd(CRD)
     label = {"shardwise.dev/test": namespace}
     # Three local nodes of TENSOR "GPUs" in one rack: one stage per node, one node to spare.
     [node_factory(f"{namespace[-6:]}-local-{i}", TENSOR, local=True, rack=f"rack-{namespace[-6:]}",
