@@ -138,7 +138,7 @@ def gpu_pods_index(namespace: str, name: str, body: kopf.Body, labels: Mapping[s
     if phase in ("Succeeded", "Failed"):
         return {}
     node = (body.get("spec") or {}).get("nodeName") or (body.metadata.annotations or {}).get(
-        "shardwise.dev/planned-node")
+        renderer.ANNOTATION_PLANNED_NODE)
     pod = {"metadata": {"name": name, "namespace": namespace, "labels": dict(labels)}, "spec": dict(body.spec),
            "status": {"phase": phase}}
     if not node or not (renderer.LABEL_MODEL in labels or pod_gpus(pod)):

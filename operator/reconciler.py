@@ -12,6 +12,11 @@ Order of one pass:
   3. replicas beyond spec.parallelism.replicas: torn down (scale down)
   4. status (phase, conditions, groups, plan, counts) patched only when it changed; Events returned to
      the caller, which posts them.
+
+Training jobs (`workload: training`) are one torch.distributed world over all their replicas, so
+their replica groups are a gang: one verdict for all (the first failure tears every replica down),
+one attempt number, planned together; a new layout, replica count or spec restarts the whole job,
+which resumes from its latest complete checkpoint. Their status also carries the job's progress.
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ from pydantic import ValidationError
 
 from shardwise.crds.models import PlanSummary, ShardedModelSpec, describe_validation_error
 from shardwise.crds.plan import ReplicaPlan, ShardPlan, StagePlacement
-from shardwise.operator import metrics, recovery, renderer, status as status_mod
+from shardwise.operator import metrics, recovery, renderer, status as status_mod, training
 from shardwise.operator.applier import Applier
 from shardwise.operator.planning import PlanFailure, plan_groups
 
@@ -101,9 +106,11 @@ def layout_matches(plan: ShardPlan, spec: ShardedModelSpec) -> bool:
 
 def reconcile(applier: Applier, namespace: str, name: str, nodes: Mapping[str, Mapping[str, Any]],
               capacity: Any, default_image: str = renderer.DEFAULT_IMAGE,
-              now: Callable[[], datetime] = recovery.now_utc) -> Outcome:
+              now: Callable[[], datetime] = recovery.now_utc,
+              progress: training.Fetch = training.fetch_progress) -> Outcome:
     """One pass over one ShardedModel. `capacity` (handlers.Capacity): live GPU pods of the cluster,
-    reservations for pods just created, and the lock under which plans are made one at a time."""
+    reservations for pods just created, and the lock under which plans are made one at a time.
+    `progress`: reads a running training pod's progress."""
     started, requests_before = time.monotonic(), applier.requests
     out = Outcome()
     body = applier.get_model(namespace, name)
@@ -111,7 +118,7 @@ def reconcile(applier: Applier, namespace: str, name: str, nodes: Mapping[str, M
         metrics.forget(namespace, name)
         return out
     try:
-        _reconcile(applier, body, nodes, capacity, default_image, now(), out)
+        _reconcile(applier, body, nodes, capacity, default_image, now(), out, progress)
     except Exception:
         metrics.RECONCILE_ERRORS.labels(namespace, name).inc()
         raise
@@ -123,7 +130,7 @@ def reconcile(applier: Applier, namespace: str, name: str, nodes: Mapping[str, M
 
 def _reconcile(applier: Applier, body: dict, nodes: Mapping[str, Mapping[str, Any]],
                capacity: Any, default_image: str, now: datetime,
-               out: Outcome) -> None:
+               out: Outcome, progress: training.Fetch) -> None:
     meta, old_status = body["metadata"], dict(body.get("status") or {})
     namespace, name = meta["namespace"], meta["name"]
     stamp = recovery.iso(now)
@@ -138,21 +145,30 @@ def _reconcile(applier: Applier, body: dict, nodes: Mapping[str, Mapping[str, An
         return
     policy = recovery.Policy.from_spec(body.get("spec"))
     desired = spec.parallelism.replicas
+    gang = spec.workload == "training"   # replicas live and die together (one world)
     plan = plan_from_summary(old_status.get("plan"))
     groups = {int(g["replica"]): dict(g) for g in old_status.get("groups") or []}
     if old_status.get("observedGeneration") not in (None, meta.get("generation")):
-        # A changed spec is a fresh start for groups that gave up (restart budget or invalid spec).
+        # A changed spec is a fresh start for groups that gave up (restart budget or invalid spec),
+        # and for a finished training job asked for more steps than it did.
+        more_steps = gang and spec.training.steps > int((old_status.get("training") or {}).get("steps") or 0)
         for g in groups.values():
-            if g.get("phase") == recovery.FAILED:
+            if g.get("phase") == recovery.FAILED or (more_steps and g.get("phase") == recovery.SUCCEEDED):
                 g.update(phase=recovery.PENDING, restarts=0, lastFailure=None, retryAt=None)
     pods = applier.list_model_pods(namespace, name)
     pods_by_replica: dict[int, list[dict]] = {}
     for pod in pods:
         pods_by_replica.setdefault(int(pod["metadata"]["labels"].get(renderer.LABEL_REPLICA, -1)), []).append(pod)
 
+    spec_hash = renderer.spec_hash(body.get("spec") or {}, default_image)
+    if gang and plan is not None:
+        why = _job_restart_reason(plan, spec, desired, groups, pods_by_replica, spec_hash)
+        if why:
+            _restart_job(applier, namespace, name, groups, pods_by_replica, desired, why, out)
+            plan = None
     # A new layout (TP/PP) asked for: the plan becomes the target (empty at first); the groups on the
     # old layout keep serving, marked Outdated, and are replaced one at a time below.
-    if plan is not None and not layout_matches(plan, spec):
+    if plan is not None and not gang and not layout_matches(plan, spec):
         for r in _planned(plan):
             if r in groups and groups[r].get("phase") not in (recovery.FAILED, recovery.PENDING):
                 groups[r]["phase"] = recovery.OUTDATED
@@ -161,7 +177,6 @@ def _reconcile(applier: Applier, body: dict, nodes: Mapping[str, Mapping[str, An
                                 f"one replica at a time"))
         plan = None
         applier.patch_status(namespace, name, {"plan": None, "groups": [groups[r] for r in sorted(groups)]})
-    spec_hash = renderer.spec_hash(body.get("spec") or {}, default_image)
     shared_applied = False
 
     def ensure_shared(current: ShardPlan) -> None:
@@ -191,6 +206,7 @@ def _reconcile(applier: Applier, body: dict, nodes: Mapping[str, Mapping[str, An
     # --- each desired replica: judge, then act ------------------------------------------------
     replan: list[int] = []
     rolled = False
+    job_step = _gang_step(groups, plan, pods_by_replica, desired, nodes, now, policy) if gang else None
     for r in range(desired):
         g = groups.setdefault(r, {"replica": r, "attempt": 0, "phase": recovery.PENDING, "restarts": 0})
         if g.get("phase") == recovery.OUTDATED:
@@ -218,27 +234,36 @@ def _reconcile(applier: Applier, body: dict, nodes: Mapping[str, Mapping[str, An
                 replan.append(r)
             continue
         verdict = recovery.assess(pods_by_replica.get(r, []), int(g.get("attempt", 0)), plan.pipeline, nodes,
-                                  now, policy)
+                                  now, policy, completes=gang)
         before = g.get("phase")
-        step = recovery.decide(g, verdict, now, policy)
+        if job_step is not None:
+            # the job's one decision, applied to this replica (events told once, for the job)
+            step = dataclasses.replace(job_step, group={**job_step.group, "replica": r},
+                                       event=job_step.event if r == 0 else "")
+        else:
+            step = recovery.decide(g, verdict, now, policy)
         g = groups[r] = step.group
-        if step.event == "GroupReady":
+        who = "training job" if gang else f"replica {r}"
+        if (job_step or step).event == "GroupReady":
             failed_at = recovery.parse_iso(g.pop("failedAt", None))
-            if failed_at and before in (recovery.CREATING, recovery.STARTING):
+            if failed_at and before in (recovery.CREATING, recovery.STARTING) and step.event:
                 metrics.RECOVERY_SECONDS.labels(namespace, name).observe((now - failed_at).total_seconds())
-                out.events.append(Event("Normal", "Recovered", f"replica {r} is Ready again after "
-                                                               f"{(now - failed_at).total_seconds():.1f}s"))
+                out.events.append(Event("Normal", "Recovered", f"{who} is {'running' if gang else 'Ready'} again "
+                                                               f"after {(now - failed_at).total_seconds():.1f}s"))
         if step.action in ("teardown", "fail"):
             _teardown(applier, namespace, name, r, pods_by_replica.get(r, []), nodes)
             pods_by_replica[r] = []
             if step.action == "teardown":
-                metrics.RECOVERIES.labels(namespace, name, metrics.cause_of(step.reason)).inc()
-                out.events.append(Event("Warning", "Recovering",
-                                        f"replica {r}: {step.reason}; tearing the group down "
-                                        f"(restart {g['restarts']} of {policy.max_restarts})"))
+                if step.event:
+                    metrics.RECOVERIES.labels(namespace, name, metrics.cause_of(step.reason)).inc()
+                    what = (f"tearing down all {desired} replicas; it resumes from the last complete checkpoint"
+                            if gang else "tearing the group down")
+                    out.events.append(Event("Warning", "Recovering",
+                                            f"{who}: {step.reason}; {what} "
+                                            f"(restart {g['restarts']} of {policy.max_restarts})"))
                 if step.requeue_after is not None:
                     out.requeue_after = min(out.requeue_after, max(0.2, step.requeue_after))
-            else:
+            elif step.event:
                 out.events.append(Event("Warning", "RestartBudgetExhausted", step.reason))
             write_plan_status(plan)
             if step.action == "teardown" and step.requeue_after is not None and step.requeue_after <= 0:
@@ -269,12 +294,17 @@ def _reconcile(applier: Applier, body: dict, nodes: Mapping[str, Mapping[str, An
                 finally:
                     metrics.PLAN_SECONDS.observe(time.monotonic() - started)
                 got = sorted(_planned(new))
+                if gang and got != sorted(replan):
+                    raise PlanFailure(f"only {len(got)} of the {len(replan)} replicas of the training job fit; "
+                                      f"it runs with all of them or waits", invalid=False)
                 plan = merge_plan(plan if plan is not None and layout_matches(plan, spec) else
                                   drop_replicas(plan, set(replan)), new, set(got))
+                # A new attempt on every (re)plan: new pod names, nothing waits for the old pods. A
+                # training job's replicas share one (their rendezvous port depends on it).
+                shared_attempt = max((int(groups[r].get("attempt", 0)) for r in got), default=0) + 1
                 for r in got:
-                    # A new attempt on every (re)plan: new pod names, nothing waits for the old pods.
                     groups[r].update(phase=recovery.CREATING, retryAt=None,
-                                     attempt=int(groups[r].get("attempt", 0)) + 1)
+                                     attempt=shared_attempt if gang else int(groups[r].get("attempt", 0)) + 1)
                     for pod in renderer.render_replica_pods(body, plan, r, groups[r]["attempt"], default_image):
                         capacity.reserve(pod, plan.placement(r, int(pod["metadata"]["labels"][renderer.LABEL_STAGE])).node)
             for r in set(replan) - set(got):
@@ -321,6 +351,16 @@ def _reconcile(applier: Applier, body: dict, nodes: Mapping[str, Mapping[str, An
     phase = status_mod.model_phase(live, desired, invalid)
     ready_replicas = sum(g.get("phase") in (recovery.READY, recovery.OUTDATED) for g in live)
     message = status_mod.phase_message(live, desired, invalid)
+    job: dict = {}
+    if gang:
+        if phase == status_mod.READY:
+            phase = status_mod.RUNNING
+        job = _job_status(spec, plan, groups, pods_by_replica, desired, progress)
+        if phase == status_mod.RUNNING:
+            out.requeue_after = min(out.requeue_after, training.POLL_SECONDS)
+        done = job.get("training") or old_status.get("training")
+        if done and done.get("steps"):
+            message += f"; step {done.get('step', 0)} of {done['steps']}"
     conditions = status_mod.set_condition(
         conditions, "Planned", plan is not None and not invalid and all(g.get("phase") != recovery.PENDING for g in live),
         "InvalidSpec" if invalid else ("Planned" if plan is not None and all(g.get("phase") != recovery.PENDING for g in live)
@@ -328,7 +368,8 @@ def _reconcile(applier: Applier, body: dict, nodes: Mapping[str, Mapping[str, An
         invalid or (next((g["lastFailure"] for g in live if g.get("phase") == recovery.PENDING and g.get("lastFailure")),
                          None) or (f"TP={plan.tensor} PP={plan.pipeline} cost={plan.cost}" if plan else "not planned")),
         stamp)
-    conditions = status_mod.set_condition(conditions, "Ready", phase == status_mod.READY, phase, message, stamp)
+    conditions = status_mod.set_condition(conditions, "Ready", phase in (status_mod.READY, status_mod.RUNNING),
+                                          phase, message, stamp)
     # Gang scheduling: a group is only as scheduled as its least lucky pod; say why, in the
     # scheduler's words, while we wait (after the grace period the group is re-planned).
     unscheduled = []
@@ -350,14 +391,16 @@ def _reconcile(applier: Applier, body: dict, nodes: Mapping[str, Mapping[str, An
     new_status = {
         "phase": phase, "message": message, "conditions": conditions,
         "observedGeneration": meta.get("generation"),
-        "restarts": sum(int(g.get("restarts", 0)) for g in groups.values()),
+        # a training job's replicas restart together: one restart of the job, not one per replica
+        "restarts": (max if gang else sum)((int(g.get("restarts", 0)) for g in groups.values()), default=0),
         "tensor": plan.tensor if plan else None, "pipeline": plan.pipeline if plan else None,
         "replicas": len({p.replica for p in plan.placements}) if plan else 0,
         "readyReplicas": ready_replicas, "readyShards": ready_shards,
         "selector": f"{renderer.LABEL_MODEL}={name},{renderer.LABEL_STAGE}=0",
-        "endpoint": renderer.endpoint(name, namespace, port) if plan else None,
+        "endpoint": renderer.endpoint(name, namespace, port) if plan and not gang else None,
         "plan": PlanSummary.from_plan(plan).to_api() if plan else None,
         "groups": [groups[r] for r in sorted(groups)],
+        **job,
     }
     old_phase = old_status.get("phase")
     if phase != old_phase:
@@ -371,6 +414,63 @@ def _reconcile(applier: Applier, body: dict, nodes: Mapping[str, Mapping[str, An
         metrics.PLAN_COST.labels(namespace, name).set(plan.cost)
     metrics.SHARDS_READY.labels(namespace, name).set(ready_shards)
     metrics.REPLICAS_READY.labels(namespace, name).set(ready_replicas)
+
+
+def _job_restart_reason(plan: ShardPlan, spec: ShardedModelSpec, desired: int, groups: Mapping[int, dict],
+                        pods_by_replica: Mapping[int, list[dict]], spec_hash: str) -> str:
+    """Why a planned training job must restart whole (its world changes shape), or ""."""
+    if all(g.get("phase") in (recovery.SUCCEEDED, recovery.FAILED) for g in groups.values()) and groups:
+        return ""
+    if not layout_matches(plan, spec):
+        return (f"layout changed from TP={plan.tensor} PP={plan.pipeline} to "
+                f"TP={spec.parallelism.tensor or 'auto'} PP={spec.parallelism.pipeline or 'auto'}")
+    if _planned(plan) != set(range(desired)):
+        return f"replicas changed from {len(_planned(plan))} to {desired}"
+    for r, pods in pods_by_replica.items():
+        if _outdated_pods(pods, int(groups.get(r, {}).get("attempt", 0)), spec_hash):
+            return "spec changed"
+    return ""
+
+
+def _restart_job(applier: Applier, namespace: str, name: str, groups: dict[int, dict],
+                 pods_by_replica: dict[int, list[dict]], desired: int, why: str, out: Outcome) -> None:
+    """Tear a training job down whole and leave every replica to be planned again (no restart is
+    counted: nothing failed); the caller drops the plan."""
+    for r in sorted(set(groups) | set(pods_by_replica)):
+        applier.delete_group(namespace, name, r)
+        pods_by_replica[r] = []
+    for r in [r for r in set(groups) | set(pods_by_replica) if r >= desired]:
+        groups.pop(r, None)
+        pods_by_replica.pop(r, None)
+    for r in range(desired):
+        g = groups.setdefault(r, {"replica": r, "attempt": 0, "restarts": 0})
+        g.update(phase=recovery.PENDING, lastFailure=None, retryAt=None)
+    applier.patch_status(namespace, name, {"plan": None, "groups": [groups[r] for r in sorted(groups)]})
+    out.events.append(Event("Normal", "Restarting", f"{why}: restarting the training job with all "
+                                                    f"{desired} replicas; it resumes from the last complete checkpoint"))
+    return None
+
+
+def _gang_step(groups: Mapping[int, dict], plan: ShardPlan | None, pods_by_replica: Mapping[int, list[dict]],
+               desired: int, nodes: Mapping[str, Mapping[str, Any]], now: datetime,
+               policy: recovery.Policy) -> recovery.Step | None:
+    """The one decision for a training job's replicas, from all their pods: None when the job is
+    not planned (its replicas are then planned together)."""
+    if plan is None or desired == 0 or not set(range(desired)) <= _planned(plan) or \
+            any(r not in groups for r in range(desired)):
+        return None
+    verdicts = [recovery.assess(pods_by_replica.get(r, []), int(groups[r].get("attempt", 0)), plan.pipeline,
+                                nodes, now, policy, completes=True) for r in range(desired)]
+    return recovery.decide(groups[0], recovery.gang_verdict(verdicts), now, policy)
+
+
+def _job_status(spec: ShardedModelSpec, plan: ShardPlan | None, groups: Mapping[int, dict],
+                pods_by_replica: Mapping[int, list[dict]], desired: int, fetch: training.Fetch) -> dict:
+    """status.training and status.lastCheckpoint from the job's current pods ({} when none reports)."""
+    current = [p for r in range(desired) for p in pods_by_replica.get(r, [])
+               if p["metadata"]["labels"].get(renderer.LABEL_ATTEMPT) == str(groups.get(r, {}).get("attempt", 0))]
+    found = training.job_progress(current, fetch) if plan is not None else None
+    return training.status_fields(found, spec.checkpoint.path) if found else {}
 
 
 def _planned(plan: ShardPlan | None) -> set[int]:

@@ -15,7 +15,7 @@ import dataclasses
 from datetime import datetime, timezone
 from typing import Any, Iterable, Mapping
 
-from shardwise.operator.renderer import LABEL_ATTEMPT, LABEL_STAGE, spec_get
+from shardwise.operator.renderer import ANNOTATION_PLANNED_NODE, LABEL_ATTEMPT, LABEL_STAGE, spec_get
 
 # Group phases (per replica).
 CREATING = "Creating"      # pods being created; missing pods are created, not counted as failures
@@ -109,8 +109,9 @@ def unschedulable_message(pod: Mapping[str, Any]) -> str:
     return u[0] if u else ""
 
 
-def pod_failure(pod: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]]) -> str:
-    """Why this pod ends its group, or "" when it does not."""
+def pod_failure(pod: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]], completes: bool = False) -> str:
+    """Why this pod ends its group, or "" when it does not. `completes`: the pod runs to an end
+    (training), so exiting 0 is its success, not a failure."""
     name = pod["metadata"]["name"]
     status = pod.get("status", {}) or {}
     if status.get("phase") == "Failed":
@@ -118,13 +119,20 @@ def pod_failure(pod: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]]) 
         message = status.get("message") or _terminated_message(status)
         return f"pod {name} {reason}" + (f": {message}" if message else "")
     if status.get("phase") == "Succeeded":
-        return f"pod {name} exited"
+        return "" if completes else f"pod {name} exited"
     node = pod.get("spec", {}).get("nodeName")
     if node:
         if node not in nodes:
             return f"node {node} of pod {name} is gone"
         if not node_ready(nodes[node]):
             return f"node {node} of pod {name} is NotReady"
+    else:
+        # Not bound yet, and the node it is pinned to went away meanwhile (a group re-planned in the
+        # seconds before a lost node is marked NotReady): it would only wait out the unschedulable
+        # grace, so re-plan at once.
+        planned = (pod["metadata"].get("annotations") or {}).get(ANNOTATION_PLANNED_NODE)
+        if planned and (planned not in nodes or not node_ready(nodes[planned])):
+            return f"node {planned} planned for pod {name} is {'gone' if planned not in nodes else 'NotReady'}"
     if pod["metadata"].get("deletionTimestamp"):
         return f"pod {name} is being deleted"
     return ""
@@ -134,13 +142,29 @@ def _terminated_message(status: Mapping[str, Any]) -> str:
     for cs in status.get("containerStatuses", []) or []:
         term = (cs.get("state") or {}).get("terminated")
         if term:
-            return f"container exited with code {term.get('exitCode')} ({term.get('reason', '')})".strip()
+            why = f"container exited with code {term.get('exitCode')} ({term.get('reason', '')})".strip()
+            # the kubelet puts the log's tail there (terminationMessagePolicy FallbackToLogsOnError):
+            # its last line is usually the worker's own one-line error
+            last = next((line.strip() for line in reversed((term.get("message") or "").splitlines())
+                         if line.strip()), "")
+            return f"{why}: {last[:300]}" if last else why
+    return ""
+
+
+def termination_message(pod: Mapping[str, Any]) -> str:
+    """What the pod's (first) container left as its termination message, or ""."""
+    for cs in (pod.get("status") or {}).get("containerStatuses", []) or []:
+        term = (cs.get("state") or {}).get("terminated")
+        if term and term.get("message"):
+            return term["message"]
     return ""
 
 
 def assess(pods: Iterable[Mapping[str, Any]], attempt: int, stages: int,
-           nodes: Mapping[str, Mapping[str, Any]], now: datetime, policy: Policy) -> Verdict:
-    """Judge one replica's group from its pods of the current attempt (older attempts are ignored)."""
+           nodes: Mapping[str, Mapping[str, Any]], now: datetime, policy: Policy,
+           completes: bool = False) -> Verdict:
+    """Judge one replica's group from its pods of the current attempt (older attempts are ignored).
+    `completes` (training): pods that exited 0 are done, and count as ready while the others finish."""
     by_stage: dict[int, Mapping[str, Any]] = {}
     for pod in pods:
         labels = pod["metadata"].get("labels", {})
@@ -148,13 +172,14 @@ def assess(pods: Iterable[Mapping[str, Any]], attempt: int, stages: int,
             continue
         by_stage[int(labels[LABEL_STAGE])] = pod
     missing = tuple(s for s in range(stages) if s not in by_stage)
-    if not missing and all((p.get("status") or {}).get("phase") == "Succeeded" for p in by_stage.values()):
-        return Verdict("succeeded", "", (), 0)  # training finished on every rank
+    done = {s for s, p in by_stage.items() if (p.get("status") or {}).get("phase") == "Succeeded"}
+    if completes and not missing and len(done) == stages:
+        return Verdict("succeeded", "", (), stages)  # training finished on every rank
     for s in sorted(by_stage):
-        why = pod_failure(by_stage[s], nodes)
+        why = pod_failure(by_stage[s], nodes, completes)
         if why:
             return Verdict("failed", why, missing)
-    ready = sum(pod_ready(p) for p in by_stage.values())
+    ready = sum(pod_ready(p) or (completes and s in done) for s, p in by_stage.items())
     if missing:
         return Verdict("missing", f"pod of stage {missing[0]} is missing", missing, ready)
     for s in sorted(by_stage):
@@ -166,6 +191,24 @@ def assess(pods: Iterable[Mapping[str, Any]], attempt: int, stages: int,
                 return Verdict("unschedulable", f"pod {by_stage[s]['metadata']['name']} cannot be scheduled: "
                                                 f"{message}", (), ready)
     if ready == stages:
+        return Verdict("ready", "", (), ready)
+    return Verdict("starting", "", (), ready)
+
+
+def gang_verdict(verdicts: Iterable[Verdict]) -> Verdict:
+    """One verdict for groups that live and die together (the replicas of a training job, one
+    torch.distributed world): the first failure fails them all; done when all are done."""
+    verdicts = list(verdicts)
+    for v in verdicts:
+        if v.state in ("failed", "unschedulable"):
+            return v
+    ready = sum(v.ready for v in verdicts)
+    if all(v.state == "succeeded" for v in verdicts):
+        return Verdict("succeeded", "", (), ready)
+    missing = next((v for v in verdicts if v.state == "missing"), None)
+    if missing is not None:
+        return Verdict("missing", missing.failure, missing.missing, ready)
+    if all(v.state in ("ready", "succeeded") for v in verdicts):
         return Verdict("ready", "", (), ready)
     return Verdict("starting", "", (), ready)
 

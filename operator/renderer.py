@@ -27,11 +27,14 @@ LABEL_PLAN_HASH = "shardwise.dev/plan-hash"
 LABEL_ATTEMPT = "shardwise.dev/attempt"
 LABEL_SPEC_HASH = "shardwise.dev/spec-hash"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+ANNOTATION_PLANNED_NODE = "shardwise.dev/planned-node"   # where the plan put a pod not bound yet
 MANAGED_BY = "shardwise"
 
 PLAN_MOUNT = "/etc/shardwise"
 PLAN_FILE = "plan.json"
 MODEL_MOUNT = "/models"
+DATA_MOUNT = "/data"
+TERMINATION_LOG = "/dev/termination-log"
 MASTER_PORT = 29500
 DEFAULT_PORT = 8000
 DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
@@ -89,6 +92,10 @@ def master_port(namespace: str, model: str, replica: int, attempt: int) -> int:
     return 20000 + int(digest[:8], 16) % 10000
 
 
+def is_training(spec: Mapping[str, Any] | None) -> bool:
+    return spec_get(spec, "workload", "inference") == "training"
+
+
 def endpoint(model: str, namespace: str, port: int) -> str:
     return f"http://{serving_service_name(model)}.{namespace}.svc.cluster.local:{port}"
 
@@ -141,18 +148,46 @@ def _meta(body: Mapping[str, Any], name: str, labels: dict[str, str]) -> dict:
 
 # --- model location ------------------------------------------------------------------------------
 
-def model_volume(uri: str) -> tuple[str, dict | None, dict | None]:
-    """The path the worker reads the model from, and the volume + mount it needs (if any).
+def model_volume(uri: str, name: str = "model", root: str = MODEL_MOUNT) -> tuple[str, dict | None, dict | None]:
+    """The path the worker reads from, and the volume + mount it needs (if any).
 
-    `pvc://claim/sub/path` mounts the claim read-only at /models/claim; any other uri is a path that
+    `pvc://claim/sub/path` mounts the claim read-only at <root>/claim; any other uri is a path that
     already exists in the image or on the node and is passed through unchanged."""
     if uri.startswith("pvc://"):
         claim, _, sub = uri[len("pvc://"):].partition("/")
-        mount = f"{MODEL_MOUNT}/{claim}"
-        volume = {"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
-        return (f"{mount}/{sub}" if sub else mount), volume, {"name": "model", "mountPath": mount,
+        mount = f"{root}/{claim}"
+        volume = {"name": name, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+        return (f"{mount}/{sub}" if sub else mount), volume, {"name": name, "mountPath": mount,
                                                                "readOnly": True}
     return uri, None, None
+
+
+# spec.training field -> the variable the worker reads it from (worker/train.py TRAIN_ENV)
+TRAINING_ENV = {
+    "steps": "SHARDWISE_TRAIN_STEPS",
+    "batchSize": "SHARDWISE_TRAIN_BATCH_SIZE",
+    "seqLength": "SHARDWISE_TRAIN_SEQ_LEN",
+    "learningRate": "SHARDWISE_TRAIN_LR",
+    "warmupSteps": "SHARDWISE_TRAIN_WARMUP",
+    "weightDecay": "SHARDWISE_TRAIN_WEIGHT_DECAY",
+    "seed": "SHARDWISE_TRAIN_SEED",
+    "microBatches": "SHARDWISE_TRAIN_MICRO_BATCHES",
+}
+
+
+def training_env(spec: Mapping[str, Any], data_path: str) -> list[dict]:
+    """What a training pod's ranks train on and where they checkpoint (docs/training.md)."""
+    training = spec_get(spec, "training", {}) or {}
+    env = [{"name": "SHARDWISE_WORKLOAD", "value": "training"},
+           {"name": "SHARDWISE_TRAIN_DATA", "value": data_path}]
+    env += [{"name": var, "value": str(training[field])} for field, var in TRAINING_ENV.items()
+            if training.get(field) is not None]
+    env += [{"name": "SHARDWISE_CHECKPOINT_DIR", "value": spec_get(spec, "checkpoint.path", "/checkpoints")},
+            {"name": "SHARDWISE_CHECKPOINT_EVERY", "value": str(spec_get(spec, "checkpoint.intervalSteps", 100))},
+            {"name": "SHARDWISE_CHECKPOINT_KEEP", "value": str(spec_get(spec, "checkpoint.keep", 3))},
+            # The job's result (steps done, last checkpoint) for the operator when the pod ends.
+            {"name": "SHARDWISE_TERMINATION_LOG", "value": TERMINATION_LOG}]
+    return env
 
 
 # --- objects -------------------------------------------------------------------------------------
@@ -171,23 +206,35 @@ def render_pod(body: Mapping[str, Any], plan: ShardPlan, placement: StagePlaceme
               LABEL_PLAN_HASH: replica_hash(plan, r), LABEL_ATTEMPT: str(attempt),
               LABEL_SPEC_HASH: spec_hash(spec, default_image)}
     resources = _resources(spec, gpu_resource, placement.gpus)
-    rendezvous = master_port(namespace, model, r, attempt)
+    training = is_training(spec)
+    # Inference: each replica is a world of its own. Training: one world over every replica (data
+    # parallel averages gradients across them), rendezvousing at replica 0's first stage; the
+    # replicas are created, torn down and re-planned together, so they share the attempt number.
+    leader = 0 if training else r
+    rendezvous = master_port(namespace, model, leader, attempt)
+    world = plan.world_size * (plan.replicas if training else 1)
     env = [
         {"name": "SHARDWISE_MODEL_NAME", "value": model},
         {"name": "SHARDWISE_REPLICA", "value": str(r)},
         {"name": "SHARDWISE_STAGE", "value": str(s)},
-        {"name": "MASTER_ADDR", "value": master_addr(model, namespace, r)},
+        {"name": "MASTER_ADDR", "value": master_addr(model, namespace, leader)},
         {"name": "MASTER_PORT", "value": str(rendezvous)},
-        {"name": "WORLD_SIZE", "value": str(plan.world_size)},
+        {"name": "WORLD_SIZE", "value": str(world)},
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
     ]
-    env += list(spec_get(spec, "env", []) or [])
     mounts = [{"name": "plan", "mountPath": PLAN_MOUNT, "readOnly": True}]
     volumes: list[dict] = [{"name": "plan", "configMap": {"name": configmap_name(model)}}]
     if volume:
         volumes.append(volume)
         mounts.append(mount)
+    if training:
+        data_path, data_volume, data_mount = model_volume(spec_get(spec, "training.data", ""), "data", DATA_MOUNT)
+        env += training_env(spec, data_path)
+        if data_volume:
+            volumes.append(data_volume)
+            mounts.append(data_mount)
+    env += list(spec_get(spec, "env", []) or [])
     ckpt_claim = spec_get(spec, "checkpoint.claim")
     if ckpt_claim:
         volumes.append({"name": "checkpoint", "persistentVolumeClaim": {"claimName": ckpt_claim}})
@@ -197,7 +244,8 @@ def render_pod(body: Mapping[str, Any], plan: ShardPlan, placement: StagePlaceme
         "name": "worker",
         "image": spec_get(spec, "image", None) or default_image,
         "command": ["shardwise", "worker"],
-        "args": ["--plan", f"{PLAN_MOUNT}/{PLAN_FILE}", "--model", model_path, "--port", str(port)],
+        "args": ["--plan", f"{PLAN_MOUNT}/{PLAN_FILE}", "--model", model_path, "--port", str(port)] + (
+            ["--dtype", spec["dtype"]] if spec.get("dtype") not in (None, "auto") else []),
         "env": env,
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"},
                   {"name": "rendezvous", "containerPort": rendezvous, "protocol": "TCP"}],
@@ -205,6 +253,10 @@ def render_pod(body: Mapping[str, Any], plan: ShardPlan, placement: StagePlaceme
         "readinessProbe": {"httpGet": {"path": "/healthz", "port": port},
                            "periodSeconds": 2, "failureThreshold": 3},
         "volumeMounts": mounts,
+        # A failed pod's last log lines become its termination message, which the operator quotes
+        # as the group's failure; a training pod that finished writes its result there instead.
+        "terminationMessagePath": TERMINATION_LOG,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     pod_spec: dict[str, Any] = {
         # A torch.distributed group cannot lose a rank: the operator restarts the whole group instead.
@@ -232,7 +284,7 @@ def render_pod(body: Mapping[str, Any], plan: ShardPlan, placement: StagePlaceme
         pod_spec["imagePullSecrets"] = list(pull_secrets)
     meta = _meta(body, pod_name(model, r, s, attempt), labels)
     meta["annotations"] = {"shardwise.dev/layers": f"{placement.layer_start}-{placement.layer_end}",
-                           "shardwise.dev/planned-node": placement.node}
+                           ANNOTATION_PLANNED_NODE: placement.node}
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
 
 
@@ -293,7 +345,13 @@ def render_pdb(body: Mapping[str, Any], replicas: int, pipeline: int) -> dict:
 
 
 def render_shared(body: Mapping[str, Any], plan: ShardPlan) -> list[dict]:
-    """The per-model objects (not per replica): services, plan ConfigMap, disruption budget."""
+    """The per-model objects (not per replica): services, plan ConfigMap, disruption budget.
+
+    A training job has no API to serve, and no disruption budget: losing any of its pods stops
+    the whole job (it resumes from the last checkpoint), and a budget that forbade that would
+    block node drains for as long as the job runs."""
+    if is_training(body.get("spec")):
+        return [render_headless_service(body), render_configmap(body, plan)]
     return [render_headless_service(body), render_serving_service(body), render_configmap(body, plan),
             render_pdb(body, plan.replicas, plan.pipeline)]
 

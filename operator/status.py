@@ -4,6 +4,7 @@ Phase of the whole model, from its replica groups:
   Pending     no group has capacity (or nothing planned yet)
   Starting    groups created, not all Ready yet, nothing failed
   Ready       every desired replica Ready
+  Running     training: every replica of the job has all its ranks up (reported by the reconciler)
   Recovering  a group lost a pod/node and is being recreated (other replicas keep serving)
   Degraded    some replicas serve, others cannot (no capacity or restart budget spent)
   Failed      nothing can serve: the spec cannot be planned, or every group spent its restarts
@@ -19,8 +20,8 @@ from typing import Any, Iterable, Mapping
 from shardwise.crds.plan import ShardPlan
 from shardwise.operator import recovery
 
-PENDING, STARTING, READY, RECOVERING, DEGRADED, FAILED, SUCCEEDED = (
-    "Pending", "Starting", "Ready", "Recovering", "Degraded", "Failed", "Succeeded")
+PENDING, STARTING, READY, RUNNING, RECOVERING, DEGRADED, FAILED, SUCCEEDED = (
+    "Pending", "Starting", "Ready", "Running", "Recovering", "Degraded", "Failed", "Succeeded")
 
 
 def model_phase(groups: Iterable[Mapping[str, Any]], desired: int, invalid: str = "") -> str:

@@ -104,3 +104,45 @@ def test_condition_transition_time_moves_only_when_status_flips():
     assert c[0]["lastTransitionTime"] == "t1" and c[0]["message"] == "still 0/1"
     c = status.set_condition(c, "Ready", True, "Ready", "1/1", "t3")
     assert c[0]["lastTransitionTime"] == "t3" and c[0]["status"] == "True"
+
+
+def test_training_pods_that_exited_zero_are_done_not_failed():
+    finishing = [_pod(0, phase="Succeeded", ready=False), _pod(1, node="n2")]
+    assert recovery.assess(finishing, 1, 2, NODES, NOW, POLICY).state == "failed"   # a server that exits fails
+    v = recovery.assess(finishing, 1, 2, NODES, NOW, POLICY, completes=True)
+    assert v.state == "ready" and v.ready == 2
+    done = [_pod(0, phase="Succeeded", ready=False), _pod(1, node="n2", phase="Succeeded", ready=False)]
+    # a finished pod on a node lost afterwards is still finished
+    lost = {"n1": _node("n1"), "n2": _node("n2", ready=False)}
+    assert recovery.assess(done, 1, 2, lost, NOW, POLICY, completes=True).state == "succeeded"
+    step = recovery.decide({"replica": 0, "attempt": 1, "phase": "Ready"},
+                           recovery.assess(done, 1, 2, lost, NOW, POLICY, completes=True), NOW, POLICY)
+    assert step.group["phase"] == "Succeeded" and step.action == "none"
+
+
+def test_gang_verdict_one_failure_fails_the_job_and_it_is_done_when_all_are():
+    V = recovery.Verdict
+    failed = V("failed", "pod m-r1-s0-a1 Failed")
+    assert recovery.gang_verdict([V("ready", ready=2), failed]) is failed
+    assert recovery.gang_verdict([V("ready", ready=2), V("succeeded", ready=2)]).state == "ready"
+    assert recovery.gang_verdict([V("succeeded", ready=2)] * 2).state == "succeeded"
+    assert recovery.gang_verdict([V("ready", ready=2), V("missing", "pod of stage 1 is missing", (1,))]).state == "missing"
+    assert recovery.gang_verdict([V("ready", ready=2), V("starting", ready=1)]).state == "starting"
+
+
+def test_failure_message_quotes_the_last_log_line_of_a_failed_pod():
+    pod = _pod(0, phase="Failed", ready=False, status={"containerStatuses": [{"state": {"terminated": {
+        "exitCode": 2, "reason": "Error",
+        "message": "loading...\nshardwise worker: error: model /m/x not found\n"}}}]})
+    why = recovery.pod_failure(pod, NODES)
+    assert why.endswith("container exited with code 2 (Error): shardwise worker: error: model /m/x not found")
+
+
+def test_a_pod_pinned_to_a_node_that_went_not_ready_before_binding_fails_at_once():
+    pending = _pod(1, node=None, phase="Pending", ready=False,
+                   metadata={"annotations": {"shardwise.dev/planned-node": "n2"}})
+    pending["spec"] = {}
+    nodes = {"n1": _node("n1"), "n2": _node("n2", ready=False)}
+    v = recovery.assess([_pod(0), pending], 1, 2, nodes, NOW, POLICY)
+    assert v.state == "failed" and v.failure == "node n2 planned for pod m-r0-s1-a1 is NotReady"
+    assert recovery.assess([_pod(0), pending], 1, 2, NODES, NOW, POLICY).state == "starting"

@@ -128,3 +128,52 @@ def test_pdb_lets_a_drain_take_at_most_one_replica():
 def test_plain_path_uri_is_passed_through_without_a_volume():
     path, volume, mount = renderer.model_volume("/data/model.gguf")
     assert (path, volume, mount) == ("/data/model.gguf", None, None)
+
+
+def _training_body(**spec):
+    return _body(workload="training", dtype="float32", checkpoint={"claim": "ckpt", "path": "/ckpt/run1",
+                                                                  "intervalSteps": 25, "keep": 2},
+                 training={"data": "pvc://corpora/text/wiki.txt", "steps": 300, "learningRate": 0.001,
+                           "batchSize": 16}, **spec)
+
+
+def test_training_pods_form_one_world_over_all_replicas_and_get_the_job_settings():
+    plan = _plan(replicas=2, pipeline=2, tensor=2)
+    pods = [o for o in renderer.render_all(_training_body(), plan, {0: 3, 1: 3}) if o["kind"] == "Pod"]
+    envs = [{e["name"]: e.get("value") for e in p["spec"]["containers"][0]["env"]} for p in pods]
+    # every replica rendezvouses with replica 0's first stage, on the same port: one world of 8 ranks
+    assert {e["MASTER_ADDR"] for e in envs} == {"llama-r0-s0.llama-ranks.prod.svc.cluster.local"}
+    assert len({e["MASTER_PORT"] for e in envs}) == 1
+    assert {e["WORLD_SIZE"] for e in envs} == {"8"}
+    env = envs[0]
+    assert env["SHARDWISE_WORKLOAD"] == "training"
+    assert env["SHARDWISE_TRAIN_STEPS"] == "300" and env["SHARDWISE_TRAIN_LR"] == "0.001"
+    assert env["SHARDWISE_TRAIN_BATCH_SIZE"] == "16" and "SHARDWISE_TRAIN_MICRO_BATCHES" not in env
+    assert env["SHARDWISE_CHECKPOINT_DIR"] == "/ckpt/run1"
+    assert env["SHARDWISE_CHECKPOINT_EVERY"] == "25" and env["SHARDWISE_CHECKPOINT_KEEP"] == "2"
+    # the data claim is mounted read-only, the checkpoint claim writable at checkpoint.path
+    assert env["SHARDWISE_TRAIN_DATA"] == "/data/corpora/text/wiki.txt"
+    spec = pods[0]["spec"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["name"]: m for m in spec["containers"][0]["volumeMounts"]}
+    assert volumes["data"]["persistentVolumeClaim"] == {"claimName": "corpora", "readOnly": True}
+    assert mounts["data"] == {"name": "data", "mountPath": "/data/corpora", "readOnly": True}
+    assert volumes["checkpoint"]["persistentVolumeClaim"] == {"claimName": "ckpt"}
+    assert mounts["checkpoint"]["mountPath"] == "/ckpt/run1" and not mounts["checkpoint"].get("readOnly")
+    assert spec["containers"][0]["args"][-2:] == ["--dtype", "float32"]
+    assert env["SHARDWISE_TERMINATION_LOG"] == spec["containers"][0]["terminationMessagePath"]
+
+
+def test_a_training_job_has_no_serving_service_and_no_disruption_budget():
+    kinds = sorted(o["kind"] for o in renderer.render_shared(_training_body(), _plan()))
+    assert kinds == ["ConfigMap", "Service"]
+    svc = next(o for o in renderer.render_shared(_training_body(), _plan()) if o["kind"] == "Service")
+    assert svc["spec"]["clusterIP"] == "None"   # the headless one, for the rendezvous
+
+
+def test_inference_pods_keep_one_world_per_replica():
+    plan = _plan(replicas=2, pipeline=2, tensor=2)
+    pod = renderer.render_pod(_body(), plan, plan.placement(1, 0), attempt=0)
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+    assert env["WORLD_SIZE"] == "4" and env["MASTER_ADDR"].startswith("llama-r1-s0.")
+    assert "SHARDWISE_WORKLOAD" not in env and "--dtype" not in pod["spec"]["containers"][0]["args"]
