@@ -1,10 +1,10 @@
 """The README's quick start, replayed command by command as a new user types it.
 
 The commands are read from README.md itself (the `$ ` lines of the console block under
-"## Quick start", backslash continuations joined), so the README and this test cannot drift. Each
-one runs unmodified in `bash -c` from the root of a fresh clone of the repository (`git clone` of
-this checkout's HEAD: what is committed is what is tested), in order, stopping at the first that
-fails, with:
+"## Quick start", backslash continuations joined), so the README and this test cannot drift. The
+repository is cloned fresh (`git clone` of this checkout's HEAD: what is committed is what is
+tested, README included), and each command runs unmodified in `bash -c` from the clone's root, in
+order, stopping at the first that fails, with:
 
 - a fresh virtual environment whose `bin` is first on PATH (and VIRTUAL_ENV set, as `activate`
   does), into which the README's `pip install -e ...` installs the clone;
@@ -302,19 +302,19 @@ def check_demo_chaos_output(out: str) -> None:
 @pytest.mark.timeout(WALK_LIMIT + 300)
 def test_readme_quick_start_typed_by_a_new_user_ends_with_the_demo_answer(tmp_path):
     _needs_binaries_and_git()
-    commands = quick_start_commands(README.read_text())
-    # The demo's full run is checked here only (see the module docstring), so the quick start must
-    # keep ending with it; should it no longer, move check_demo_chaos_output back to a test of its own.
-    assert commands and commands[-1].split() == ["shardwise", "demo", "--chaos"], \
-        f"the README's quick start should end with `shardwise demo --chaos`: {commands}"
-
     clone, venv, home = tmp_path / "shardwise", tmp_path / "venv", tmp_path / "home"
     home.mkdir()
     state = home / ".local" / "state" / "shardwise" / "dev"  # the demo's default state folder
     started = time.monotonic()
+    subprocess.run(["git", "clone", "--quiet", "--no-hardlinks", str(REPO), str(clone)],
+                   check=True, capture_output=True, text=True, timeout=300)
+    # The README as the clone has it: the commands and the code come from the same commit.
+    commands = quick_start_commands((clone / "README.md").read_text())
+    # The demo's full run is checked here only (see the module docstring), so the quick start must
+    # keep ending with it; should it no longer, move check_demo_chaos_output back to a test of its own.
+    assert commands and commands[-1].split() == ["shardwise", "demo", "--chaos"], \
+        f"the README's quick start should end with `shardwise demo --chaos`: {commands}"
     try:
-        subprocess.run(["git", "clone", "--quiet", "--no-hardlinks", str(REPO), str(clone)],
-                       check=True, capture_output=True, text=True, timeout=300)
         make_venv(venv)
         env = _fresh_env(home, venv)
         print(f"\nclone {clone} (HEAD {_head(clone)}), venv {venv}, HOME {home}; "
