@@ -388,11 +388,12 @@ def _reconcile(applier: Applier, body: dict, nodes: Mapping[str, Mapping[str, An
         "; ".join(f"replica {g['replica']}: {g.get('lastFailure')}" for g in recovering) or "no group is recovering",
         stamp)
     port = spec.serving.port
+    restarts = [int(g.get("restarts", 0)) for g in groups.values()]
     new_status = {
         "phase": phase, "message": message, "conditions": conditions,
         "observedGeneration": meta.get("generation"),
         # a training job's replicas restart together: one restart of the job, not one per replica
-        "restarts": (max if gang else sum)((int(g.get("restarts", 0)) for g in groups.values()), default=0),
+        "restarts": max(restarts, default=0) if gang else sum(restarts),
         "tensor": plan.tensor if plan else None, "pipeline": plan.pipeline if plan else None,
         "replicas": len({p.replica for p in plan.placements}) if plan else 0,
         "readyReplicas": ready_replicas, "readyShards": ready_shards,
