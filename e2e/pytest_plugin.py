@@ -7,7 +7,9 @@ Fixtures
   temporary state folder (2 simulated 8-GPU nodes in 2 racks, 1 local node with 8 GPUs) and stopped
   at the end; or, when SHARDWISE_KUBECONFIG is set, that cluster is used and left running.
   Attributes and helpers: `kubeconfig`, `bin_dir`, `state_dir`, `client` (a small JSON client,
-  shardwise.e2e.kapi), `install_crd(path)` / `wait_crd_established()`, `add_node(name, gpus=8, ...)` (a simulated GPU node, waits until Ready),
+  shardwise.e2e.kapi), `install_crd(path)` / `wait_crd_established()`, `operator(namespace, log)`
+  (the operator running for a `with` block), `hostpath_claim(namespace, claim, folder)` (a shared
+  claim on a folder of this machine, for a `with` block), `add_node(name, gpus=8, ...)` (a simulated GPU node, waits until Ready),
   `add_local_node(name, gpus=8, ...)` (a node whose pods run as local processes),
   `delete_node(name)`, `node_down(name)` / `node_up(name)` (stop / resume its heartbeat: NotReady
   after ~12s, pods evicted 2s later), `wait_node_ready(name, ready=True)`, `kubectl(*args)`.
@@ -24,10 +26,14 @@ skipped with that reason, unless SHARDWISE_REQUIRE_CLUSTER is set (CI), where th
 """
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 import secrets
+import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -93,6 +99,46 @@ class Cluster:
             return any(c.get("type") == "Established" and c.get("status") == "True"
                        for c in (crd.get("status") or {}).get("conditions") or [])
         wait_until(established, timeout, f"CRD {name} to be Established", retry_on=(kapi.ApiError,))
+
+    @contextlib.contextmanager
+    def operator(self, namespace: str, log: Path, cwd: Path | None = None):
+        """`shardwise operator run` against this cluster, watching one namespace (and holding its
+        Lease there), for the duration of the block; its output goes to `log`, whose tail is
+        printed when it stops."""
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "shardwise", "operator", "run", "--kubeconfig", str(self.kubeconfig),
+                 "--namespace", namespace, "--lease-namespace", namespace, "--metrics-port", "0",
+                 "--health-port", "0"], stdout=out, stderr=subprocess.STDOUT, cwd=cwd)
+        try:
+            yield proc
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            print(Path(log).read_text(errors="replace")[-3000:])
+
+    @contextlib.contextmanager
+    def hostpath_claim(self, namespace: str, claim: str, folder: Path):
+        """A ReadWriteMany claim `claim` in `namespace`, bound (by the volume controller) to a hostPath
+        PersistentVolume on `folder`: what local pods share as a network filesystem. The volume is
+        deleted after the block."""
+        volume = f"{namespace}-{claim}"
+        self.kubectl("apply", "-f", "-", input=json.dumps({
+            "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": volume},
+            "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"], "storageClassName": "",
+                     "persistentVolumeReclaimPolicy": "Retain", "hostPath": {"path": str(folder)}}}))
+        try:
+            self.kubectl("apply", "-f", "-", namespace=namespace, input=json.dumps({
+                "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim},
+                "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": volume,
+                         "resources": {"requests": {"storage": "1Gi"}}}}))
+            yield claim
+        finally:
+            self.kubectl("delete", "pv", volume, "--ignore-not-found", "--wait=false", check=False)
 
     # nodes
     def add_node(self, name: str, gpus: int = 8, *, zone: str = "zone-a", rack: str = "rack-0",

@@ -90,7 +90,7 @@ def _run(args) -> int:
     import torch
 
     from .errors import WorkerError
-    from .runtime import RankSpec, forkserver, validate
+    from .runtime import RankSpec, validate
 
     plan = read_plan(args.plan)
     replica = _env_int("SHARDWISE_REPLICA", args.replica)
@@ -125,20 +125,24 @@ def _run(args) -> int:
     _say(f"replica {replica} stage {stage}: layers [{placement.layer_start}, {placement.layer_end}), "
          f"ranks {stage * plan.tensor}..{stage * plan.tensor + plan.tensor - 1} of {world}, {device}")
 
-    mp = forkserver()
-    loaded_q = mp.Queue()
-    procs = []
-    for local in range(plan.tensor):
-        rank = stage * plan.tensor + local
-        p = mp.Process(target=_rank_main, args=(spec, rank, world, local, host, args.port, args.model,
-                                                loaded_q, dict(os.environ)), daemon=False)
-        p.start()
-        procs.append(p)
-
+    procs, loaded_q = _start_ranks(plan.tensor, _rank_main, lambda local, q: (
+        spec, stage * plan.tensor + local, world, local, host, args.port, args.model, q, dict(os.environ)))
     health = None
     if stage != 0:
         health = _StageHealth(plan.tensor, host, args.port)
     return _supervise(procs, loaded_q, health)
+
+
+def _start_ranks(count: int, target, args_of):
+    """One process per local rank (from the fork server); each gets `args_of(local_rank, queue)`,
+    the queue being where ranks report that they have loaded. Returns (processes, queue)."""
+    from .runtime import forkserver
+    mp = forkserver()
+    queue = mp.Queue()
+    procs = [mp.Process(target=target, args=args_of(local, queue), daemon=False) for local in range(count)]
+    for p in procs:
+        p.start()
+    return procs, queue
 
 
 def _supervise(procs, loaded_q, health, stopped_code: int = 0) -> int:
@@ -179,21 +183,14 @@ def _supervise(procs, loaded_q, health, stopped_code: int = 0) -> int:
 
 
 def _run_training(args, plan, replica: int, stage: int, device: str, dtype: str, host: str) -> int:
-    from .runtime import forkserver
     from .train import options_from_env, pod_rank
     env = {**os.environ, "SHARDWISE_DEVICE": device, "SHARDWISE_DTYPE": dtype}
     opts = options_from_env(plan, args.model, env)     # a missing variable fails here, in one line
     first = pod_rank(replica, stage, 0, plan)
     _say(f"training replica {replica} stage {stage}: ranks {first}..{first + plan.tensor - 1} of "
          f"{opts.world_size}, {device} {dtype}, {opts.steps} steps, checkpoints in {opts.checkpoint_dir}")
-    mp = forkserver()
-    started_q = mp.Queue()
-    procs = []
-    for local in range(plan.tensor):
-        p = mp.Process(target=_train_rank_main, args=(plan, args.model, replica, stage, local, env, started_q),
-                       daemon=False)
-        p.start()
-        procs.append(p)
+    procs, started_q = _start_ranks(plan.tensor, _train_rank_main, lambda local, q: (
+        plan, args.model, replica, stage, local, env, q))
     health = _StageHealth(plan.tensor, host, args.port, progress_dir=opts.checkpoint_dir)
     # Stopped by a signal before the last step, the pod must not look finished (exit 0 = Succeeded).
     code = _supervise(procs, started_q, health, stopped_code=143)

