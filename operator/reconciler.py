@@ -350,7 +350,7 @@ def _reconcile(applier: Applier, body: dict, nodes: Mapping[str, Mapping[str, An
                                 if p["metadata"]["labels"].get(renderer.LABEL_ATTEMPT) == attempt)
     phase = status_mod.model_phase(live, desired, invalid)
     ready_replicas = sum(g.get("phase") in (recovery.READY, recovery.OUTDATED) for g in live)
-    message = status_mod.phase_message(live, desired, invalid)
+    message = status_mod.phase_message(live, desired, invalid, job=gang)
     job: dict = {}
     if gang:
         if phase == status_mod.READY:

@@ -82,11 +82,13 @@ def placements_summary(plan: ShardPlan | None) -> list[dict]:
             for p in sorted(plan.placements, key=lambda p: (p.replica, p.stage))]
 
 
-def phase_message(groups: list[Mapping[str, Any]], desired: int, invalid: str = "") -> str:
+def phase_message(groups: list[Mapping[str, Any]], desired: int, invalid: str = "", job: bool = False) -> str:
+    """`job`: the groups are one training job's replicas, which share their failure: told once."""
     ready = sum(g.get("phase") == recovery.READY for g in groups if g.get("replica", 0) < desired)
     base = f"{ready}/{desired} replicas ready"
-    failures = [f"replica {g['replica']}: {g['lastFailure']}" for g in groups
-                if g.get("phase") in (recovery.RECOVERING, recovery.FAILED, recovery.PENDING) and g.get("lastFailure")]
+    failures = list(dict.fromkeys(
+        f"{'training job' if job else 'replica ' + str(g['replica'])}: {g['lastFailure']}" for g in groups
+        if g.get("phase") in (recovery.RECOVERING, recovery.FAILED, recovery.PENDING) and g.get("lastFailure")))
     if invalid:
         failures.insert(0, invalid)
     return base + ("; " + "; ".join(failures) if failures else "")

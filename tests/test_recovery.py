@@ -146,3 +146,9 @@ def test_a_pod_pinned_to_a_node_that_went_not_ready_before_binding_fails_at_once
     v = recovery.assess([_pod(0), pending], 1, 2, nodes, NOW, POLICY)
     assert v.state == "failed" and v.failure == "node n2 planned for pod m-r0-s1-a1 is NotReady"
     assert recovery.assess([_pod(0), pending], 1, 2, NODES, NOW, POLICY).state == "starting"
+
+
+def test_a_training_job_tells_its_shared_failure_once():
+    groups = [{"replica": r, "phase": "Recovering", "lastFailure": "pod m-r0-s0-a1 Failed"} for r in range(3)]
+    assert status.phase_message(groups, 3, job=True) == "0/3 replicas ready; training job: pod m-r0-s0-a1 Failed"
+    assert status.phase_message(groups, 3).count("pod m-r0-s0-a1 Failed") == 3
