@@ -249,6 +249,18 @@ def test_stages_go_to_the_tightest_domain_and_replicas_spread_across_zones():
     assert "cost 1 (1 node boundary)" in result.groups[0].explanation
 
 
+def test_training_replicas_pack_into_one_zone_where_serving_replicas_spread():
+    """Data-parallel replicas all-reduce their gradients every step: a training job keeps them in
+    the tightest domain that holds it, where serving replicas spread for availability."""
+    nodes = ([node(f"a{i}", 8, "za", "za-r1") for i in range(4)] + [node(f"b{i}", 8, "zb", "zb-r1") for i in range(4)])
+    training = {"workload": "training", "training": {"data": "/d.txt", "steps": 1}, "checkpoint": {"claim": "c"}}
+    packed = plan(spec(tensor=8, pipeline=2, replicas=2, spec=training), TINY, nodes)
+    spread = plan(spec(tensor=8, pipeline=2, replicas=2), TINY, nodes)
+    assert len({p.domains[ZONE] for p in packed.placements}) == 1
+    assert len({p.domains[ZONE] for p in spread.placements}) == 2
+    assert packed.cost == spread.cost == 2     # each replica still in one rack: the same boundaries
+
+
 def test_a_zone_crossing_is_reported_when_nothing_tighter_fits():
     nodes = [node("a0", 8, "za", "za-r1"), node("b0", 8, "zb", "zb-r1")]
     result = plan(spec(tensor=8, pipeline=2), TINY, nodes)
