@@ -32,6 +32,16 @@ PLAN_COST = Gauge(
 PLAN_SECONDS = Histogram(
     "shardwise_plan_duration_seconds", "Time the planner took", registry=REGISTRY,
     buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5))
+TRAINING_STEP = Gauge(
+    "shardwise_training_step", "Optimizer steps a training job has done, as last read from it",
+    ["namespace", "model"], registry=REGISTRY)
+CHECKPOINT_STEP = Gauge(
+    "shardwise_last_checkpoint_step", "Step of a training job's newest complete checkpoint",
+    ["namespace", "model"], registry=REGISTRY)
+CHECKPOINT_TIME = Gauge(
+    "shardwise_last_checkpoint_timestamp_seconds",
+    "Unix time of a training job's newest complete checkpoint (alert on time() minus this: work at risk)",
+    ["namespace", "model"], registry=REGISTRY)
 API_REQUESTS = Counter(
     "shardwise_api_requests_total", "Requests the operator made to the API server", ["verb", "kind"],
     registry=REGISTRY)
@@ -44,7 +54,8 @@ def serve(port: int, addr: str = "0.0.0.0") -> None:
 
 def forget(namespace: str, model: str) -> None:
     """Drop a deleted model's series so that dashboards don't show it forever."""
-    for gauge in (SHARDS_DESIRED, SHARDS_READY, REPLICAS_READY, PLAN_COST):
+    for gauge in (SHARDS_DESIRED, SHARDS_READY, REPLICAS_READY, PLAN_COST, TRAINING_STEP, CHECKPOINT_STEP,
+                  CHECKPOINT_TIME):
         try:
             gauge.remove(namespace, model)
         except KeyError:

@@ -414,6 +414,12 @@ def _reconcile(applier: Applier, body: dict, nodes: Mapping[str, Mapping[str, An
         metrics.SHARDS_DESIRED.labels(namespace, name).set(desired * plan.pipeline)
         metrics.PLAN_COST.labels(namespace, name).set(plan.cost)
     metrics.SHARDS_READY.labels(namespace, name).set(ready_shards)
+    if job:
+        metrics.TRAINING_STEP.labels(namespace, name).set(job["training"]["step"])
+        last = recovery.parse_iso((job.get("lastCheckpoint") or {}).get("time"))
+        if last is not None:
+            metrics.CHECKPOINT_STEP.labels(namespace, name).set(job["lastCheckpoint"]["step"])
+            metrics.CHECKPOINT_TIME.labels(namespace, name).set(last.timestamp())
     metrics.REPLICAS_READY.labels(namespace, name).set(ready_replicas)
 
 
