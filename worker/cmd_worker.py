@@ -77,11 +77,18 @@ def read_plan(path: str):
         raise WorkerError(f"plan {path} is not a valid ShardPlan: {' '.join(first)}") from None
 
 
-def run(args) -> int:
+def _input_errors() -> tuple[type[Exception], ...]:
+    """What bad input raises (a missing or empty dataset, a checkpoint of another model...): one line."""
+    from .checkpoint import CheckpointError
+    from .data import DataError
     from .errors import WorkerError
+    return WorkerError, DataError, CheckpointError
+
+
+def run(args) -> int:
     try:
         return _run(args)
-    except WorkerError as e:
+    except _input_errors() as e:
         _say(f"error: {e}")
         return 2
 
@@ -183,9 +190,11 @@ def _supervise(procs, loaded_q, health, stopped_code: int = 0) -> int:
 
 
 def _run_training(args, plan, replica: int, stage: int, device: str, dtype: str, host: str) -> int:
+    from .cmd_train import check_inputs
     from .train import options_from_env, pod_rank
     env = {**os.environ, "SHARDWISE_DEVICE": device, "SHARDWISE_DTYPE": dtype}
     opts = options_from_env(plan, args.model, env)     # a missing variable fails here, in one line
+    check_inputs(opts)    # the data, the layout, the checkpoints' model: one line before any rank starts
     first = pod_rank(replica, stage, 0, plan)
     _say(f"training replica {replica} stage {stage}: ranks {first}..{first + plan.tensor - 1} of "
          f"{opts.world_size}, {device} {dtype}, {opts.steps} steps, checkpoints in {opts.checkpoint_dir}")
@@ -216,7 +225,6 @@ def _write_result(checkpoint_dir: str) -> None:
 
 def _train_rank_main(plan, model, replica, stage, local_rank, env, started_q) -> None:
     os.environ.update({k: v for k, v in env.items() if k in ("MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME")})
-    from .errors import WorkerError
     from .train import run_training_rank
 
     def started(trainer) -> None:
@@ -226,7 +234,7 @@ def _train_rank_main(plan, model, replica, stage, local_rank, env, started_q) ->
     began = time.monotonic()
     try:
         raise SystemExit(run_training_rank(plan, model, replica, stage, local_rank, env, on_started=started))
-    except WorkerError as e:
+    except _input_errors() as e:
         print(f"shardwise worker: rank {os.environ.get('RANK', local_rank)}: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2)
 

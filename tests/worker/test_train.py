@@ -307,6 +307,26 @@ def test_training_pods_from_a_plan_reproduce_the_reference(work, reference, tmp_
     assert last_checkpoint(str(tmp_path / "ck"))["step"] == steps
 
 
+def test_a_training_pod_with_a_bad_dataset_fails_in_one_line_before_starting_ranks(work, tmp_path):
+    """The pod's last log line is what the operator quotes as the job's failure."""
+    from shardwise.crds.plan import ShardPlan, StagePlacement
+    plan = ShardPlan(tensor=1, pipeline=1, replicas=1, num_layers=4, placements=[
+        StagePlacement(replica=0, stage=0, node="n", gpus=1, layer_start=0, layer_end=4, embedding=True, head=True)])
+    (tmp_path / "plan.json").write_text(plan.model_dump_json())
+    (tmp_path / "empty.txt").write_text("")
+    env = {**os.environ, "SHARDWISE_WORKLOAD": "training", "SHARDWISE_TRAIN_STEPS": "4",
+           "SHARDWISE_CHECKPOINT_DIR": str(tmp_path / "ck"), "POD_IP": "127.0.0.1", "SHARDWISE_REPLICA": "0",
+           "SHARDWISE_STAGE": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    cmd = [sys.executable, "-m", "shardwise", "worker", "--plan", str(tmp_path / "plan.json"),
+           "--model", str(work / "model"), "--port", str(_free_port()), "--device", "cpu"]
+    for data, words in ((tmp_path / "missing.txt", "missing.txt"), (tmp_path / "empty.txt", "is empty")):
+        p = subprocess.run(cmd, env={**env, "SHARDWISE_TRAIN_DATA": str(data)}, capture_output=True, text=True,
+                           timeout=120)
+        last = p.stderr.strip().splitlines()[-1]
+        assert p.returncode == 2 and last.startswith("shardwise worker: error: ") and words in last, p.stderr
+        assert "Traceback" not in p.stderr
+
+
 def test_a_training_pod_stopped_before_the_end_does_not_exit_zero(work, tmp_path):
     """SIGTERM (pod deleted, node drained) mid-run: the pod must not look finished (exit 0 would be
     Succeeded, and the job would end early)."""
