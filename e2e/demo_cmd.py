@@ -229,7 +229,9 @@ class Demo:
             log_start = self.operator_log.stat().st_size if self.operator_log.exists() else 0
             with open(self.operator_log, "ab") as log:
                 # Its own session: Ctrl-C in this terminal reaches the demo, which stops it in order.
-                self.operator = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                # In the state folder: `python -m` puts its working directory first on sys.path, and
+                # from a checkout's root the folder operator/ would shadow the standard library's.
+                self.operator = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=self.plane.dir,
                                                  stdin=subprocess.DEVNULL, start_new_session=True)
             say(f"  pid {self.operator.pid}, log {self.operator_log}")
             # Only this operator's lines count: the log may hold an earlier run's.

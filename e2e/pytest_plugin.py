@@ -101,7 +101,7 @@ class Cluster:
         wait_until(established, timeout, f"CRD {name} to be Established", retry_on=(kapi.ApiError,))
 
     @contextlib.contextmanager
-    def operator(self, namespace: str, log: Path, cwd: Path | None = None):
+    def operator(self, namespace: str, log: Path):
         """`shardwise operator run` against this cluster, watching one namespace (and holding its
         Lease there), for the duration of the block; its output goes to `log`, whose tail is
         printed when it stops."""
@@ -109,7 +109,7 @@ class Cluster:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "shardwise", "operator", "run", "--kubeconfig", str(self.kubeconfig),
                  "--namespace", namespace, "--lease-namespace", namespace, "--metrics-port", "0",
-                 "--health-port", "0"], stdout=out, stderr=subprocess.STDOUT, cwd=cwd)
+                 "--health-port", "0"], stdout=out, stderr=subprocess.STDOUT, cwd=Path(log).parent)
         try:
             yield proc
         finally:

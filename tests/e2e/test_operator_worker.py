@@ -51,7 +51,7 @@ def test_operator_serves_smollm2_on_local_nodes_and_survives_a_node_loss(cluster
     # Three local nodes of TENSOR "GPUs" in one rack: one stage per node, one node to spare.
     [node_factory(f"{namespace[-6:]}-local-{i}", TENSOR, local=True, rack=f"rack-{namespace[-6:]}",
                           labels=label) for i in range(3)]
-    with cluster.operator(namespace, tmp_path / "operator.log", cwd=ROOT):
+    with cluster.operator(namespace, tmp_path / "operator.log"):
         sm = {"apiVersion": "shardwise.dev/v1alpha1", "kind": "ShardedModel",
               "metadata": {"name": "smol"},
               "spec": {"model": {"uri": "smollm2", "parameters": 134515008, "layers": 30, "heads": 9,

@@ -54,7 +54,7 @@ def test_training_job_survives_a_node_loss_resumes_from_its_checkpoint_and_succe
     # The checkpoint claim every pod mounts: bound by the persistent-volume controller to a hostPath
     # volume, a folder of this machine that all local pods share (as a ReadWriteMany volume is).
     with cluster.hostpath_claim(namespace, "checkpoints", tmp_path / "volume"), \
-            cluster.operator(namespace, tmp_path / "operator.log", cwd=ROOT):
+            cluster.operator(namespace, tmp_path / "operator.log"):
         sm = {"apiVersion": "shardwise.dev/v1alpha1", "kind": "ShardedModel", "metadata": {"name": "tiny-train"},
               "spec": {"model": {"uri": str(model)}, "workload": "training", "dtype": "float32",
                        "training": {"data": str(tmp_path / "corpus.txt"), "steps": STEPS, "batchSize": 4,
