@@ -49,10 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        # The operator image has no torch and the worker image no kopf: say which extra is missing.
-        print(f"shardwise {name}: needs a dependency that is not installed ({e.name or e}); "
-              f"install it with `pip install 'shardwise[operator,worker]'`", file=sys.stderr)
-        return 2
+        return _missing(name, e)
     parser = argparse.ArgumentParser(prog=f"shardwise {name}", description=help_)
     module.add_arguments(parser)
     args = parser.parse_args(rest)
@@ -61,3 +58,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except ModuleNotFoundError as e:   # a heavy import inside run()
+        return _missing(name, e)
+
+
+def _missing(command: str, error: ImportError) -> int:
+    # The operator image has no torch and the worker image no kopf: say which extra is missing.
+    extra = "demo" if command in ("dev", "demo") else "operator,worker"
+    print(f"shardwise {command}: needs a dependency that is not installed ({error.name or error}); "
+          f"install it with `pip install 'shardwise[{extra}]'`", file=sys.stderr)
+    return 2

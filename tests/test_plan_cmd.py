@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -81,3 +82,16 @@ def test_infeasible_plan_says_why_in_one_sentence(tmp_path):
     assert result.returncode == 1
     assert result.stderr == ("shardwise plan: needs 10 replica(s) × 1 stage(s) of 8 GPU(s) on one node each; only 9 "
                              "such block(s) are free (1 cordoned, 1 tainted dedicated:NoSchedule, 1 NotReady left out)\n")
+
+
+def test_a_missing_dependency_is_one_line_naming_the_extra(tmp_path):
+    """A dependency missing at run time (here: cryptography, which `shardwise dev` needs for the
+    control plane's certificates) is one line naming the extra to install, not a traceback."""
+    (tmp_path / "cryptography").mkdir()
+    (tmp_path / "cryptography" / "__init__.py").write_text("raise ModuleNotFoundError(name='cryptography')\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "SHARDWISE_DEV_DIR": str(tmp_path / "state")}
+    result = subprocess.run([sys.executable, "-m", "shardwise", "dev", "status"], capture_output=True, text=True,
+                            timeout=120, env=env, cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip() == ("shardwise dev: needs a dependency that is not installed (cryptography); "
+                                     "install it with `pip install 'shardwise[demo]'`")
