@@ -1,9 +1,13 @@
 """Worker inference speed against Hugging Face transformers on the same model and machine.
 
     python benchmarks/worker_bench.py [--model smollm2] [--prompt-tokens 128] [--new-tokens 64]
-                                      [--layouts 1x1,2x1,1x2] [--device cpu] [--dtype float32] [--json]
+                                      [--layouts 1x1,1x1c,1x2] [--device cpu] [--dtype float32] [--json]
 
-Measured in one run: the machine's memory bandwidth (reading a large tensor); for each TP x PP
+A layout is TPxPP; a trailing "c" (1x1c) runs the same layout with SHARDWISE_COMPILE=1, the
+opt-in compiled decode step on CPU (only for single-process layouts: other ranks come from a
+fork server whose environment was fixed when it started).
+
+Measured in one run: the memory bandwidth of one thread (reading a 512 MiB matrix); for each TP x PP
 layout, transformers' `generate` and ours in alternating rounds (best of each, so both see the same
 load on a shared machine): prefill tokens/s, decode
 tokens/s, the fraction of the memory-bandwidth bound the decode reaches (every decode step reads
@@ -21,14 +25,24 @@ import time
 
 
 class Bandwidth:
-    """The machine's memory bandwidth for reading (what a decode step does with the weights):
-    the sum of a 512 MiB tensor, which does no work but stream it. Measured again in every round
-    and the best kept, since other processes on a shared machine take bandwidth in bursts."""
+    """The memory bandwidth one thread gets reading (what a decode step does with the weights):
+    a 512 MiB matrix read once by a sum and once by a matrix-vector product (the kernel a decode
+    step runs; on the development machine it streams faster than a sum), the best kept. On CPU
+    the matrix sits in 2 MiB pages where the OS gives them, as the worker's weights do.
+    Measured again in every round, since other processes on a shared machine take bandwidth in
+    bursts."""
 
     def __init__(self, device: str, mib: int = 512):
         import torch
+
+        from shardwise.worker.model import huge_page_buffer
         self.device = device
-        self.src = torch.ones(mib * 2**20 // 4, dtype=torch.float32, device=device)
+        n = mib * 2**20 // 4
+        buf = huge_page_buffer(n * 4) if device == "cpu" else None
+        self.src = buf.view(torch.float32) if buf is not None else torch.empty(n, device=device)
+        self.src.fill_(1.0)
+        self.matrix = self.src.view(8192, -1)
+        self.vector = torch.ones(1, 8192, device=device)
         self.dst = torch.zeros_like(self.src)      # touched once here, so copies do not page-fault
         self.best = 0.0
         self.copy_best = 0.0
@@ -38,11 +52,12 @@ class Bandwidth:
         sync = torch.cuda.synchronize if self.device == "cuda" else (lambda: None)
         n = self.src.numel() * 4
         for _ in range(repeats):
-            sync()
-            t0 = time.perf_counter()
-            self.src.sum()
-            sync()
-            self.best = max(self.best, n / (time.perf_counter() - t0))
+            for read in (self.src.sum, lambda: self.vector @ self.matrix):
+                sync()
+                t0 = time.perf_counter()
+                read()
+                sync()
+                self.best = max(self.best, n / (time.perf_counter() - t0))
         sync()
         t0 = time.perf_counter()
         self.dst.copy_(self.src)
@@ -79,7 +94,7 @@ class HFRunner:
         return time.perf_counter() - t0
 
 
-def compare(model: str, layouts: list[tuple[int, int]], prompt: list[int], new_tokens: int, device: str,
+def compare(model: str, layouts: list[tuple[int, int, bool]], prompt: list[int], new_tokens: int, device: str,
             dtype: str, rounds: int, threads: int, bandwidth: "Bandwidth", with_hf: bool, concurrent: int = 4) -> dict:
     """Ours per layout, with transformers measured in the same rounds (alternating, best of each),
     so both see the same load on a shared machine."""
@@ -88,17 +103,20 @@ def compare(model: str, layouts: list[tuple[int, int]], prompt: list[int], new_t
     from shardwise.worker.runtime import LocalRuntime, RankSpec
     hf = HFRunner(model, prompt, DTYPES[dtype]) if with_hf else None
     results = {}
-    for tp, pp in layouts:
-        print(f"  TP={tp} PP={pp} ...", flush=True)
+    for tp, pp, compiled in layouts:
+        print(f"  TP={tp} PP={pp}{' compiled decode' if compiled else ''} ...", flush=True)
         spec = RankSpec(model, tp, pp, device=device, dtype=dtype, max_batch=max(1, concurrent),
                         max_seq=len(prompt) + new_tokens + 8, threads=threads)
         rt = LocalRuntime(spec)
-        ctx = rt.start()
+        ctx = start_runtime(rt, compiled)
         best = {"prefill": float("inf"), "decode": float("inf"), "hf_prefill": float("inf"),
                 "hf_decode": float("inf")}
         try:
             engine = Engine(ctx.stage, 1, ctx.max_seq, [])
-            engine.generate([Request(prompt, max_new_tokens=4)])          # warm-up
+            t0 = time.perf_counter()
+            engine.generate([Request(prompt, max_new_tokens=4)])          # warm-up (and compile)
+            if compiled:
+                print(f"    warm-up with compilation: {time.perf_counter() - t0:.1f} s", flush=True)
             for _ in range(rounds):
                 bandwidth.sample()
                 req = Request(prompt, max_new_tokens=new_tokens)
@@ -149,8 +167,24 @@ def compare(model: str, layouts: list[tuple[int, int]], prompt: list[int], new_t
             r["batch_tps_microbatch_per_stage"] = best[f"batch_tps_mb{pp}"]
             print(f"    {concurrent} concurrent requests: {best['batch_tps_mb1']:.1f} tok/s with one micro-batch, "
                   f"{best[f'batch_tps_mb{pp}']:.1f} tok/s with {pp} in flight (one per stage)", flush=True)
-        results[f"{tp}x{pp}"] = r
+        results[f"{tp}x{pp}{'c' if compiled else ''}"] = r
     return results
+
+
+def start_runtime(rt, compiled: bool):
+    """Start the ranks; with `compiled`, rank 0 (this process, the only rank) builds its Stage
+    with SHARDWISE_COMPILE=1."""
+    if not compiled:
+        return rt.start()
+    before = os.environ.get("SHARDWISE_COMPILE")
+    os.environ["SHARDWISE_COMPILE"] = "1"
+    try:
+        return rt.start()
+    finally:
+        if before is None:
+            del os.environ["SHARDWISE_COMPILE"]
+        else:
+            os.environ["SHARDWISE_COMPILE"] = before
 
 
 def random_llama(path: str) -> str:
@@ -176,7 +210,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="smollm2", help="model for --layouts (default smollm2)")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--layouts", default="1x1,1x2", help="comma-separated TPxPP for --model")
+    ap.add_argument("--layouts", default="1x1,1x1c,1x2",
+                    help="comma-separated TPxPP for --model; a trailing c: compiled decode (1x1 only)")
     ap.add_argument("--tp2-layouts", default="1x1,2x1,1x2",
                     help="layouts for a SmolLM2-sized random Llama with 8 heads (TP=2 works); '' to skip")
     ap.add_argument("--random-dir", default=os.path.expanduser("~/.cache/shardwise/bench/random-llama-8h"))
@@ -208,7 +243,16 @@ def main(argv=None) -> int:
           f"{args.new_tokens} new", flush=True)
 
     def parse_layouts(text):
-        return [tuple(int(x) for x in item.lower().split("x")) for item in text.split(",") if item]
+        out = []
+        for item in text.lower().split(","):
+            if not item:
+                continue
+            compiled = item.endswith("c")
+            tp, pp = (int(x) for x in item.rstrip("c").split("x"))
+            if compiled and tp * pp != 1:
+                ap.error(f"layout {item}: compiled decode is measured for 1x1 only")
+            out.append((tp, pp, compiled))
+        return out
     suites = [(args.model, parse_layouts(args.layouts))]
     if args.tp2_layouts:
         suites.append((random_llama(args.random_dir), parse_layouts(args.tp2_layouts)))

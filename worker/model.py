@@ -23,7 +23,9 @@ Two ways to run it:
 from __future__ import annotations
 
 import math
+import mmap
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -75,12 +77,22 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:   # one fused op (decode runs ~60 norms per token)
+        if x.dtype == torch.float32:   # one op to call (decode runs ~60 norms per token)
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # Normalise in fp32 like the reference implementation, then cast back.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        """forward for x [B, hidden] (TransformerBlock.decode). In fp32 the mean square is one
+        batched dot product (x.x / hidden + eps) instead of F.rms_norm's CPU composite of ~10
+        ops: 0.5 ms less per SmolLM2 decode step. Only the rounding differs (another sum order)."""
+        if x.dtype != torch.float32:
+            return self.forward(x)
+        b, h = x.shape
+        mean_sq = torch.baddbmm(x.new_full((1, 1, 1), self.eps), x.view(b, 1, h), x.view(b, h, 1), alpha=1 / h)
+        return (x * mean_sq.view(b, 1).rsqrt_()).mul_(self.weight)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -108,11 +120,29 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, heads, T, head_dim]; cos/sin: [B, 1, T, head_dim]. Half-split rotation (HF layout)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos + rotated * sin
+    """x: [B, heads, T, head_dim]; cos/sin: [B, 1, T, head_dim]. Half-split rotation (HF layout).
+
+    `sin` is the signed table from Transformer.rope (first half negated), so the rotation
+    (x1, x2) -> (-x2, x1) is a roll by half: four ops instead of seven, the same values."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * sin
+
+
+@dataclass
+class CacheStep:
+    """What every layer of one cached step shares, worked out once per step (Transformer.forward).
+
+    index:  for each (batch row, kv head, token), its row in the cache viewed as [-1, head_dim]
+            (one index_copy_ per layer writes the step's keys; an advanced-index put costs 2-3x that)
+    slots:  cache rows of the batch rows; None when they are rows 0..B-1 in order (no gather)
+    length: positions to attend over (the longest row's, or the whole cache for static shapes)
+    fresh:  a prefill that starts every row at position 0: causal attention over the new keys only
+    mask:   [B, T, length], True = attend; None when every row attends to all `length` positions
+    """
+    index: torch.Tensor
+    slots: torch.Tensor | None
+    length: int
+    fresh: bool
+    mask: torch.Tensor | None
 
 
 class KVCache(nn.Module):
@@ -122,27 +152,39 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, slots: torch.Tensor | None, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               length: int):
-        """Write k/v [B, kv, T, hd] at (slot, position) and return the first `length` positions.
-        `slots` None means rows 0..B-1 of the cache in order (no gather needed)."""
-        rows = torch.arange(k.shape[0], device=k.device) if slots is None else slots
-        idx = (rows[:, None], slice(None), positions)
-        self.k[idx] = k.transpose(1, 2)
-        self.v[idx] = v.transpose(1, 2)
-        if slots is None:
-            b = k.shape[0]
+    @staticmethod
+    def step_index(slots: torch.Tensor, positions: torch.Tensor, kv_heads: int, seq: int) -> torch.Tensor:
+        """CacheStep.index for rows in cache `slots` [B] at `positions` [B, T]."""
+        heads = torch.arange(kv_heads, device=positions.device)
+        return ((slots[:, None, None] * kv_heads + heads[None, :, None]) * seq + positions[:, None, :]).reshape(-1)
+
+    def update(self, step: CacheStep, k: torch.Tensor, v: torch.Tensor):
+        """Write k/v [B, kv, T, hd] where `step` says and return the first `step.length` positions
+        of the batch rows' cache."""
+        self.write(step, k, v)
+        return self.read(step, k.shape[0])
+
+    def write(self, step: CacheStep, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k/v: [B, kv, T, hd], or [B, kv, hd] for one token per row."""
+        d = k.shape[-1]
+        self.k.view(-1, d).index_copy_(0, step.index, k.reshape(-1, d))
+        self.v.view(-1, d).index_copy_(0, step.index, v.reshape(-1, d))
+
+    def read(self, step: CacheStep, b: int):
+        length = step.length
+        if step.slots is None:
             return self.k[:b, :, :length], self.v[:b, :, :length]
-        return (self.k[:, :, :length].index_select(0, slots),
-                self.v[:, :, :length].index_select(0, slots))
+        return (self.k[:, :, :length].index_select(0, step.slots),
+                self.v[:, :, :length].index_select(0, step.slots))
 
 
 class InferenceLinear(nn.Module):
     """y = x @ weight_t, the weight stored transposed ([in, out], row-major).
 
-    On CPU a decode step (one row of x) streams a [in, out] matrix 1.1-1.4x faster than
-    nn.Linear's [out, in], and 3.6x faster for a 49k-row LM head (measured with
-    benchmarks/worker_bench.py's model sizes), so inference keeps weights this way."""
+    On CPU a decode step (one row of x) streams a [in, out] matrix up to 1.4x faster than
+    nn.Linear's [out, in] for the smaller layer matrices and ~1.05x for the larger ones and a
+    49k-row LM head (benchmarks/worker_bench.py's model sizes), so inference keeps weights this
+    way."""
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
@@ -163,6 +205,55 @@ class InferenceEmbedding(nn.Module):
         return self.weight_t.t()[ids]
 
 
+HUGE_PAGE = 2 << 20
+
+
+def huge_page_buffer(nbytes: int) -> torch.Tensor | None:
+    """`nbytes` of zeroed CPU memory, 2 MiB-aligned, that the kernel is asked to back with
+    transparent huge pages (madvise: the usual setting, under which torch's own allocations get
+    4 KiB pages). None where mmap cannot ask for that."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return None
+    try:
+        buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    except (OSError, ValueError):
+        return None
+    raw = torch.frombuffer(buf, dtype=torch.uint8)     # keeps `buf` alive as long as it lives
+    skip = -raw.data_ptr() % HUGE_PAGE
+    return raw[skip:skip + nbytes]
+
+
+def place_in_huge_pages(model: nn.Module) -> int:
+    """Move the model's CPU weight matrices into one huge-page buffer, in module order; returns its
+    bytes (0 if nothing moved).
+
+    A decode step streams every weight once from memory, one thread per rank; with 4 KiB pages
+    that stream takes a TLB miss every 4 KiB. With 2 MiB pages the same matrix-vector products
+    read 5-7% faster on the development machine (benchmarks/worker_bench.py, fp32). Tied
+    parameters are one object, so they move once and stay tied."""
+    params, seen = [], set()
+    for p in model.parameters():
+        if p.dim() == 2 and p.device.type == "cpu" and id(p) not in seen:
+            seen.add(id(p))
+            params.append(p)
+    align = 64                          # a cache line: every matrix starts on one
+    sizes = [-(-p.numel() * p.element_size() // align) * align for p in params]
+    if not params:
+        return 0
+    buf = huge_page_buffer(sum(sizes))
+    if buf is None:
+        return 0
+    offset = 0
+    for p, size in zip(params, sizes):
+        nbytes = p.numel() * p.element_size()
+        dst = buf[offset:offset + nbytes].view(p.dtype).view(p.shape)
+        dst.copy_(p.data)
+        p.data = dst
+        offset += size
+    return offset
+
+
 def cached_attention(q, k, v, mask):
     """q [B, H, T, D] against cached k/v [B, KV, L, D]; mask [B, T, L] (True = attend).
 
@@ -177,6 +268,15 @@ def cached_attention(q, k, v, mask):
     scores = scores.view(b, kv, rep, t, -1).masked_fill(~mask[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, kv, rep * t, -1)
     return torch.matmul(probs, v).view(b, h, t, d)
+
+
+def decode_attention(q, k, v):
+    """One new token per row (q [B, H, 1, D]) that attends to all L cached positions (k/v
+    [B, KV, L, D]): no mask, so SDPA's fused kernel runs, with the query heads of each kv head
+    folded into its query length as in cached_attention (3x faster than the masked path on CPU)."""
+    b, h, _, d = q.shape
+    kv = k.shape[1]
+    return F.scaled_dot_product_attention(q.reshape(b, kv, h // kv, d), k, v).view(b, h, 1, d)
 
 
 class Attention(nn.Module):
@@ -200,7 +300,7 @@ class Attention(nn.Module):
         self.wo = InferenceLinear(self.wo.weight)
         del self.wq, self.wk, self.wv
 
-    def forward(self, x, cos, sin, positions=None, cache_slots=None, length: int = 0, mask=None):
+    def forward(self, x, cos, sin, step: CacheStep | None = None):
         b, t, _ = x.shape
         if self.wqkv is not None:
             # Fused: rotate the query and key heads in one go.
@@ -215,15 +315,31 @@ class Attention(nn.Module):
             v = v.reshape(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         gqa = self.n_heads != self.n_kv_heads
-        if self.kv_cache is None:
+        if step is None or self.kv_cache is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
-            kc, vc = self.kv_cache.update(cache_slots, positions, k, v, length)
-            if mask is None:    # prefill from position 0: the new keys are all there is
+            kc, vc = self.kv_cache.update(step, k, v)
+            if step.fresh:      # prefill from position 0: the new keys are all there is
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            elif step.mask is None:
+                y = decode_attention(q, kc, vc)
             else:
-                y = cached_attention(q, kc, vc, mask)
+                y = cached_attention(q, kc, vc, step.mask)
         return self.wo(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+    def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: CacheStep) -> torch.Tensor:
+        """forward for one token per row on fused weights: x [B, hidden], cos/sin [B, 1, head_dim].
+        Kept 2-D and in [B, heads, head_dim] so that no op is spent on transposes (see
+        TransformerBlock.decode)."""
+        b = x.shape[0]
+        nq, nkv, d = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = torch.mm(x, self.wqkv.weight_t).view(b, nq + 2 * nkv, d)
+        qk = apply_rope(qkv[:, :nq + nkv], cos, sin)
+        self.kv_cache.write(step, qk[:, nq:], qkv[:, nq + nkv:])
+        k, v = self.kv_cache.read(step, b)
+        q = qk[:, :nq].view(b, nq, 1, d)
+        y = decode_attention(q, k, v) if step.mask is None else cached_attention(q, k, v, step.mask)
+        return torch.mm(y.reshape(b, nq * d), self.wo.weight_t)
 
 
 class FeedForward(nn.Module):
@@ -241,10 +357,16 @@ class FeedForward(nn.Module):
         del self.w1, self.w3
 
     def forward(self, x):
-        if self.w13 is not None:
+        if self.w13 is not None:        # inference only: silu's output is ours to overwrite
             gate, up = self.w13(x).chunk(2, dim=-1)
-            return self.w2(F.silu(gate) * up)
+            return self.w2(F.silu(gate).mul_(up))
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        """forward for x [B, hidden] on fused weights (see TransformerBlock.decode)."""
+        gate_up = torch.mm(x, self.w13.weight_t)
+        i = gate_up.shape[1] // 2
+        return torch.mm(F.silu(gate_up[:, :i]).mul_(gate_up[:, i:]), self.w2.weight_t)
 
 
 class TransformerBlock(nn.Module):
@@ -254,10 +376,27 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(config)
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.feed_forward = FeedForward(config)
+        # The tensor-parallel all-reduce of the attention and MLP outputs, set by parallel.py.
+        # Module calls get it from hooks (autograd-aware, for training); decode below calls the
+        # submodules' methods directly, so it applies it itself.
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-    def forward(self, x, cos, sin, positions=None, cache_slots=None, length: int = 0, mask=None):
-        x = x + self.attention(self.attention_norm(x), cos, sin, positions, cache_slots, length, mask)
+    def forward(self, x, cos, sin, step: CacheStep | None = None):
+        x = x + self.attention(self.attention_norm(x), cos, sin, step)
         return x + self.feed_forward(self.ffn_norm(x))
+
+    def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: CacheStep) -> torch.Tensor:
+        """forward for one token per row (x [B, hidden]) on fused weights, in fewer ops: 2-D
+        matmuls, no transposes, no module calls, one-dot-product norms.
+
+        A decode step streams every weight through the CPU caches, so the small ops between the
+        matmuls run with cold caches at 2-4x their warm time: on SmolLM2 they cost ~10 ms a step
+        on top of ~35 ms of matmuls, and this path saves ~1.5 ms of it over forward. The
+        tensor-parallel all-reduce comes from `reduce` here, since module hooks do not run."""
+        a = self.attention.decode(self.attention_norm.decode(x), cos, sin, step)
+        x = x + (a if self.reduce is None else self.reduce(a))
+        f = self.feed_forward.decode(self.ffn_norm.decode(x))
+        return x + (f if self.reduce is None else self.reduce(f))
 
 
 class Transformer(nn.Module):
@@ -281,6 +420,8 @@ class Transformer(nn.Module):
         # Fixed attention length (the whole cache) and no host syncs, so a decode step can be
         # captured as a CUDA graph; on CPU attending only up to the longest row is faster.
         self.static_shapes = False
+        self.compiled_decode: Callable | None = None     # see compile_decode
+        self.fused = False                               # see fuse_for_inference
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head when the config ties them and this stage has both."""
@@ -289,10 +430,16 @@ class Transformer(nn.Module):
 
     def fuse_for_inference(self) -> None:
         """Concatenate q/k/v and gate/up weights per layer (after loading and TP slicing, so each
-        rank fuses its own slices). Parameter names change: not for training or checkpoints."""
+        rank fuses its own slices), keep the matrices transposed and, on CPU, in huge pages.
+        Parameter names change: not for training or checkpoints."""
         for layer in self.layers.values():
             layer.attention.fuse()
             layer.feed_forward.fuse()
+        self.fused = True
+        self._fuse_head()
+        place_in_huge_pages(self)
+
+    def _fuse_head(self) -> None:
         head, emb = self.output, self.tok_embeddings
         if head is None:
             return
@@ -320,7 +467,8 @@ class Transformer(nn.Module):
         self.max_batch = self.max_seq = 0
 
     def rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [B, 1, T, head_dim] for integer positions [B, T]; the table grows on demand."""
+        """cos/sin [B, 1, T, head_dim] for integer positions [B, T]; the table grows on demand.
+        The sine's first half is negated (see apply_rope)."""
         if self._rope is not None and self.max_seq and self._rope[0].shape[0] >= self.max_seq \
                 and self._rope[0].device == positions.device:
             need = 0            # cached inference: the table covers the cache; no device sync
@@ -331,9 +479,36 @@ class Transformer(nn.Module):
             inv_freq = rope_inv_freq(self.config).to(positions.device)
             freqs = torch.outer(torch.arange(size, device=positions.device, dtype=torch.float32), inv_freq)
             emb = torch.cat((freqs, freqs), dim=-1)
-            self._rope = (emb.cos(), emb.sin())
+            sign = torch.ones_like(emb)
+            sign[:, :inv_freq.numel()] = -1     # apply_rope's roll needs -sin on the first half
+            self._rope = (emb.cos(), emb.sin() * sign)
         cos, sin = self._rope
         return cos[positions][:, None].to(dtype), sin[positions][:, None].to(dtype)
+
+    def cache_step(self, positions: torch.Tensor, cache_slots: torch.Tensor | None, t: int) -> CacheStep:
+        """Where a cached step writes its keys and values and what each row attends to."""
+        b = positions.shape[0]
+        arange_b = torch.arange(b, device=positions.device)
+        if cache_slots is not None and not self.static_shapes and b <= self.max_batch \
+                and bool((cache_slots == arange_b).all()):
+            cache_slots = None          # rows 0..B-1 in order: attend over cache rows without a gather
+        if self.static_shapes:
+            length = self.max_seq       # fixed shapes for CUDA graphs: attend over the whole cache, masked
+        else:
+            length = int(positions.max()) + 1
+        # A prefill that starts every row at position 0 needs only causal attention over its own
+        # keys; a decode step whose rows all sit at the last position attends to everything cached;
+        # otherwise row b attends to the cached positions up to its own (rows' lengths differ).
+        fresh = not self.static_shapes and t > 1 and bool((positions[:, 0] == 0).all())
+        full = not self.static_shapes and t == 1 and bool((positions == length - 1).all())
+        mask = None
+        if not (fresh or full):
+            mask = torch.arange(length, device=positions.device)[None, None, :] <= positions[:, :, None]
+        first = next(iter(self.layers.values()), None)
+        kv_heads = first.attention.n_kv_heads if first is not None else 1
+        slots = arange_b if cache_slots is None else cache_slots
+        index = KVCache.step_index(slots, positions, kv_heads, self.max_seq)
+        return CacheStep(index, cache_slots, length, fresh, mask)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
                 cache_slots: torch.Tensor | None = None, return_hidden: bool = False,
@@ -348,26 +523,33 @@ class Transformer(nn.Module):
         b, t = h.shape[:2]
         if positions is None:
             positions = torch.arange(t, device=h.device).expand(b, t)
-        cached = self.max_seq > 0
-        if cached and cache_slots is not None and not self.static_shapes and cache_slots.numel() <= self.max_batch \
-                and bool((cache_slots == torch.arange(cache_slots.numel(), device=cache_slots.device)).all()):
-            cache_slots = None          # rows 0..B-1 in order: attend over cache rows without a gather
-        if not cached:
-            length = 0
-        elif self.static_shapes:
-            length = self.max_seq       # fixed shapes for CUDA graphs: attend over the whole cache, masked
-        else:
-            length = int(positions.max()) + 1
-        # Row b attends to every cached position up to its own (rows' lengths differ); a prefill
-        # that starts every row at position 0 needs only a causal mask (mask None).
-        fresh = cached and not self.static_shapes and t > 1 and bool((positions[:, 0] == 0).all())
-        mask = None
-        if cached and not fresh:
-            mask = torch.arange(length, device=h.device)[None, None, :] <= positions[:, :, None]
+        step = self.cache_step(positions, cache_slots, t) if self.max_seq > 0 else None
         cos, sin = self.rope(positions, h.dtype)
-        for layer in self.layers.values():
-            h = layer(h, cos, sin, positions if cached else None, cache_slots, length, mask)
+        run = self.compiled_decode if step is not None and t == 1 and self.compiled_decode else self.run_layers
+        return run(h, cos, sin, step, return_hidden, last_only)
+
+    def run_layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: CacheStep | None,
+                   return_hidden: bool = False, last_only: bool = False) -> torch.Tensor:
+        """The layers, then (last stage) the final norm and the LM head; see forward."""
+        b, t = h.shape[:2]
+        if step is not None and t == 1 and self.fused:
+            h2, cos2, sin2 = h.view(b, -1), cos.view(b, 1, -1), sin.view(b, 1, -1)
+            for layer in self.layers.values():
+                h2 = layer.decode(h2, cos2, sin2, step)
+            h = h2.view(b, 1, -1)
+        else:
+            for layer in self.layers.values():
+                h = layer(h, cos, sin, step)
         if self.norm is None:
             return h
         h = self.norm(h[:, -1:] if last_only else h)
         return h if return_hidden else self.output(h)
+
+    def compile_decode(self) -> None:
+        """Run decode steps (one new token per row, cached) through torch.compile (inductor's C++
+        code on CPU): norms, RoPE, cache writes, attention and SwiGLU become a few fused kernels
+        between the weight matmuls. The step's bookkeeping (cache_step: host-side ints and
+        checks) stays eager, so the compiled graph has no breaks. Lengths and batch sizes are
+        symbolic; it compiles again for each kind of step (one row or several, with or without
+        a mask or a gather of cache rows), 10-60 s each on two cores."""
+        self.compiled_decode = torch.compile(self.run_layers, dynamic=True)

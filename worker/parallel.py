@@ -198,6 +198,7 @@ def apply_tensor_parallel(model: nn.Module, rank: int, world: int, group=None) -
         for sub in (att, ffn):
             sub.register_forward_pre_hook(lambda _m, args: (_CopyToTP.apply(args[0], group),) + args[1:])
             sub.register_forward_hook(lambda _m, _args, out: _ReduceFromTP.apply(out, group))
+        block.reduce = lambda out: all_reduce(out.contiguous(), group)     # TransformerBlock.decode
 
     vocab = config.vocab_size
     vshard = Shard(0, rank, world, padded=-(-vocab // world) * world)

@@ -106,11 +106,17 @@ class Stage:
         # gloo moves CPU tensors, NCCL device tensors.
         self.comm_device = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
         self.decode_fn = model
-        if self.device.type == "cuda" and info.tensor == 1 and os.environ.get("SHARDWISE_COMPILE", "1") != "0":
+        compile_env = os.environ.get("SHARDWISE_COMPILE", "")
+        if self.device.type == "cuda" and info.tensor == 1 and compile_env != "0":
             # Decode is launch-bound on a GPU: capture one step as CUDA graphs (static shapes, no
             # host syncs). TP stages stay eager: their all-reduces sit inside the forward.
             model.static_shapes = True
             self.decode_fn = torch.compile(model, mode="reduce-overhead", dynamic=False)
+        elif self.device.type == "cpu" and info.tensor == 1 and compile_env == "1":
+            # Opt-in on CPU: a compiled decode step is ~10% faster (docs/worker.md, Benchmark), but
+            # each kind of step (one row or several, masked or not) compiles for 10-60 s on first
+            # use, which a short `shardwise generate` or a test would never win back.
+            model.compile_decode()
 
     def _c(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.comm_device)
