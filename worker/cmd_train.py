@@ -128,7 +128,11 @@ def launch(opts, world: int) -> int:
             codes = [p.exitcode for p in procs]
             failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
-                rank, code = failed[0]
+                # A rank killed by a signal takes its peers down within moments (their collectives
+                # fail): give them that moment, then report the killed one, the cause.
+                time.sleep(0.5)
+                failed = [(r, c) for r, c in enumerate(p.exitcode for p in procs) if c not in (None, 0)]
+                rank, code = min(failed, key=lambda rc: (rc[1] >= 0, rc[0]))
                 if code < 0:
                     print(f"shardwise train: rank {rank} was killed by signal {-code}; stopping the other "
                           f"ranks (run again to resume from the last complete checkpoint)", file=sys.stderr)
