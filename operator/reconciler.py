@@ -195,6 +195,8 @@ def _reconcile(applier: Applier, body: dict, nodes: Mapping[str, Mapping[str, An
     # --- scale down: groups beyond the desired count go first --------------------------------
     extra = {r for r in set(groups) | set(pods_by_replica) | ({p.replica for p in plan.placements} if plan else set())
              if r >= desired and r >= 0}
+    if gang and desired == 0:
+        extra = set()   # a paused job keeps its records (attempt numbers go on when it resumes)
     if extra:
         for r in sorted(extra):
             applier.delete_group(namespace, name, r)
@@ -207,7 +209,9 @@ def _reconcile(applier: Applier, body: dict, nodes: Mapping[str, Mapping[str, An
     replan: list[int] = []
     rolled = False
     job_step = _gang_step(groups, plan, pods_by_replica, desired, nodes, now, policy) if gang else None
-    for r in range(desired):
+    # A finished job stays finished, whatever its replica count says now (more steps restart it).
+    job_finished = gang and bool(groups) and all(g.get("phase") == recovery.SUCCEEDED for g in groups.values())
+    for r in range(0 if job_finished else desired):
         g = groups.setdefault(r, {"replica": r, "attempt": 0, "phase": recovery.PENDING, "restarts": 0})
         if g.get("phase") == recovery.OUTDATED:
             # On the old layout: replaced when every other replica serves (or it is the only one).
@@ -329,7 +333,9 @@ def _reconcile(applier: Applier, body: dict, nodes: Mapping[str, Mapping[str, An
             out.requeue_after = min(out.requeue_after, STEADY_REQUEUE if e.invalid else NOT_READY_REQUEUE * 2)
 
     for r in range(desired):
-        g = groups[r]
+        g = groups.get(r)
+        if g is None:       # a finished training job scaled up: nothing was made for it
+            continue
         if g.get("phase") not in (recovery.READY, recovery.FAILED, recovery.SUCCEEDED, recovery.PENDING,
                                   recovery.RECOVERING):
             out.requeue_after = min(out.requeue_after, NOT_READY_REQUEUE)
@@ -353,7 +359,11 @@ def _reconcile(applier: Applier, body: dict, nodes: Mapping[str, Mapping[str, An
     message = status_mod.phase_message(live, desired, invalid, job=gang)
     job: dict = {}
     if gang:
-        if phase == status_mod.READY:
+        if job_finished:
+            phase = status_mod.SUCCEEDED
+        elif desired == 0:   # scaled to zero: paused, not done
+            phase, message = status_mod.PENDING, "paused at 0 replicas; scale up to resume from the last checkpoint"
+        elif phase == status_mod.READY:
             phase = status_mod.RUNNING
         job = _job_status(spec, plan, groups, pods_by_replica, desired, progress)
         if phase == status_mod.RUNNING:
@@ -446,15 +456,20 @@ def _restart_job(applier: Applier, namespace: str, name: str, groups: dict[int, 
     for r in sorted(set(groups) | set(pods_by_replica)):
         applier.delete_group(namespace, name, r)
         pods_by_replica[r] = []
-    for r in [r for r in set(groups) | set(pods_by_replica) if r >= desired]:
-        groups.pop(r, None)
+    for r in [r for r in set(groups) | set(pods_by_replica) if r >= max(desired, 1)]:
+        groups.pop(r, None)       # paused (0 replicas): replica 0's record keeps the attempt count
         pods_by_replica.pop(r, None)
     for r in range(desired):
-        g = groups.setdefault(r, {"replica": r, "attempt": 0, "restarts": 0})
+        groups.setdefault(r, {"replica": r, "attempt": 0, "restarts": 0})
+    for g in groups.values():
         g.update(phase=recovery.PENDING, lastFailure=None, retryAt=None)
     applier.patch_status(namespace, name, {"plan": None, "groups": [groups[r] for r in sorted(groups)]})
-    out.events.append(Event("Normal", "Restarting", f"{why}: restarting the training job with all "
-                                                    f"{desired} replicas; it resumes from the last complete checkpoint"))
+    if desired == 0:
+        out.events.append(Event("Normal", "Paused", f"{why}: the training job is stopped; scaled up again, it "
+                                                    f"resumes from the last complete checkpoint"))
+    else:
+        out.events.append(Event("Normal", "Restarting", f"{why}: restarting the training job with all "
+                                                        f"{desired} replicas; it resumes from the last complete checkpoint"))
     return None
 
 
