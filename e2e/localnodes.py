@@ -729,14 +729,8 @@ class PodRunner(threading.Thread):
                 "status.hostIPs": "127.0.0.1"}.get(path, "")
 
     def _object_data(self, kind: str, name: str, optional, decode: bool = False) -> dict:
-        try:
-            obj = self.rt.client.get(f"/api/v1/namespaces/{self.ns}/{kind}/{name}")
-        except kapi.ApiError as e:
-            if e.status == 404 and optional:
-                return {}
-            if e.status == 404:
-                raise _Waiting("CreateContainerConfigError", f"{kind[:-1]} {name!r} not found")
-            raise
+        obj = self._get_or_wait(f"/api/v1/namespaces/{self.ns}/{kind}/{name}", f"{kind[:-1]} {name!r} not found",
+                                optional)
         data = dict(obj.get("data") or {})
         if decode:
             return {k: base64.b64decode(v).decode(errors="replace") for k, v in data.items()}
@@ -798,10 +792,14 @@ class PodRunner(threading.Thread):
         folder.mkdir(parents=True, exist_ok=True)
         return folder
 
-    def _get_or_wait(self, path: str, missing: str) -> dict:
+    def _get_or_wait(self, path: str, missing: str, optional: bool = False) -> dict:
+        """The object at `path`; when it does not exist: {} if `optional`, else the container waits
+        (CreateContainerConfigError, `missing`), as a kubelet's does."""
         try:
             return self.rt.client.get(path)
         except kapi.ApiError as e:
+            if e.status == 404 and optional:
+                return {}
             if e.status == 404:
                 raise _Waiting("CreateContainerConfigError", missing) from None
             raise

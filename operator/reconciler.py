@@ -470,7 +470,6 @@ def _restart_job(applier: Applier, namespace: str, name: str, groups: dict[int, 
     else:
         out.events.append(Event("Normal", "Restarting", f"{why}: restarting the training job with all "
                                                         f"{desired} replicas; it resumes from the last complete checkpoint"))
-    return None
 
 
 def _gang_step(groups: Mapping[int, dict], plan: ShardPlan | None, pods_by_replica: Mapping[int, list[dict]],

@@ -172,9 +172,8 @@ def _supervise(procs, loaded_q, health, stopped_code: int = 0) -> int:
             if code or len(dead) == len(procs):
                 break
         time.sleep(0.2)
-    else:
-        if not all(p.exitcode == 0 for p in procs):
-            code = stopped_code
+    # A signal stopped the pod before its ranks were all done.
+    stopped = stop.is_set() and not all(p.exitcode == 0 for p in procs)
     # Rank 0 first: it stops the pipeline in order (STOP travels down the stages) before exiting.
     for p in procs:
         if p.exitcode is None:
@@ -182,8 +181,8 @@ def _supervise(procs, loaded_q, health, stopped_code: int = 0) -> int:
             p.join(10)
     if health is not None:
         health.close()
-    if code == stopped_code and stop.is_set():
-        return code
+    if stopped:
+        return stopped_code
     if code:
         _say(f"a rank exited with code {code}; stopping the pod")
     return 1 if code else 0
