@@ -7,7 +7,10 @@ A layout is TPxPP; a trailing "c" (1x1c) runs the same layout with SHARDWISE_COM
 opt-in compiled decode step on CPU (only for single-process layouts: other ranks come from a
 fork server whose environment was fixed when it started).
 
-Measured in one run: the memory bandwidth of one thread (reading a 512 MiB matrix); for each TP x PP
+Threads: each of our ranks gets the machine's cores divided among the ranks (as the worker runs by
+default), transformers and the bandwidth measurement get all of them; --threads N gives N to each.
+
+Measured in one run: the machine's memory read bandwidth (reading a 512 MiB matrix); for each TP x PP
 layout, transformers' `generate` and ours in alternating rounds (best of each, so both see the same
 load on a shared machine): prefill tokens/s, decode
 tokens/s, the fraction of the memory-bandwidth bound the decode reaches (every decode step reads
@@ -25,18 +28,18 @@ import time
 
 
 class Bandwidth:
-    """The memory bandwidth one thread gets reading (what a decode step does with the weights):
+    """The memory bandwidth `threads` threads get reading (what a decode step does with the weights):
     a 512 MiB matrix read once by a sum and once by a matrix-vector product (the kernel a decode
     step runs; on the development machine it streams faster than a sum), the best kept. On CPU
     the matrix sits in 2 MiB pages where the OS gives them, as the worker's weights do.
     Measured again in every round, since other processes on a shared machine take bandwidth in
     bursts."""
 
-    def __init__(self, device: str, mib: int = 512):
+    def __init__(self, device: str, threads: int, mib: int = 512):
         import torch
 
         from shardwise.worker.model import huge_page_buffer
-        self.device = device
+        self.device, self.threads = device, threads
         n = mib * 2**20 // 4
         buf = huge_page_buffer(n * 4) if device == "cpu" else None
         self.src = buf.view(torch.float32) if buf is not None else torch.empty(n, device=device)
@@ -51,6 +54,8 @@ class Bandwidth:
         import torch
         sync = torch.cuda.synchronize if self.device == "cuda" else (lambda: None)
         n = self.src.numel() * 4
+        before = torch.get_num_threads()
+        torch.set_num_threads(self.threads)       # the in-process rank may have set fewer
         for _ in range(repeats):
             for read in (self.src.sum, lambda: self.vector @ self.matrix):
                 sync()
@@ -63,13 +68,15 @@ class Bandwidth:
         self.dst.copy_(self.src)
         sync()
         self.copy_best = max(self.copy_best, 2 * n / (time.perf_counter() - t0))
+        torch.set_num_threads(before)
         return self.best
 
 
 class HFRunner:
-    """transformers' generate on the same weights; prefill = time of a 1-token generate."""
+    """transformers' generate on the same weights; prefill = time of a 1-token generate. It runs
+    with `threads` torch threads whatever our in-process rank set."""
 
-    def __init__(self, model: str, prompt: list[int], dtype):
+    def __init__(self, model: str, prompt: list[int], dtype, threads: int):
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -81,17 +88,22 @@ class HFRunner:
         else:
             self.hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         self.hf.eval()
+        self.threads = threads
         self.ids = torch.tensor([prompt])
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.hf.parameters())
         self.run(2)
 
     def run(self, n: int) -> float:
         import torch
+        before = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
         t0 = time.perf_counter()
         with torch.no_grad():
             self.hf.generate(self.ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                              eos_token_id=None, pad_token_id=0)
-        return time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        torch.set_num_threads(before)
+        return elapsed
 
 
 def compare(model: str, layouts: list[tuple[int, int, bool]], prompt: list[int], new_tokens: int, device: str,
@@ -101,7 +113,7 @@ def compare(model: str, layouts: list[tuple[int, int, bool]], prompt: list[int],
     from shardwise.worker.engine import Engine, Request
     from shardwise.worker.loader import DTYPES
     from shardwise.worker.runtime import LocalRuntime, RankSpec
-    hf = HFRunner(model, prompt, DTYPES[dtype]) if with_hf else None
+    hf = HFRunner(model, prompt, DTYPES[dtype], bandwidth.threads) if with_hf else None
     results = {}
     for tp, pp, compiled in layouts:
         print(f"  TP={tp} PP={pp}{' compiled decode' if compiled else ''} ...", flush=True)
@@ -218,9 +230,10 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds; best of each side")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads, for transformers and for each of our ranks (default 1: on a shared "
-                         "machine, OpenMP barriers of 2+ threads stall badly when the cores are busy)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads for transformers, the bandwidth measurement and each of our ranks "
+                         "(default 0: as the worker runs, each rank gets cores / ranks; transformers and the "
+                         "bandwidth measurement get all cores)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     args = ap.parse_args(argv)
@@ -229,7 +242,8 @@ def main(argv=None) -> int:
 
     from shardwise.worker.loader import open_model
     from shardwise.worker.tokenizer import load_tokenizer
-    torch.set_num_threads(args.threads)
+    threads = args.threads or os.cpu_count() or 1
+    torch.set_num_threads(threads)
     source = open_model(args.model)
     tok = load_tokenizer(source)
     words = ("The history of the printing press begins in the fifteenth century, when movable type "
@@ -256,9 +270,9 @@ def main(argv=None) -> int:
     suites = [(args.model, parse_layouts(args.layouts))]
     if args.tp2_layouts:
         suites.append((random_llama(args.random_dir), parse_layouts(args.tp2_layouts)))
-    bw = Bandwidth(args.device)
+    bw = Bandwidth(args.device, threads)
     bw.sample(6)
-    print(f"memory bandwidth, {args.threads} thread(s): read {bw.best / 1e9:.1f} GB/s, "
+    print(f"memory bandwidth, {threads} thread(s): read {bw.best / 1e9:.1f} GB/s, "
           f"copy {bw.copy_best / 1e9:.1f} GB/s (read + write); sampled again every round, best kept", flush=True)
 
     out["models"] = {}
