@@ -5,7 +5,8 @@ Per block (Megatron layout, one all-reduce per sub-layer):
     feed_forward: w1, w3 column-parallel, w2 row-parallel
 The input of each sub-layer goes through `copy_to_tp` (identity forward, all-reduce of the
 gradient backward) and its output through `reduce_from_tp` (all-reduce forward, identity backward),
-so the same code serves inference and training.
+so the same code serves inference and training. A group set up with `use_shm_allreduce` does its
+small CPU all-reduces through shared memory (shm_allreduce.py), the others through torch.distributed.
 
 The embedding and LM head are split along the vocabulary (padded to a multiple of the degree):
 each rank looks up the ids it owns and the partial embeddings are summed; each rank computes its
@@ -24,6 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from .shm_allreduce import ShmAllReduce, connect
 
 
 @dataclass
@@ -58,9 +61,31 @@ class Shard:
         return self.rank * size, (self.rank + 1) * size
 
 
+# Per process group: its shared-memory all-reduce, for the groups that have one (use_shm_allreduce).
+_SHM: dict[object, ShmAllReduce] = {}
+
+
+def use_shm_allreduce(group, timeout: float) -> bool:
+    """Collective over `group`: route its all-reduces through shared memory when every rank of
+    it can (see shm_allreduce.connect); True when they now do."""
+    reducer = connect(group, timeout)
+    if reducer is not None:
+        _SHM[group] = reducer
+    return reducer is not None
+
+
+def close_shm_allreduces() -> None:
+    """Unmap every group's shared memory; call before the process groups are destroyed."""
+    for reducer in _SHM.values():
+        reducer.close()
+    _SHM.clear()
+
+
 def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     t0 = time.perf_counter()
-    dist.all_reduce(x, group=group)
+    shm = _SHM.get(group)
+    if shm is None or not shm.all_reduce(x):
+        dist.all_reduce(x, group=group)
     COMM.add(t0, x)
     return x
 

@@ -7,7 +7,8 @@ Two ways in, one setup (`setup_rank`):
   * `run_rank(spec, rank, world, local_rank)`: one rank under the torchrun variables (RANK,
     WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), which is how a ShardedModel pod runs
     (cmd_worker.py).
-Backends: gloo on CPU (on loopback for local runs), NCCL on CUDA.
+Backends: gloo on CPU (on loopback for local runs), NCCL on CUDA. On CPU a TP group's small
+all-reduces go through shared memory instead when its ranks can share a file (shm_allreduce.py).
 """
 from __future__ import annotations
 
@@ -87,6 +88,8 @@ def setup_rank(spec: RankSpec, rank: int, world: int, local_rank: int, init_meth
     stage_idx, tp_rank = divmod(rank, t)
     groups = [dist.new_group(list(range(s * t, (s + 1) * t))) if t > 1 else None for s in range(p)]
     info = StageInfo(rank, world, t, p, stage_idx, tp_rank, groups[stage_idx])
+    if backend == "gloo" and t > 1:    # the TP ranks share a host: small all-reduces via shared memory
+        parallel.use_shm_allreduce(info.tp_group, PG_TIMEOUT.total_seconds())
     t0 = time.perf_counter()
     source = open_model(spec.model)
     layers = spec.layers or split_layers(source.config.num_layers, p)
@@ -118,6 +121,7 @@ def finish_rank(ctx: RankContext) -> list[dict] | None:
         final["peak_cuda_bytes"] = torch.cuda.max_memory_allocated()
     out = [None] * ctx.info.world if ctx.info.rank == 0 else None
     dist.gather_object(final, out, dst=0)
+    parallel.close_shm_allreduces()
     dist.destroy_process_group()
     return out
 
@@ -212,6 +216,7 @@ class LocalRuntime:
         for p in self.procs:
             p.join(5)
         if dist.is_initialized():
+            parallel.close_shm_allreduces()
             dist.destroy_process_group()
 
     def stop(self) -> list[dict] | None:
