@@ -37,8 +37,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import checkpoint as ckpt
+from . import parallel
 from .data import StepBatches, TokenDataset
 from .errors import WorkerError
+
+# A rank that waits longer than this for its peers in a collective fails instead of hanging.
+_PG_TIMEOUT = datetime.timedelta(minutes=10)
 
 
 @dataclass
@@ -103,6 +107,8 @@ class Groups:
                 g = dist.new_group([R(r, s, t) for t in range(T)], backend=backend)
                 if (r, s) == (pos.replica, pos.stage):
                     self.tp = g
+        if backend == "gloo" and T > 1:     # a TP group shares a host: all-reduces via shared memory
+            parallel.use_shm_allreduce(self.tp, _PG_TIMEOUT.total_seconds())
         for s in range(P):
             for t in range(T):
                 g = dist.new_group([R(r, s, t) for r in range(D)], backend=backend)
@@ -381,7 +387,7 @@ def run_training(opts: TrainOptions, rank: int | None = None, world_size: int | 
         # CUDA: NCCL for tensors on the GPU, gloo for the CPU-side agreement and checkpoint groups
         backend = "cpu:gloo,cuda:nccl" if opts.device.startswith("cuda") else "gloo"
         dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(minutes=10))
+                                timeout=_PG_TIMEOUT)
     lead = rank == 0
     # Warnings (a damaged checkpoint skipped, another dataset) as one line each, from rank 0 only.
     warnings.showwarning = lambda message, *a, **k: (
@@ -443,6 +449,7 @@ def run_training(opts: TrainOptions, rank: int | None = None, world_size: int | 
         return 0
     finally:
         if dist.is_initialized():
+            parallel.close_shm_allreduces()
             dist.destroy_process_group()
 
 
