@@ -21,10 +21,24 @@ one micro-batch vs one micro-batch per stage in flight.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
+from unittest import mock
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's intra-op thread count set to n for the block, then put back."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class Bandwidth:
@@ -54,21 +68,19 @@ class Bandwidth:
         import torch
         sync = torch.cuda.synchronize if self.device == "cuda" else (lambda: None)
         n = self.src.numel() * 4
-        before = torch.get_num_threads()
-        torch.set_num_threads(self.threads)       # the in-process rank may have set fewer
-        for _ in range(repeats):
-            for read in (self.src.sum, lambda: self.vector @ self.matrix):
-                sync()
-                t0 = time.perf_counter()
-                read()
-                sync()
-                self.best = max(self.best, n / (time.perf_counter() - t0))
-        sync()
-        t0 = time.perf_counter()
-        self.dst.copy_(self.src)
-        sync()
-        self.copy_best = max(self.copy_best, 2 * n / (time.perf_counter() - t0))
-        torch.set_num_threads(before)
+        with torch_threads(self.threads):       # the in-process rank may have set fewer
+            for _ in range(repeats):
+                for read in (self.src.sum, lambda: self.vector @ self.matrix):
+                    sync()
+                    t0 = time.perf_counter()
+                    read()
+                    sync()
+                    self.best = max(self.best, n / (time.perf_counter() - t0))
+            sync()
+            t0 = time.perf_counter()
+            self.dst.copy_(self.src)
+            sync()
+            self.copy_best = max(self.copy_best, 2 * n / (time.perf_counter() - t0))
         return self.best
 
 
@@ -95,15 +107,11 @@ class HFRunner:
 
     def run(self, n: int) -> float:
         import torch
-        before = torch.get_num_threads()
-        torch.set_num_threads(self.threads)
-        t0 = time.perf_counter()
-        with torch.no_grad():
+        with torch_threads(self.threads), torch.no_grad():
+            t0 = time.perf_counter()
             self.hf.generate(self.ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                              eos_token_id=None, pad_token_id=0)
-        elapsed = time.perf_counter() - t0
-        torch.set_num_threads(before)
-        return elapsed
+            return time.perf_counter() - t0
 
 
 def compare(model: str, layouts: list[tuple[int, int, bool]], prompt: list[int], new_tokens: int, device: str,
@@ -186,17 +194,8 @@ def compare(model: str, layouts: list[tuple[int, int, bool]], prompt: list[int],
 def start_runtime(rt, compiled: bool):
     """Start the ranks; with `compiled`, rank 0 (this process, the only rank) builds its Stage
     with SHARDWISE_COMPILE=1."""
-    if not compiled:
+    with mock.patch.dict(os.environ, {"SHARDWISE_COMPILE": "1"} if compiled else {}):
         return rt.start()
-    before = os.environ.get("SHARDWISE_COMPILE")
-    os.environ["SHARDWISE_COMPILE"] = "1"
-    try:
-        return rt.start()
-    finally:
-        if before is None:
-            del os.environ["SHARDWISE_COMPILE"]
-        else:
-            os.environ["SHARDWISE_COMPILE"] = before
 
 
 def random_llama(path: str) -> str:

@@ -79,7 +79,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:   # one op to call (decode runs ~60 norms per token)
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        # Normalise in fp32 like the reference implementation, then cast back.
+        return self.written_out(x)
+
+    def written_out(self, x: torch.Tensor) -> torch.Tensor:
+        """The norm as plain ops, normalised in fp32 like the reference implementation, then cast back."""
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -91,9 +94,7 @@ class RMSNorm(nn.Module):
         if torch.compiler.is_compiling():
             # Written out, inductor fuses the whole norm into one kernel (the dot product form
             # below would stay three calls).
-            xf = x.float()
-            xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-            return self.weight * xf.to(x.dtype)
+            return self.written_out(x)
         if x.dtype != torch.float32:
             return self.forward(x)
         b, h = x.shape
