@@ -131,7 +131,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
     `sin` is the signed table from Transformer.rope (first half negated), so the rotation
     (x1, x2) -> (-x2, x1) is a roll by half: four ops instead of seven, the same values."""
-    return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * sin
+    half = x.shape[-1] // 2
+    if torch.compiler.is_compiling():
+        # Inductor reads a roll element by element (an index modulo head_dim) and recomputes it
+        # inside the attention loop; two halves stay vector loads. The compiled decode step's
+        # attention kernel: 45 -> 27 us per SmolLM2 layer (two cores).
+        return x * cos + torch.cat([x[..., half:], x[..., :half]], -1) * sin
+    return x * cos + torch.roll(x, half, -1) * sin
 
 
 @dataclass
@@ -474,6 +480,8 @@ class Transformer(nn.Module):
             att = layer.attention
             att.kv_cache = KVCache(max_batch, att.n_kv_heads, max_seq, att.head_dim, dtype, device)
         self.max_batch, self.max_seq = max_batch, max_seq
+        if self.compiled_decode is not None:     # new caches: guards must be checked again
+            self.compile_decode()
 
     def clear_caches(self) -> None:
         for layer in self.layers.values():
@@ -568,4 +576,34 @@ class Transformer(nn.Module):
         checks) stays eager, so the compiled graph has no breaks. Lengths and batch sizes are
         symbolic; it compiles again for each kind of step (one row or several, with or without
         a mask or a gather of cache rows), 10-60 s each on two cores."""
-        self.compiled_decode = torch.compile(self.run_layers, dynamic=True)
+        self.compiled_decode = CompiledDecode(self.run_layers)
+
+
+class CompiledDecode:
+    """torch.compile of Transformer.run_layers for decode steps, with the guard checks of a
+    single-stream step skipped once that kind of step has run.
+
+    Before each call torch.compile checks ~2,000 guards (every module attribute and weight it
+    read), ~0.3 ms of a ~22 ms SmolLM2 step on two cores, paid by one row. Skipping them is safe
+    only where nothing they check can change between calls, so it is limited to steps of one
+    row at cache row 0 with no mask: there the only symbolic size is the attended length, whose
+    single guard (2 <= length <= max_seq) every decode step meets, and the model's weights and
+    caches are fixed, since setup_caches starts a new CompiledDecode. Several rows keep every
+    guard: their sizes can coincide (batch size and length), which torch.compile guards on."""
+
+    def __init__(self, run_layers: Callable):
+        self.compiled = torch.compile(run_layers, dynamic=True)
+        self.single_row_ran = False
+        # One context manager, entered for each step: making one costs ~50 us, entering ~6 us.
+        # Making it also sets the stance at once, so the previous one is put back here.
+        self.skip_guards = torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+        self.skip_guards.__exit__(None, None, None)
+
+    def __call__(self, h, cos, sin, step: CacheStep, return_hidden: bool, last_only: bool):
+        single_row = h.shape[0] == 1 and step.mask is None and step.slots is None and step.length >= 2
+        if not (single_row and self.single_row_ran):
+            out = self.compiled(h, cos, sin, step, return_hidden, last_only)
+            self.single_row_ran = self.single_row_ran or single_row
+            return out
+        with self.skip_guards:
+            return self.compiled(h, cos, sin, step, return_hidden, last_only)
