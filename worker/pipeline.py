@@ -113,7 +113,7 @@ class Stage:
             model.static_shapes = True
             self.decode_fn = torch.compile(model, mode="reduce-overhead", dynamic=False)
         elif self.device.type == "cpu" and info.tensor == 1 and compile_env == "1":
-            # Opt-in on CPU: a compiled decode step is ~1.2x faster (docs/worker.md, Benchmark), but
+            # Opt-in on CPU: a compiled decode step is ~1.25x faster (docs/worker.md, Benchmark), but
             # each kind of step (one row or several, masked or not) compiles for 10-60 s on first
             # use, which a short `shardwise generate` or a test would never win back.
             model.compile_decode()
