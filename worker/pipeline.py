@@ -146,20 +146,26 @@ class Stage:
                slots: torch.Tensor | None = None, batch: int = 0, seq: int = 0) -> None:
         """Run one step (or a SETUP/STOP) on stage 0 and send it on; results come from `collect`."""
         info = self.info
+        b, t = tokens.shape if op == OP_STEP else (batch, seq)
+        out = None
         if info.tensor == 1 and info.pipeline == 1:
             # A rank alone sends nothing, so the step's tensors need no packing (~0.1 ms of a
             # ~22 ms CPU decode step, spent by Python with caches the weights have flushed).
-            b, t = tokens.shape if op == OP_STEP else (batch, seq)
-            out = self._compute(op, b, t, None, tokens, positions, slots) if op != OP_STOP else None
-            if op == OP_STEP:
-                self.pending.append(out[:, -1].float())
-            return
+            if op != OP_STOP:
+                out = self._compute(op, b, t, None, tokens, positions, slots)
+        else:
+            out = self._send_and_compute(op, b, t, tokens, positions, slots)
         if op == OP_STEP:
-            b, t = tokens.shape
+            self.pending.append(out[:, -1].float() if info.pipeline == 1 else b)
+
+    def _send_and_compute(self, op: int, b: int, t: int, tokens, positions, slots) -> torch.Tensor | None:
+        """launch with other ranks: the step packed as messages, broadcast to this stage's TP
+        ranks, computed here, then sent on to the next stage."""
+        info = self.info
+        if op == OP_STEP:
             ints = torch.cat([positions.reshape(-1), slots.reshape(-1)]).to(torch.int64).cpu()
             tok_flat = tokens.reshape(-1).to(torch.int64).cpu()
         else:
-            b, t = batch, seq
             # gloo does not move empty tensors: SETUP/STOP carry one unused int.
             ints, tok_flat = torch.zeros(1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
         header = self._c(torch.tensor([op, b, t, 0], dtype=torch.int64))
@@ -172,8 +178,7 @@ class Stage:
             out = self._compute(op, b, t, ints, x)
         if info.pipeline > 1:
             self._forward_next(header, ints, self._c(out) if op == OP_STEP else None)
-        if op == OP_STEP:
-            self.pending.append(out[:, -1].float() if info.pipeline == 1 else b)
+        return out
 
     def collect(self) -> torch.Tensor:
         """Logits [B, V] (float32, on CPU) of the oldest launched step."""
