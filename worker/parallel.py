@@ -67,7 +67,10 @@ _SHM: dict[object, ShmAllReduce] = {}
 
 def use_shm_allreduce(group, timeout: float) -> bool:
     """Collective over `group`: route its all-reduces through shared memory when every rank of
-    it can (see shm_allreduce.connect); True when they now do."""
+    it can (see shm_allreduce.connect); True when they now do. Only a gloo group of two or more
+    ranks is a candidate: such a group is a TP group on one host; NCCL keeps its own."""
+    if group is None or dist.get_world_size(group) < 2 or dist.get_backend(group) != "gloo":
+        return False
     reducer = connect(group, timeout)
     if reducer is not None:
         _SHM[group] = reducer

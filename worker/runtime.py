@@ -88,8 +88,7 @@ def setup_rank(spec: RankSpec, rank: int, world: int, local_rank: int, init_meth
     stage_idx, tp_rank = divmod(rank, t)
     groups = [dist.new_group(list(range(s * t, (s + 1) * t))) if t > 1 else None for s in range(p)]
     info = StageInfo(rank, world, t, p, stage_idx, tp_rank, groups[stage_idx])
-    if backend == "gloo" and t > 1:    # the TP ranks share a host: small all-reduces via shared memory
-        parallel.use_shm_allreduce(info.tp_group, PG_TIMEOUT.total_seconds())
+    parallel.use_shm_allreduce(info.tp_group, PG_TIMEOUT.total_seconds())   # the TP ranks share a host
     t0 = time.perf_counter()
     source = open_model(spec.model)
     layers = spec.layers or split_layers(source.config.num_layers, p)

@@ -107,8 +107,7 @@ class Groups:
                 g = dist.new_group([R(r, s, t) for t in range(T)], backend=backend)
                 if (r, s) == (pos.replica, pos.stage):
                     self.tp = g
-        if backend == "gloo" and T > 1:     # a TP group shares a host: all-reduces via shared memory
-            parallel.use_shm_allreduce(self.tp, _PG_TIMEOUT.total_seconds())
+        parallel.use_shm_allreduce(self.tp, _PG_TIMEOUT.total_seconds())     # a TP group shares a host
         for s in range(P):
             for t in range(T):
                 g = dist.new_group([R(r, s, t) for r in range(D)], backend=backend)
