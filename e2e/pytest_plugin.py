@@ -109,7 +109,10 @@ class Cluster:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "shardwise", "operator", "run", "--kubeconfig", str(self.kubeconfig),
                  "--namespace", namespace, "--lease-namespace", namespace, "--metrics-port", "0",
-                 "--health-port", "0"], stdout=out, stderr=subprocess.STDOUT, cwd=Path(log).parent)
+                 "--health-port", "0",
+                 # A tiny training job runs its 300 steps in ~8 s, less than the default 10 s between
+                 # progress reads: tests that watch it Running with a checkpoint need reads that often.
+                 "--progress-seconds", "1"], stdout=out, stderr=subprocess.STDOUT, cwd=Path(log).parent)
         try:
             yield proc
         finally:

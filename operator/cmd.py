@@ -28,6 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--lease-name", default="shardwise-operator")
     run.add_argument("--lease-duration", type=int, default=15,
                      help="seconds without renewal after which a standby takes over (renewed every third)")
+    run.add_argument("--progress-seconds", type=float, default=10.0,
+                     help="how often a running training job's progress is read from its pods")
     run.add_argument("--no-leader-election", action="store_true",
                      help="run without a Lease (only when exactly one operator runs)")
 
@@ -50,8 +52,13 @@ def run(args: argparse.Namespace) -> int:
     import kopf
     from kubernetes.config import ConfigException
 
-    from shardwise.operator import applier as applier_mod, handlers, metrics
+    from shardwise.operator import applier as applier_mod, handlers, metrics, training
     from shardwise.operator.leader import LeaseLock
+
+    if args.progress_seconds <= 0:
+        print("shardwise operator: --progress-seconds must be more than 0", file=sys.stderr)
+        return 2
+    training.POLL_SECONDS = args.progress_seconds
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

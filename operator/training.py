@@ -17,7 +17,7 @@ from shardwise.operator import recovery
 from shardwise.operator.renderer import DEFAULT_PORT, LABEL_REPLICA, LABEL_STAGE
 
 PROGRESS_TIMEOUT = 2.0   # seconds; a busy pod answers later, at the next pass
-POLL_SECONDS = 10.0      # how often a running job's progress is read
+POLL_SECONDS = 10.0      # how often a running job's progress is read (operator run --progress-seconds)
 
 Fetch = Callable[[Mapping[str, Any]], "dict | None"]
 
