@@ -3,6 +3,10 @@
 Every binary comes from the Go module proxy through a small wrapper module, so the build needs only
 `go` and the proxy: no git clone, no Docker. The cache folder is keyed by a hash of the pins, so a
 changed pin builds afresh and an unchanged one is reused in well under a second.
+
+Two sets share the cache: the local control plane's (`ALL_BINARIES`, `shardwise dev build`) and the
+kind cluster's (`KIND_BINARIES`, `shardwise kind build`): the node's kubelet, kubeadm and kube-proxy,
+the `kind` CLI, and the cluster add-ons kubeadm and the pod network run (CoreDNS, flannel).
 """
 from __future__ import annotations
 
@@ -17,16 +21,24 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 # One recent Kubernetes minor that kwok v0.8.0 supports (it defaults to 1.36).
 KUBERNETES = "v1.36.3"
 ETCD = "v3.6.16"
 KWOK = "v0.8.0"
 HELM = "v3.22.0"
+KIND = "v0.33.0"
+# The CoreDNS release kubeadm v1.36 deploys (its constants.CoreDNSVersion), so the image it asks for
+# by name holds that version.
+COREDNS = "v1.14.2"
+FLANNEL = "v0.28.10"
 GO_MIN = (1, 26)
 
 K8S_BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
 ALL_BINARIES = ("etcd", *K8S_BINARIES, "kwok", "helm")
+KIND_NODE_BINARIES = ("kubelet", "kubeadm", "kube-proxy")
+KIND_BINARIES = (*KIND_NODE_BINARIES, "kind", "coredns", "flanneld")
 
 
 class BuildError(RuntimeError):
@@ -34,7 +46,8 @@ class BuildError(RuntimeError):
 
 
 def pins() -> dict[str, str]:
-    return {"kubernetes": KUBERNETES, "etcd": ETCD, "kwok": KWOK, "helm": HELM}
+    return {"kubernetes": KUBERNETES, "etcd": ETCD, "kwok": KWOK, "helm": HELM, "kind": KIND,
+            "coredns": COREDNS, "flannel": FLANNEL}
 
 
 def cache_root() -> Path:
@@ -48,9 +61,9 @@ def bin_dir() -> Path:
     return cache_root() / "bin" / digest
 
 
-def missing_binaries(directory: Path | None = None) -> list[str]:
+def missing_binaries(directory: Path | None = None, wanted: tuple[str, ...] = ALL_BINARIES) -> list[str]:
     directory = directory or bin_dir()
-    return [b for b in ALL_BINARIES if not os.access(directory / b, os.X_OK)]
+    return [b for b in wanted if not os.access(directory / b, os.X_OK)]
 
 
 @dataclass
@@ -60,6 +73,16 @@ class _Step:
     go_mod: str
     packages: list[str]
     ldflags: str = ""
+    # The binary a package's last path element names, where the cache keeps it under another name.
+    renames: dict[str, str] | None = None
+    # Prepares a local copy of the module before the build; returns go.mod lines to use it.
+    prepare: Callable[[Path], str] | None = None
+    # cgo, linked statically (for modules with C parts); otherwise CGO_ENABLED=0.
+    cgo: bool = False
+
+    def binary(self, package: str) -> str:
+        produced = package.rsplit("/", 1)[-1]
+        return (self.renames or {}).get(produced, produced)
 
 
 def _go_env(work: Path) -> dict[str, str]:
@@ -126,11 +149,12 @@ def _steps(work: Path, log) -> list[_Step]:
     return [
         _Step("etcd", work / "etcd",
               header.format(name="etcd", mod="go.etcd.io/etcd/server/v3", ver=ETCD),
-              ["go.etcd.io/etcd/server/v3"], "-s -w"),
+              ["go.etcd.io/etcd/server/v3"], "-s -w", renames={"v3": "etcd"}),
         _Step("kubernetes", work / "kubernetes",
               header.format(name="kubernetes", mod="k8s.io/kubernetes", ver=KUBERNETES)
               + _kubernetes_replaces(work, log),
-              [f"k8s.io/kubernetes/cmd/{b}" for b in K8S_BINARIES], _k8s_ldflags()),
+              [f"k8s.io/kubernetes/cmd/{b}" for b in (*K8S_BINARIES, *KIND_NODE_BINARIES)],
+              _k8s_ldflags()),
         _Step("kwok", work / "kwok",
               header.format(name="kwok", mod="sigs.k8s.io/kwok", ver=KWOK),
               ["sigs.k8s.io/kwok/cmd/kwok"],
@@ -139,7 +163,40 @@ def _steps(work: Path, log) -> list[_Step]:
               header.format(name="helm", mod="helm.sh/helm/v3", ver=HELM),
               ["helm.sh/helm/v3/cmd/helm"],
               f"-s -w -X helm.sh/helm/v3/internal/version.version={HELM} " + _helm_kube_ldflags()),
+        _Step("kind", work / "kind",
+              header.format(name="kind", mod="sigs.k8s.io/kind", ver=KIND),
+              ["sigs.k8s.io/kind"], "-s -w"),
+        _Step("coredns", work / "coredns",
+              header.format(name="coredns", mod="github.com/coredns/coredns", ver=COREDNS),
+              ["github.com/coredns/coredns"],
+              f"-s -w -X github.com/coredns/coredns/coremain.GitCommit={COREDNS}"),
+        _Step("flannel", work / "flannel",
+              header.format(name="flannel", mod="github.com/flannel-io/flannel", ver=FLANNEL),
+              ["github.com/flannel-io/flannel"],
+              f"-s -w -X github.com/flannel-io/flannel/pkg/version.Version={FLANNEL} "
+              '-extldflags "-static"',
+              renames={"flannel": "flanneld"}, prepare=_flannel_source, cgo=True),
     ]
+
+
+def _flannel_source(module_dir: Path) -> str:
+    """flannel without its Tencent Cloud VPC backend, whose SDK the Go module proxy does not serve (the
+    kind network uses host-gw): a copy of the module whose tencentvpc package is empty."""
+    out = subprocess.run(["go", "mod", "download", "-json", f"github.com/flannel-io/flannel@{FLANNEL}"],
+                         cwd=module_dir, env=_go_env(module_dir), capture_output=True, text=True)
+    if out.returncode != 0:
+        raise BuildError(f"downloading github.com/flannel-io/flannel@{FLANNEL} failed: {out.stderr.strip()}")
+    src = module_dir / "src"
+    shutil.rmtree(src, ignore_errors=True)
+    shutil.copytree(json.loads(out.stdout)["Dir"], src)
+    subprocess.run(["chmod", "-R", "u+w", str(src)], check=True)   # the module cache is read-only
+    (src / "pkg" / "backend" / "tencentvpc" / "tencentvpc.go").write_text(
+        "//go:build !windows\n\n// Left out of this build: its SDK is not on the Go module proxy.\n"
+        "package tencentvpc\n")
+    gomod = src / "go.mod"
+    gomod.write_text("".join(line for line in gomod.read_text().splitlines(keepends=True)
+                             if "tencentcloud-sdk-go/tencentcloud/vpc" not in line))
+    return "\nreplace github.com/flannel-io/flannel => ./src\n"
 
 
 def _run_with_progress(cmd: list[str], cwd: Path, env: dict, log, label: str, say) -> int:
@@ -159,10 +216,10 @@ def _run_with_progress(cmd: list[str], cwd: Path, env: dict, log, label: str, sa
         done.set()
 
 
-def build(force: bool = False, say=print) -> Path:
-    """Build whatever is missing from the cache and return the folder holding the binaries."""
+def build(force: bool = False, say=print, wanted: tuple[str, ...] = ALL_BINARIES) -> Path:
+    """Build whatever of `wanted` is missing from the cache and return the folder holding it."""
     target = bin_dir()
-    missing = ALL_BINARIES if force else missing_binaries(target)
+    missing = wanted if force else missing_binaries(target, wanted)
     if not missing:
         return target
     _check_go()
@@ -173,14 +230,16 @@ def build(force: bool = False, say=print) -> Path:
     say(f"building {', '.join(missing)} into {target} (log: {log_path}); "
         "this takes several minutes on two cores")
     with open(log_path, "a") as log:
-        env = _go_env(work)
         for step in _steps(work, log):
-            wanted = [p for p in step.packages if p.rsplit("/", 1)[-1] in missing
-                      or (step.name == "etcd" and "etcd" in missing)]
-            if not wanted:
+            packages = [p for p in step.packages if step.binary(p) in missing]
+            if not packages:
                 continue
             step.module_dir.mkdir(parents=True, exist_ok=True)
-            (step.module_dir / "go.mod").write_text(step.go_mod)
+            (step.module_dir / "go.mod").write_text(
+                step.go_mod + (step.prepare(step.module_dir) if step.prepare else ""))
+            # cgo steps link statically (netgo/osusergo keep glibc's resolver out), so every
+            # binary runs on any Linux image.
+            env = {**_go_env(work), "CGO_ENABLED": "1"} if step.cgo else _go_env(work)
             t0 = time.monotonic()
             say(f"[{step.name}] downloading modules")
             rc = _run_with_progress(["go", "mod", "download"], step.module_dir, env, log,
@@ -188,19 +247,19 @@ def build(force: bool = False, say=print) -> Path:
             if rc != 0:
                 raise BuildError(f"[{step.name}] go mod download failed (exit {rc}); see {log_path}")
             with tempfile.TemporaryDirectory(dir=target) as out:
-                cmd = ["go", "build", "-trimpath", "-ldflags", step.ldflags, "-o", out + "/", *wanted]
-                say(f"[{step.name}] compiling {' '.join(p.rsplit('/', 1)[-1] for p in wanted)}")
+                cmd = ["go", "build", "-trimpath", "-ldflags", step.ldflags, "-o", out + "/",
+                       *(["-tags", "netgo,osusergo"] if step.cgo else []), *packages]
+                say(f"[{step.name}] compiling {' '.join(step.binary(p) for p in packages)}")
                 log.write(f"\n$ (cd {step.module_dir}) {' '.join(cmd)}\n")
                 log.flush()
                 rc = _run_with_progress(cmd, step.module_dir, env, log, f"{step.name} compile", say)
                 if rc != 0:
                     raise BuildError(f"[{step.name}] go build failed (exit {rc}); see {log_path}")
                 for produced in Path(out).iterdir():
-                    name = "etcd" if step.name == "etcd" else produced.name
-                    os.replace(produced, target / name)
+                    os.replace(produced, target / (step.renames or {}).get(produced.name, produced.name))
             say(f"[{step.name}] done in {time.monotonic() - t0:.0f}s")
     (target / "versions.json").write_text(json.dumps(pins(), indent=2) + "\n")
-    left = missing_binaries(target)
+    left = missing_binaries(target, wanted)
     if left:
         raise BuildError(f"build finished but {', '.join(left)} is missing from {target}; see {log_path}")
     return target
@@ -208,7 +267,8 @@ def build(force: bool = False, say=print) -> Path:
 
 if __name__ == "__main__":
     try:
-        print(build(force="--force" in sys.argv))
+        print(build(force="--force" in sys.argv,
+                    wanted=KIND_BINARIES if "--kind" in sys.argv else ALL_BINARIES))
     except BuildError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
