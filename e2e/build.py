@@ -6,7 +6,8 @@ changed pin builds afresh and an unchanged one is reused in well under a second.
 
 Two sets share the cache: the local control plane's (`ALL_BINARIES`, `shardwise dev build`) and the
 kind cluster's (`KIND_BINARIES`, `shardwise kind build`): the node's kubelet, kubeadm and kube-proxy,
-the `kind` CLI, and the cluster add-ons kubeadm and the pod network run (CoreDNS, flannel).
+the `kind` CLI, the cluster add-ons kubeadm and the pod network run (CoreDNS, flannel), and the
+image registry the nodes pull the product images from (distribution).
 """
 from __future__ import annotations
 
@@ -33,12 +34,13 @@ KIND = "v0.33.0"
 # by name holds that version.
 COREDNS = "v1.14.2"
 FLANNEL = "v0.28.10"
+REGISTRY = "v3.1.2"
 GO_MIN = (1, 26)
 
 K8S_BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
 ALL_BINARIES = ("etcd", *K8S_BINARIES, "kwok", "helm")
 KIND_NODE_BINARIES = ("kubelet", "kubeadm", "kube-proxy")
-KIND_BINARIES = (*KIND_NODE_BINARIES, "kind", "coredns", "flanneld")
+KIND_BINARIES = (*KIND_NODE_BINARIES, "kind", "coredns", "flanneld", "registry")
 
 
 class BuildError(RuntimeError):
@@ -47,7 +49,7 @@ class BuildError(RuntimeError):
 
 def pins() -> dict[str, str]:
     return {"kubernetes": KUBERNETES, "etcd": ETCD, "kwok": KWOK, "helm": HELM, "kind": KIND,
-            "coredns": COREDNS, "flannel": FLANNEL}
+            "coredns": COREDNS, "flannel": FLANNEL, "registry": REGISTRY}
 
 
 def cache_root() -> Path:
@@ -176,6 +178,10 @@ def _steps(work: Path, log) -> list[_Step]:
               f"-s -w -X github.com/flannel-io/flannel/pkg/version.Version={FLANNEL} "
               '-extldflags "-static"',
               renames={"flannel": "flanneld"}, prepare=_flannel_source, cgo=True),
+        _Step("registry", work / "registry",
+              header.format(name="registry", mod="github.com/distribution/distribution/v3", ver=REGISTRY),
+              ["github.com/distribution/distribution/v3/cmd/registry"],
+              f"-s -w -X github.com/distribution/distribution/v3/version.version={REGISTRY}"),
     ]
 
 

@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("shardwise.worker.cmd_worker", "run one rank of a ShardedModel pod (torchrun variables + plan)"),
     "dev": ("shardwise.e2e.dev_cmd", "start, inspect and stop the local Kubernetes control plane"),
     "demo": ("shardwise.e2e.demo_cmd", "run the operator and a sharded SmolLM2 on a local cluster"),
+    "kind": ("shardwise.e2e.kind_cmd", "build the images and a kind cluster from package registries"),
 }
 
 

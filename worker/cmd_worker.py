@@ -3,7 +3,7 @@
     shardwise worker --plan /etc/shardwise/plan.json --model <uri> --port <serving port>
     env: SHARDWISE_REPLICA, SHARDWISE_STAGE   which placement of the plan this pod is
          MASTER_ADDR, MASTER_PORT             rendezvous (the replica's stage-0 pod)
-         POD_IP                               address to bind (--host overrides)
+         POD_IP                               a loopback POD_IP is the address to bind (--host overrides)
          SHARDWISE_MODEL_NAME                 optional: the model name the API reports
 
 The pod process reads the plan, then starts one process per TP rank (plan.tensor of them) with
@@ -37,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", required=True, help="ShardPlan JSON (the operator mounts /etc/shardwise/plan.json)")
     parser.add_argument("--model", required=True, help="model path, file:// URI or built-in name")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (API on stage 0, health elsewhere)")
-    parser.add_argument("--host", default=None, help="address to bind (default: $POD_IP, else 0.0.0.0)")
+    parser.add_argument("--host", default=None,
+                        help="address to bind (default: $POD_IP when it is a loopback address, else 0.0.0.0)")
     parser.add_argument("--replica", type=int, default=None, help="default: $SHARDWISE_REPLICA")
     parser.add_argument("--stage", type=int, default=None, help="default: $SHARDWISE_STAGE")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -123,7 +124,7 @@ def _run(args) -> int:
     if source.config.num_layers != plan.num_layers:
         raise WorkerError(f"plan splits {plan.num_layers} layers but model {args.model} has "
                           f"{source.config.num_layers}")
-    host = args.host or os.environ.get("POD_IP") or "0.0.0.0"
+    host = args.host or _bind_address(os.environ.get("POD_IP", ""))
     if os.environ["MASTER_ADDR"].startswith("127.") or os.environ["MASTER_ADDR"] == "localhost":
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if os.environ.get(WORKLOAD_ENV) == "training":
@@ -186,6 +187,13 @@ def _supervise(procs, loaded_q, health, stopped_code: int = 0) -> int:
     if code:
         _say(f"a rank exited with code {code}; stopping the pod")
     return 1 if code else 0
+
+
+def _bind_address(pod_ip: str) -> str:
+    """A pod in its own network namespace listens on every address: the Service reaches it on its
+    IP and `kubectl port-forward` on localhost inside the pod. Pods of local nodes share the host's
+    network, each with a loopback address of its own, so they bind that one."""
+    return pod_ip if pod_ip.startswith("127.") else "0.0.0.0"
 
 
 def _run_training(args, plan, replica: int, stage: int, device: str, dtype: str, host: str) -> int:
