@@ -1,7 +1,7 @@
 # The operator image: shardwise with the `operator` extra (kopf, kubernetes, prometheus-client) and no torch.
 # Build from the repository root:
 #   docker build -f docker/operator.Dockerfile -t ghcr.io/shardwise/operator:0.1.0 .
-# BASE_IMAGE is any image with python3 (>= 3.10) and its venv module: the public Python image by
+# BASE_IMAGE is any image with python3 (>= 3.11) and its venv module: the public Python image by
 # default, or shardwise/python:3.11 (docker/python-base.Dockerfile) where no registry is reachable.
 # EXTRA_CA_CERTS (PEM text) is trusted by pip during the build only, for TLS-intercepting proxies; it
 # stays in the first stage, never in the image.

@@ -15,8 +15,8 @@
 # BASE_IMAGE and EXTRA_CA_CERTS: as in docker/operator.Dockerfile.
 ARG BASE_IMAGE=python:3.11-slim
 
-# Stage deps: torch and the worker's dependencies, read from pyproject.toml alone, so that this big
-# layer is rebuilt (and re-copied into kind nodes) only when torch or a dependency changes.
+# Stage deps: torch, then the worker's dependencies read from pyproject.toml alone, so that this big
+# layer is rebuilt (and pushed again) only when torch or pyproject.toml changes.
 FROM ${BASE_IMAGE} AS deps
 ARG VARIANT=cpu
 ARG TORCH_INDEX_URL=
@@ -24,12 +24,12 @@ ARG TORCH_VERSION=
 ARG EXTRA_CA_CERTS=
 COPY docker/pip-ca.sh /usr/local/bin/pip-ca
 COPY docker/slim_torch.py /usr/local/bin/slim_torch.py
-COPY pyproject.toml /src/
 RUN case "$VARIANT" in cpu|cuda) ;; *) echo "VARIANT must be cpu or cuda, not '$VARIANT'" >&2; exit 1 ;; esac \
  && python3 -m venv /opt/shardwise \
  && pip-ca /opt/shardwise/bin/pip install --no-cache-dir ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} \
-      "torch${TORCH_VERSION:+==$TORCH_VERSION}" \
- && /opt/shardwise/bin/python -c "import tomllib; p = tomllib.load(open('/src/pyproject.toml', 'rb'))['project']; \
+      "torch${TORCH_VERSION:+==$TORCH_VERSION}"
+COPY pyproject.toml /src/
+RUN /opt/shardwise/bin/python -c "import tomllib; p = tomllib.load(open('/src/pyproject.toml', 'rb'))['project']; \
       print('\n'.join(p['dependencies'] + p['optional-dependencies']['worker']))" > /tmp/requirements.txt \
  && pip-ca /opt/shardwise/bin/pip install --no-cache-dir -r /tmp/requirements.txt \
  && { /opt/shardwise/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('kopf') is not None)" \

@@ -4,9 +4,11 @@
     Python base              Debian's python3 on it (docker/python-base.Dockerfile) -> shardwise/python
     operator, worker         docker/*.Dockerfile on a base image, packages from PyPI
 
-Each image is built once and reused while it exists (`force` rebuilds). Docker's output goes to a log
-file under the cache; the console gets one line a step, a heartbeat while it runs, and on failure one
-line naming the step, docker's last line and the log.
+The bases are built once and reused while they exist (`force` rebuilds them); the operator and worker
+images are built every time, from the sources as they are, and Docker's layer cache makes an unchanged
+build take seconds. Docker's output goes to a log file under the cache; the console gets one line a
+step, a heartbeat while it runs, and on failure one line naming the step, docker's last line and the
+log.
 """
 from __future__ import annotations
 
@@ -133,10 +135,11 @@ def build_debian(say=print, force: bool = False) -> str:
 
 
 def docker_build(dockerfile: Path, tag: str, context: Path, say, build_args: dict[str, str] | None = None,
-                 force: bool = False) -> str:
-    """`docker build` unless the image exists; EXTRA_CA_CERTS is passed where the Dockerfile takes it."""
-    if image_exists(tag) and not force:
-        say(f"{tag}: present (rebuild with --force)")
+                 force: bool = True) -> str:
+    """`docker build` (with `force=False`, only if the image is not there yet); EXTRA_CA_CERTS is
+    passed where the Dockerfile takes it."""
+    if not force and image_exists(tag):
+        say(f"{tag}: present")
         return tag
     args = dict(build_args or {})
     if "ARG EXTRA_CA_CERTS" in dockerfile.read_text():
@@ -152,11 +155,12 @@ def docker_build(dockerfile: Path, tag: str, context: Path, say, build_args: dic
 def build_python_base(say=print, force: bool = False) -> str:
     build_debian(say)
     return docker_build(DOCKERFILES / "python-base.Dockerfile", PYTHON_IMAGE, DOCKERFILES, say,
-                        {"DEBIAN_IMAGE": DEBIAN_IMAGE}, force)
+                        {"DEBIAN_IMAGE": DEBIAN_IMAGE}, force=force)
 
 
-def build_product(tag: str, base: str | None = None, say=print, force: bool = False) -> ProductImages:
-    """The operator and worker images (CPU variant with the demo model) on `base`.
+def build_product(tag: str, base: str | None = None, say=print) -> ProductImages:
+    """The operator and worker images (CPU variant with the demo model) on `base`, from the sources
+    as they are.
 
     No base named: the public Python image when it is already here, else the offline one."""
     if base is None:
@@ -167,10 +171,9 @@ def build_product(tag: str, base: str | None = None, say=print, force: bool = Fa
         raise DockerError(f"base image {base} is not there: pull it, or leave --base out to build "
                           f"the offline one ({PYTHON_IMAGE})")
     names = product_images(tag)
-    docker_build(DOCKERFILES / "operator.Dockerfile", names.operator, ROOT, say,
-                 {"BASE_IMAGE": base}, force)
+    docker_build(DOCKERFILES / "operator.Dockerfile", names.operator, ROOT, say, {"BASE_IMAGE": base})
     docker_build(DOCKERFILES / "worker.Dockerfile", names.worker, ROOT, say,
-                 {"BASE_IMAGE": base, "VARIANT": "cpu", "DEMO_MODEL": "true"}, force)
+                 {"BASE_IMAGE": base, "VARIANT": "cpu", "DEMO_MODEL": "true"})
     return names
 
 

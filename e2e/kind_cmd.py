@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 
@@ -30,14 +31,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="base image for the operator and worker images (default: python:3.11-slim "
                         "when it is here, else shardwise/python:3.11 built from the Debian mirror)")
     b.add_argument("--tag", default=DEFAULT_TAG, help=f"tag of the two images (default {DEFAULT_TAG})")
-    b.add_argument("--force", action="store_true", help="rebuild images that already exist")
+    b.add_argument("--force", action="store_true",
+                   help="rebuild the node image too (the two images are always rebuilt, from Docker's cache)")
     up = sub.add_parser("up", help="create the kind cluster and push the images to its registry")
     up.add_argument("--reuse", action="store_true", help="use the cluster if it already exists")
     up.add_argument("--tag", default=DEFAULT_TAG, help=f"tag of the images to push (default {DEFAULT_TAG})")
     for name, help_ in (("up", None), ("env", "print shell exports for this cluster"),
                         ("down", "delete the cluster")):
         p = up if name == "up" else sub.add_parser(name, help=help_)
-        p.add_argument("--name", default="shardwise", help="kind cluster name (default shardwise)")
+        p.add_argument("--name", default=os.environ.get("SHARDWISE_KIND_CLUSTER", "shardwise"),
+                       help="kind cluster name (default: $SHARDWISE_KIND_CLUSTER, else shardwise)")
 
 
 def _err(message: str) -> int:
@@ -96,7 +99,7 @@ def _build(args) -> int:
     check_daemon()
     build.build(say=say, wanted=(*build.ALL_BINARIES, *build.KIND_BINARIES))
     nodeimage.build_node_image(say=say, force=args.force)
-    names = images.build_product(args.tag, base=args.base, say=say, force=args.force)
+    names = images.build_product(args.tag, base=args.base, say=say)
     for ref in (nodeimage.NODE_IMAGE, names.operator, names.worker):
         print(f"  {ref:<40} {images.image_size(ref) / 1e9:6.2f} GB")
     return 0

@@ -7,10 +7,14 @@ ranks on CPU over gloo, across nodes, on the real pod network.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
+import socket
 import subprocess
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,10 +39,17 @@ _NO_SYS_RESOURCE_PATCH = """\
 """
 
 
-def effective_config(config: Path, lacking: list[str]) -> dict:
-    """The kind config as given, plus the local registry's name for the nodes and what this host's
-    missing capabilities require of them."""
+SHARED_MOUNT = "/var/lib/shardwise/shared"
+
+
+def effective_config(config: Path, lacking: list[str], shared: Path) -> dict:
+    """The kind config as given, plus the local registry's name for the nodes, what this host's
+    missing capabilities require of them, and one folder of this host mounted into every worker at
+    SHARED_MOUNT (where hostPath volumes make ReadWriteMany claims, as NFS would)."""
     data = yaml.safe_load(config.read_text())
+    for node in data["nodes"]:
+        if node["role"] == "worker":
+            node.setdefault("extraMounts", []).append({"hostPath": str(shared), "containerPath": SHARED_MOUNT})
     patches = data.setdefault("containerdConfigPatches", [])
     patches.append(registry.containerd_patch())
     if "CAP_SYS_RESOURCE" in lacking:
@@ -57,6 +68,31 @@ class KindCluster:
     @property
     def kubeconfig(self) -> Path:
         return build.cache_root() / "kind" / f"{self.name}.kubeconfig"
+
+    @property
+    def shared_dir(self) -> Path:
+        """This host's side of SHARED_MOUNT: what a test writes here, every worker node sees."""
+        return build.cache_root() / "kind" / f"{self.name}-shared"
+
+    def shared_claim(self, namespace: str, claim: str, folder: str, read_only: bool = False) -> Path:
+        """A claim bound to a hostPath volume on `folder` of the shared mount: every pod on every worker
+        sees the same files (ReadWriteMany). Returns the folder on this host (world-writable, since the
+        worker runs as a non-root user)."""
+        host = self.shared_dir / folder
+        host.mkdir(parents=True, exist_ok=True)
+        host.chmod(0o777)
+        mode = "ReadOnlyMany" if read_only else "ReadWriteMany"
+        volume = f"{namespace}-{claim}"
+        self.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": [
+            {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": volume},
+             "spec": {"capacity": {"storage": "1Gi"}, "accessModes": [mode], "storageClassName": "",
+                      "persistentVolumeReclaimPolicy": "Retain",
+                      "hostPath": {"path": f"{SHARED_MOUNT}/{folder}", "type": "Directory"}}},
+            {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+             "metadata": {"name": claim, "namespace": namespace},
+             "spec": {"accessModes": [mode], "storageClassName": "", "volumeName": volume,
+                      "resources": {"requests": {"storage": "1Gi"}}}}]}))
+        return host
 
     def _tool(self, name: str) -> str:
         path = self.bin_dir / name
@@ -104,7 +140,9 @@ class KindCluster:
                               f"--name {self.name}`)")
         self.kubeconfig.parent.mkdir(parents=True, exist_ok=True)
         effective = self.kubeconfig.with_suffix(".kind-config.yaml")
-        effective.write_text(yaml.safe_dump(effective_config(config, capabilities_missing())))
+        self.shared_dir.mkdir(parents=True, exist_ok=True)
+        effective.write_text(yaml.safe_dump(effective_config(config, capabilities_missing(),
+                                                             self.shared_dir)))
         say(f"creating kind cluster {self.name!r} from {image} ({config.name})")
         start = time.monotonic()
         self.kind("create", "cluster", "--name", self.name, "--image", image, "--config", str(effective),
@@ -116,6 +154,7 @@ class KindCluster:
 
     def delete(self) -> None:
         self.kind("delete", "cluster", "--name", self.name, "--kubeconfig", str(self.kubeconfig))
+        shutil.rmtree(self.shared_dir, ignore_errors=True)
 
     def nodes(self, selector: str = GPU_NODE_LABEL) -> list[str]:
         out = self.kubectl("get", "nodes", "-l", selector, "-o", "jsonpath={.items[*].metadata.name}")
@@ -134,6 +173,50 @@ class KindCluster:
         registry.ensure_running(say)
         return type(names)(operator=registry.push(names.operator, say),
                            worker=registry.push(names.worker, say))
+
+    def get(self, kind: str, name: str, namespace: str) -> dict:
+        return json.loads(self.kubectl("get", kind, name, "-n", namespace, "-o", "json"))
+
+    def ready_pods(self, namespace: str, selector: str) -> list[dict]:
+        """Pods matching `selector` that are Ready and not being deleted."""
+        pods = json.loads(self.kubectl("get", "pods", "-n", namespace, "-l", selector, "-o", "json"))["items"]
+        return [p for p in pods if not p["metadata"].get("deletionTimestamp") and any(
+            c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", []))]
+
+    @contextlib.contextmanager
+    def port_forward(self, namespace: str, target: str, remote: int):
+        """`kubectl port-forward` of `target` (svc/NAME, pod/NAME) to a free port on 127.0.0.1;
+        yields its base URL."""
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        proc = subprocess.Popen([self._tool("kubectl"), f"--kubeconfig={self.kubeconfig}", "-n", namespace,
+                                 "port-forward", "--address", "127.0.0.1", target, f"{port}:{remote}"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
+
+    def complete(self, namespace: str, service: str, prompt: str, port: int = 8000,
+                 timeout: float = 300) -> str:
+        """A greedy completion through the model's Service (16 tokens), retried until it answers."""
+        body = json.dumps({"prompt": prompt, "max_tokens": 16, "temperature": 0}).encode()
+        deadline = time.monotonic() + timeout
+        while True:
+            with self.port_forward(namespace, f"svc/{service}", port) as url:
+                for _ in range(30):   # the forward needs a moment to listen
+                    try:
+                        req = urllib.request.Request(f"{url}/v1/completions", data=body,
+                                                     headers={"Content-Type": "application/json"})
+                        with urllib.request.urlopen(req, timeout=120) as resp:
+                            return json.load(resp)["choices"][0]["text"]
+                    except OSError as e:
+                        last = e
+                        time.sleep(1)
+            if time.monotonic() > deadline:
+                raise DockerError(f"no completion from svc/{service} within {timeout:.0f}s: {last}")
 
     def stop_node(self, node: str) -> None:
         docker("stop", node)

@@ -19,6 +19,7 @@ pins are unchanged.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import subprocess
@@ -30,8 +31,6 @@ from shardwise.e2e import build
 from shardwise.e2e.docker import DockerError, docker, image_exists
 from shardwise.e2e.images import DEBIAN_IMAGE, build_debian, docker_build, run_logged
 
-NODE_IMAGE = f"shardwise/kind-node:{build.KUBERNETES}"
-BASE_IMAGE = f"shardwise/kind-base:{build.KUBERNETES}"
 FLANNEL_IMAGE = f"shardwise/flannel:{build.FLANNEL}"
 # Debian's packages a kind node runs on (kind's base image list, less rootless and storage extras).
 NODE_PACKAGES = ("systemd conntrack iptables nftables iproute2 ethtool util-linux mount kmod "
@@ -167,6 +166,18 @@ metadata:
 provisioner: kubernetes.io/no-provisioner
 volumeBindingMode: WaitForFirstConsumer
 """
+
+
+def _recipe_tag() -> str:
+    """The pinned Kubernetes version and a hash of everything this module puts in the node image, so
+    that a changed recipe or pin makes a new image rather than reusing a stale one."""
+    recipe = json.dumps([build.pins(), NODE_PACKAGES, _BASE_DOCKERFILE, _FLANNEL_MANIFEST,
+                         _STORAGE_MANIFEST], sort_keys=True)
+    return f"{build.KUBERNETES}-{hashlib.sha256(recipe.encode()).hexdigest()[:8]}"
+
+
+NODE_IMAGE = f"shardwise/kind-node:{_recipe_tag()}"
+BASE_IMAGE = f"shardwise/kind-base:{_recipe_tag()}"
 
 
 def kind_module_dir(log) -> Path:

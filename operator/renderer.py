@@ -192,6 +192,13 @@ def training_env(spec: Mapping[str, Any], data_path: str) -> list[dict]:
 
 # --- objects -------------------------------------------------------------------------------------
 
+# Worker pods meet Pod Security "restricted": a non-root user (the worker image's uid 10001, or any
+# non-root user of a custom image), no privilege escalation, no capabilities, the runtime's default
+# seccomp profile. Ranks need none of these: gloo and NCCL use ordinary sockets and shared memory.
+WORKER_POD_SECURITY = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+WORKER_CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
 def render_pod(body: Mapping[str, Any], plan: ShardPlan, placement: StagePlacement, attempt: int,
                default_image: str = DEFAULT_IMAGE) -> dict:
     spec = body.get("spec", {})
@@ -257,6 +264,7 @@ def render_pod(body: Mapping[str, Any], plan: ShardPlan, placement: StagePlaceme
         # as the group's failure; a training pod that finished writes its result there instead.
         "terminationMessagePath": TERMINATION_LOG,
         "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": WORKER_CONTAINER_SECURITY,
     }
     pod_spec: dict[str, Any] = {
         # A torch.distributed group cannot lose a rank: the operator restarts the whole group instead.
@@ -272,6 +280,7 @@ def render_pod(body: Mapping[str, Any], plan: ShardPlan, placement: StagePlaceme
         "volumes": volumes,
         "terminationGracePeriodSeconds": 10,
         "enableServiceLinks": False,
+        "securityContext": WORKER_POD_SECURITY,
     }
     selector = spec_get(spec, "placement.nodeSelector")
     if selector:

@@ -54,6 +54,7 @@ from pathlib import Path
 import pytest
 
 from shardwise.e2e import build
+from shardwise.e2e.readme import console_commands
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
@@ -66,22 +67,7 @@ TAIL_LINES = 60          # output lines quoted when a command fails
 # ---------------------------------------------------------------- the README's commands
 
 def quick_start_commands(text: str) -> list[str]:
-    """The commands of the first console block under `## Quick start`: each `$ ` line, with the
-    lines it continues onto (a trailing backslash) joined as the shell reads them."""
-    section = re.search(r"^## Quick start\b.*?(?=^## |\Z)", text, re.S | re.M)
-    assert section, "README.md has no '## Quick start' section"
-    block = re.search(r"^```console\n(.*?)^```", section.group(0), re.S | re.M)
-    assert block, "the README's Quick start has no ```console block"
-    commands: list[str] = []
-    lines = iter(block.group(1).splitlines())
-    for line in lines:
-        if not line.startswith("$ "):
-            continue  # output shown in the README
-        command = [line[2:]]
-        while command[-1].endswith("\\"):
-            command.append(next(lines, ""))
-        commands.append("\n".join(command))
-    return commands
+    return console_commands(text, "Quick start")
 
 
 def test_quick_start_commands_are_read_from_the_readme():

@@ -7,29 +7,34 @@ SmolLM2 demo ShardedModel run by the worker image:
   answer a completion through the Service;
 - `docker stop` of the node holding a stage: the operator re-plans on the nodes left and the model
   answers again, with the same greedy text;
+- a training ShardedModel on a shared claim survives `docker stop` of a node: the job restarts on
+  the nodes left, resumes from its last checkpoint and ends Succeeded;
 - `helm upgrade` of the chart keeps the ShardedModel and its pods.
+The operator and every worker pod run in namespaces that enforce Pod Security `restricted`.
 
 Needs Docker (`shardwise kind docker`); without it the suite is skipped, unless SHARDWISE_REQUIRE_KIND
 is set (CI), when it fails instead.
 """
 from __future__ import annotations
 
-import contextlib
 import json
+import math
 import os
-import socket
+import random
+import re
 import subprocess
+import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
-from shardwise.e2e import build, images, nodeimage
+from shardwise.e2e import build, images, registry
 from shardwise.e2e.docker import DockerError, check_daemon
 from shardwise.e2e.kindcluster import KindCluster
 from shardwise.e2e.pytest_plugin import wait_until
+from shardwise.e2e.readme import console_commands
 
 pytestmark = [pytest.mark.kind, pytest.mark.slow, pytest.mark.timeout(3600)]
 
@@ -38,8 +43,10 @@ CHART = ROOT / "charts" / "shardwise"
 DEMO = ROOT / "examples" / "smollm2-demo.yaml"
 MODEL = "smollm2-demo"
 OPERATOR_NS = "shardwise-system"
-MODEL_NS = "models"
-TAG = "e2e"
+MODEL_NS = "default"
+CLUSTER = "shardwise-e2e"
+README = ROOT / "README.md"
+PSA = "pod-security.kubernetes.io/enforce"
 
 
 def say(line: str) -> None:
@@ -48,38 +55,46 @@ def say(line: str) -> None:
 
 @pytest.fixture(scope="module")
 def kind_cluster():
+    """The README's "On a real cluster" block, run as typed (one bash script, from the repository
+    root) against a cluster of the suite's own name; deleted afterwards unless SHARDWISE_KEEP_KIND."""
     try:
         check_daemon()
     except DockerError as e:
         if os.environ.get("SHARDWISE_REQUIRE_KIND"):
             raise
         pytest.skip(str(e))
-    build.build(say=say, wanted=(*build.ALL_BINARIES, *build.KIND_BINARIES))
-    nodeimage.build_node_image(say=say)
-    images.build_product(TAG, say=say)
-    cluster = KindCluster("shardwise-e2e")
+    cluster = KindCluster(CLUSTER)
     if cluster.exists():
         cluster.delete()
-    cluster.create(say=say)
+    commands = console_commands(README.read_text(), "On a real cluster")
+    log = build.cache_root() / "kind" / "readme-walk.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "SHARDWISE_KIND_CLUSTER": CLUSTER,
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    start = time.monotonic()
+    with open(log, "w") as out:
+        proc = subprocess.run(["bash", "-c", "set -euo pipefail\n" + "\n".join(commands)], cwd=ROOT,
+                              env=env, stdout=out, stderr=subprocess.STDOUT, timeout=3000)
+    tail = "\n".join(log.read_text().splitlines()[-40:])
     try:
-        cluster.pushed = cluster.push_product(images.product_images(TAG), say=say)
-        cluster.kubectl("create", "namespace", MODEL_NS)
-        cluster.helm("install", "shardwise", str(CHART), "--namespace", OPERATOR_NS, "--create-namespace",
-                     *_chart_values(cluster.pushed), "--wait", "--timeout", "300s")
+        assert proc.returncode == 0, f"the README's kind block failed (exit {proc.returncode}):\n{tail}"
+        say(f"the README's kind block ran in {time.monotonic() - start:.0f}s:\n{tail}")
         yield cluster
     finally:
         if not os.environ.get("SHARDWISE_KEEP_KIND"):
             cluster.delete()
 
 
-def _chart_values(names: images.ProductImages) -> list[str]:
-    repository, tag = names.operator.rsplit(":", 1)
+def _chart_values() -> list[str]:
+    """The image values of the README's `helm install`."""
+    names = images.product_images("dev")
+    repository, tag = f"{registry.PREFIX}/{names.operator}".rsplit(":", 1)
     return ["--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
-            "--set", f"operator.workerImage={names.worker}", "--set", "replicaCount=1"]
+            "--set", f"operator.workerImage={registry.PREFIX}/{names.worker}"]
 
 
 def model(cluster: KindCluster) -> dict:
-    return json.loads(cluster.kubectl("get", "sm", MODEL, "-n", MODEL_NS, "-o", "json"))
+    return cluster.get("sm", MODEL, MODEL_NS)
 
 
 def phase(cluster: KindCluster) -> str:
@@ -87,49 +102,26 @@ def phase(cluster: KindCluster) -> str:
 
 
 def ready_pods(cluster: KindCluster) -> list[dict]:
-    pods = json.loads(cluster.kubectl("get", "pods", "-n", MODEL_NS, "-l", f"shardwise.dev/model={MODEL}",
-                                      "-o", "json"))["items"]
-    return [p for p in pods if not p["metadata"].get("deletionTimestamp") and any(
-        c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", []))]
+    return cluster.ready_pods(MODEL_NS, f"shardwise.dev/model={MODEL}")
 
 
-@contextlib.contextmanager
-def port_forward(cluster: KindCluster, target: str, remote: int):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([str(cluster.bin_dir / "kubectl"), f"--kubeconfig={cluster.kubeconfig}",
-                             "-n", MODEL_NS, "port-forward", "--address", "127.0.0.1", target,
-                             f"{port}:{remote}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+def complete(cluster: KindCluster) -> str:
+    return cluster.complete(MODEL_NS, MODEL, "The capital of France is")
 
 
-def complete(cluster: KindCluster, prompt: str = "The capital of France is") -> str:
-    body = json.dumps({"prompt": prompt, "max_tokens": 16, "temperature": 0}).encode()
-
-    def ask() -> str:
-        with port_forward(cluster, f"svc/{MODEL}", 8000) as url:
-            def once():
-                req = urllib.request.Request(f"{url}/v1/completions", data=body,
-                                             headers={"Content-Type": "application/json"})
-                with urllib.request.urlopen(req, timeout=120) as resp:
-                    return json.load(resp)["choices"][0]["text"]
-            return wait_until(once, 60, "the port-forward to answer", interval=1, retry_on=(OSError,))
-
-    return wait_until(ask, 300, "a completion through the Service", interval=5, retry_on=(OSError,))
+def test_the_operator_and_workers_run_under_pod_security_restricted(kind_cluster):
+    cluster = kind_cluster
+    for ns in (OPERATOR_NS, MODEL_NS):
+        labels = cluster.get("namespace", ns, ns)["metadata"]["labels"]
+        assert labels.get(PSA) == "restricted", (ns, labels)
+    assert cluster.ready_pods(OPERATOR_NS, "app.kubernetes.io/name=shardwise")
+    assert phase(cluster) == "Ready" and ready_pods(cluster)   # admitted, and running
 
 
 def test_sharded_model_spans_nodes_answers_and_recovers_from_a_node_stop(kind_cluster):
     cluster = kind_cluster
-    cluster.kubectl("apply", "-n", MODEL_NS, "-f", str(DEMO))
-    start = time.monotonic()
-    wait_until(lambda: phase(cluster) == "Ready", 1200, f"{MODEL} Ready", interval=5,
+    wait_until(lambda: phase(cluster) == "Ready", 600, f"{MODEL} Ready", interval=5,
                retry_on=(DockerError,))
-    say(f"{MODEL} Ready {time.monotonic() - start:.0f}s after kubectl apply")
     pods = ready_pods(cluster)
     spec = yaml.safe_load(DEMO.read_text())["spec"]["parallelism"]
     assert len(pods) == spec["pipeline"] * spec["replicas"]
@@ -159,13 +151,78 @@ def test_sharded_model_spans_nodes_answers_and_recovers_from_a_node_stop(kind_cl
         cluster.advertise_gpus()
 
 
+def _corpus() -> str:
+    rnd = random.Random(1)
+    words = "the quick brown fox jumps over a lazy dog while seven wizards quietly brew elixirs".split()
+    return "\n".join(" ".join(rnd.choice(words) for _ in range(12)) for _ in range(300))
+
+
+def _parameters(model: Path) -> int:
+    """Parameter count from the safetensors header (the operator cannot read a claim: hints)."""
+    raw = (model / "model.safetensors").read_bytes()
+    header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+    return sum(math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
+
+
+def test_training_job_survives_a_node_stop_and_succeeds_from_its_checkpoint(kind_cluster):
+    pytest.importorskip("torch")
+    from shardwise.worker.tiny import write_tiny_model
+
+    cluster, steps, every = kind_cluster, 2000, 100
+    inputs = cluster.shared_claim(MODEL_NS, "inputs", "inputs", read_only=True)
+    volume = cluster.shared_claim(MODEL_NS, "checkpoints", "checkpoints")
+    model = write_tiny_model(inputs / "model", _corpus(), layers=4, hidden=64, heads=4, kv_heads=2)
+    (inputs / "corpus.txt").write_text(_corpus())
+    config = json.loads((model / "config.json").read_text())
+    sm = {"apiVersion": "shardwise.dev/v1alpha1", "kind": "ShardedModel",
+          "metadata": {"name": "tiny-train", "namespace": MODEL_NS},
+          "spec": {"model": {"uri": "pvc://inputs/model", "parameters": _parameters(model),
+                             "layers": config["num_hidden_layers"], "heads": config["num_attention_heads"],
+                             "kvHeads": config["num_key_value_heads"], "hiddenSize": config["hidden_size"],
+                             "intermediateSize": config["intermediate_size"], "vocabSize": config["vocab_size"]},
+                   "workload": "training", "dtype": "float32",
+                   "training": {"data": "pvc://inputs/corpus.txt", "steps": steps, "batchSize": 4,
+                                "seqLength": 32, "learningRate": 0.003, "seed": 7},
+                   "checkpoint": {"claim": "checkpoints", "path": "/checkpoints/tiny",
+                                  "intervalSteps": every, "keep": 2},
+                   "parallelism": {"tensor": 1, "pipeline": 1, "replicas": 2},
+                   "recovery": {"backoffSeconds": 1, "maxRestarts": 5}}}
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(sm))
+
+    def status() -> dict:
+        return json.loads(cluster.kubectl("get", "sm", "tiny-train", "-n", MODEL_NS, "-o", "json")).get("status", {})
+
+    first = wait_until(lambda: (s := status()).get("phase") == "Running"
+                       and (s.get("lastCheckpoint") or {}).get("step", 0) >= every and s, 900,
+                       "the training job Running with a first checkpoint", interval=2, retry_on=(DockerError,))
+    victim = {p["replica"]: p["node"] for p in first["plan"]["placements"]}[1]
+    cluster.stop_node(victim)
+    stopped = time.monotonic()
+    try:
+        done = wait_until(lambda: (s := status()).get("phase") in ("Succeeded", "Failed") and s, 1200,
+                          "the training job to finish", interval=5, retry_on=(DockerError,))
+        say(f"training job {done['phase']} {time.monotonic() - stopped:.0f}s after `docker stop {victim}`")
+    finally:
+        cluster.start_node(victim)
+    assert done["phase"] == "Succeeded", done.get("message")
+    assert done["restarts"] >= 1
+    assert victim not in {p["node"] for p in done["plan"]["placements"]}
+    assert done["training"]["step"] == steps and done["lastCheckpoint"]["step"] == steps
+    # The job did not start over: the restarted world resumed from a checkpoint the first one wrote.
+    committed = sorted(p.name for p in volume.glob("step-*"))
+    assert committed[-1] == f"step-{steps:08d}" and len(committed) == 2, committed   # keep: 2
+    logs = cluster.kubectl("logs", "-n", MODEL_NS, f"tiny-train-r0-s0-a{done['groups'][0]['attempt']}")
+    resumed = re.search(r"resumed from checkpoint step (\d+)", logs)
+    assert resumed and int(resumed.group(1)) >= first["lastCheckpoint"]["step"], logs[-2000:]
+
+
 def test_helm_upgrade_keeps_every_sharded_model(kind_cluster):
     cluster = kind_cluster
     if not cluster.kubectl("get", "sm", MODEL, "-n", MODEL_NS, "--ignore-not-found", "-o", "name").strip():
         cluster.kubectl("apply", "-n", MODEL_NS, "-f", str(DEMO))
     uid = model(cluster)["metadata"]["uid"]
     # A changed chart: another log level, rolled out by `helm upgrade`.
-    cluster.helm("upgrade", "shardwise", str(CHART), "--namespace", OPERATOR_NS, *_chart_values(cluster.pushed),
+    cluster.helm("upgrade", "shardwise", str(CHART), "--namespace", OPERATOR_NS, *_chart_values(),
                  "--set", "operator.logLevel=debug", "--wait", "--timeout", "300s")
     assert model(cluster)["metadata"]["uid"] == uid, "the upgrade replaced the ShardedModel"
     crd = json.loads(cluster.kubectl("get", "crd", "shardedmodels.shardwise.dev", "-o", "json"))
