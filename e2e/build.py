@@ -108,15 +108,27 @@ def _check_go() -> None:
         raise BuildError(f"go: {out} is too old; Kubernetes {KUBERNETES} needs go{GO_MIN[0]}.{GO_MIN[1]}")
 
 
+def download_module(module: str, version: str, log=None) -> dict:
+    """`go mod download -json module@version` (into Go's module cache, reused when there): its
+    `Dir` (the module's files) and `GoMod` (its go.mod)."""
+    work = cache_root() / "src"
+    work.mkdir(parents=True, exist_ok=True)
+    out = subprocess.run(["go", "mod", "download", "-json", f"{module}@{version}"],
+                         cwd=work, env=_go_env(work), capture_output=True, text=True)
+    if log is not None:
+        log.write(out.stdout + out.stderr)
+    try:
+        info = json.loads(out.stdout)
+    except ValueError:
+        info = {"Error": (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1]}
+    if out.returncode != 0 or info.get("Error"):
+        raise BuildError(f"downloading {module}@{version} failed: {info.get('Error')}")
+    return info
+
+
 def _kubernetes_replaces(work: Path, log) -> str:
     """k8s.io/kubernetes points its staging modules at ./staging; pin each to the published v0.N.M."""
-    env = _go_env(work)
-    out = subprocess.run(["go", "mod", "download", "-json", f"k8s.io/kubernetes@{KUBERNETES}"],
-                         cwd=work, env=env, capture_output=True, text=True)
-    log.write(out.stdout + out.stderr)
-    if out.returncode != 0:
-        raise BuildError(f"downloading k8s.io/kubernetes@{KUBERNETES} failed (exit {out.returncode})")
-    gomod = Path(json.loads(out.stdout)["GoMod"]).read_text()
+    gomod = Path(download_module("k8s.io/kubernetes", KUBERNETES, log)["GoMod"]).read_text()
     staging_version = "v0." + KUBERNETES.removeprefix("v1.")
     lines = []
     for line in gomod.splitlines():
@@ -147,54 +159,39 @@ def _helm_kube_ldflags() -> str:
 
 
 def _steps(work: Path, log) -> list[_Step]:
-    header = "module shardwise.dev/build/{name}\n\ngo 1.26.0\n\nrequire {mod} {ver}\n"
+    def step(name: str, module: str, version: str, packages: list[str], ldflags: str = "-s -w",
+             go_mod_extra: str = "", **options) -> _Step:
+        go_mod = f"module shardwise.dev/build/{name}\n\ngo 1.26.0\n\nrequire {module} {version}\n"
+        return _Step(name, work / name, go_mod + go_mod_extra, packages, ldflags, **options)
+
     return [
-        _Step("etcd", work / "etcd",
-              header.format(name="etcd", mod="go.etcd.io/etcd/server/v3", ver=ETCD),
-              ["go.etcd.io/etcd/server/v3"], "-s -w", renames={"v3": "etcd"}),
-        _Step("kubernetes", work / "kubernetes",
-              header.format(name="kubernetes", mod="k8s.io/kubernetes", ver=KUBERNETES)
-              + _kubernetes_replaces(work, log),
-              [f"k8s.io/kubernetes/cmd/{b}" for b in (*K8S_BINARIES, *KIND_NODE_BINARIES)],
-              _k8s_ldflags()),
-        _Step("kwok", work / "kwok",
-              header.format(name="kwok", mod="sigs.k8s.io/kwok", ver=KWOK),
-              ["sigs.k8s.io/kwok/cmd/kwok"],
-              f"-s -w -X sigs.k8s.io/kwok/pkg/consts.Version={KWOK}"),
-        _Step("helm", work / "helm",
-              header.format(name="helm", mod="helm.sh/helm/v3", ver=HELM),
-              ["helm.sh/helm/v3/cmd/helm"],
-              f"-s -w -X helm.sh/helm/v3/internal/version.version={HELM} " + _helm_kube_ldflags()),
-        _Step("kind", work / "kind",
-              header.format(name="kind", mod="sigs.k8s.io/kind", ver=KIND),
-              ["sigs.k8s.io/kind"], "-s -w"),
-        _Step("coredns", work / "coredns",
-              header.format(name="coredns", mod="github.com/coredns/coredns", ver=COREDNS),
-              ["github.com/coredns/coredns"],
-              f"-s -w -X github.com/coredns/coredns/coremain.GitCommit={COREDNS}"),
-        _Step("flannel", work / "flannel",
-              header.format(name="flannel", mod="github.com/flannel-io/flannel", ver=FLANNEL),
-              ["github.com/flannel-io/flannel"],
-              f"-s -w -X github.com/flannel-io/flannel/pkg/version.Version={FLANNEL} "
-              '-extldflags "-static"',
-              renames={"flannel": "flanneld"}, prepare=_flannel_source, cgo=True),
-        _Step("registry", work / "registry",
-              header.format(name="registry", mod="github.com/distribution/distribution/v3", ver=REGISTRY),
-              ["github.com/distribution/distribution/v3/cmd/registry"],
-              f"-s -w -X github.com/distribution/distribution/v3/version.version={REGISTRY}"),
+        step("etcd", "go.etcd.io/etcd/server/v3", ETCD, ["go.etcd.io/etcd/server/v3"],
+             renames={"v3": "etcd"}),
+        step("kubernetes", "k8s.io/kubernetes", KUBERNETES,
+             [f"k8s.io/kubernetes/cmd/{b}" for b in (*K8S_BINARIES, *KIND_NODE_BINARIES)],
+             _k8s_ldflags(), _kubernetes_replaces(work, log)),
+        step("kwok", "sigs.k8s.io/kwok", KWOK, ["sigs.k8s.io/kwok/cmd/kwok"],
+             f"-s -w -X sigs.k8s.io/kwok/pkg/consts.Version={KWOK}"),
+        step("helm", "helm.sh/helm/v3", HELM, ["helm.sh/helm/v3/cmd/helm"],
+             f"-s -w -X helm.sh/helm/v3/internal/version.version={HELM} " + _helm_kube_ldflags()),
+        step("kind", "sigs.k8s.io/kind", KIND, ["sigs.k8s.io/kind"]),
+        step("coredns", "github.com/coredns/coredns", COREDNS, ["github.com/coredns/coredns"],
+             f"-s -w -X github.com/coredns/coredns/coremain.GitCommit={COREDNS}"),
+        step("flannel", "github.com/flannel-io/flannel", FLANNEL, ["github.com/flannel-io/flannel"],
+             f"-s -w -X github.com/flannel-io/flannel/pkg/version.Version={FLANNEL} -extldflags \"-static\"",
+             renames={"flannel": "flanneld"}, prepare=_flannel_source, cgo=True),
+        step("registry", "github.com/distribution/distribution/v3", REGISTRY,
+             ["github.com/distribution/distribution/v3/cmd/registry"],
+             f"-s -w -X github.com/distribution/distribution/v3/version.version={REGISTRY}"),
     ]
 
 
 def _flannel_source(module_dir: Path) -> str:
     """flannel without its Tencent Cloud VPC backend, whose SDK the Go module proxy does not serve (the
     kind network uses host-gw): a copy of the module whose tencentvpc package is empty."""
-    out = subprocess.run(["go", "mod", "download", "-json", f"github.com/flannel-io/flannel@{FLANNEL}"],
-                         cwd=module_dir, env=_go_env(module_dir), capture_output=True, text=True)
-    if out.returncode != 0:
-        raise BuildError(f"downloading github.com/flannel-io/flannel@{FLANNEL} failed: {out.stderr.strip()}")
     src = module_dir / "src"
     shutil.rmtree(src, ignore_errors=True)
-    shutil.copytree(json.loads(out.stdout)["Dir"], src)
+    shutil.copytree(download_module("github.com/flannel-io/flannel", FLANNEL)["Dir"], src)
     subprocess.run(["chmod", "-R", "u+w", str(src)], check=True)   # the module cache is read-only
     (src / "pkg" / "backend" / "tencentvpc" / "tencentvpc.go").write_text(
         "//go:build !windows\n\n// Left out of this build: its SDK is not on the Go module proxy.\n"

@@ -67,7 +67,8 @@ def _docker(args) -> int:
         wrapper = docker.install_runtime_wrapper()
         changed = docker.configure_daemon(wrapper)
         print(f"this host cannot grant {', '.join(lacking)}, which `docker run --privileged` asks for: "
-              f"dockerd's default runtime is now {wrapper} ({docker.DAEMON_JSON}), which drops them")
+              f"dockerd's default runtime {'is now' if changed else 'is'} {wrapper} "
+              f"({docker.DAEMON_JSON}), which drops them")
     running = docker.docker("info", check=False, timeout=30).returncode == 0
     if args.start and running and changed:
         docker.stop_daemon()

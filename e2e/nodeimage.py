@@ -180,17 +180,6 @@ NODE_IMAGE = f"shardwise/kind-node:{_recipe_tag()}"
 BASE_IMAGE = f"shardwise/kind-base:{_recipe_tag()}"
 
 
-def kind_module_dir(log) -> Path:
-    """The `sigs.k8s.io/kind` module at the pinned version, from the Go module proxy (cached)."""
-    proc = subprocess.run(["go", "mod", "download", "-json", f"sigs.k8s.io/kind@{build.KIND}"],
-                          capture_output=True, text=True, env=build._go_env(build.cache_root()))
-    log(proc.stderr)
-    if proc.returncode != 0:
-        raise DockerError(f"downloading sigs.k8s.io/kind@{build.KIND} failed: "
-                          f"{(proc.stderr.strip().splitlines() or ['no output'])[-1]}")
-    return Path(json.loads(proc.stdout)["Dir"])
-
-
 def kubeadm_images(bin_dir: Path) -> dict[str, str]:
     """What kubeadm will ask containerd for, by component: {"kube-apiserver": "registry.k8s.io/…", …}."""
     out = subprocess.run([str(bin_dir / "kubeadm"), "config", "images", "list",
@@ -201,11 +190,8 @@ def kubeadm_images(bin_dir: Path) -> dict[str, str]:
 
 def pause_binary(work: Path, say) -> Path:
     """Kubernetes' pause container, compiled statically from the C file in the k8s.io/kubernetes module."""
-    proc = subprocess.run(["go", "mod", "download", "-json", f"k8s.io/kubernetes@{build.KUBERNETES}"],
-                          capture_output=True, text=True, cwd=work, env=build._go_env(work))
-    if proc.returncode != 0:
-        raise DockerError(f"downloading k8s.io/kubernetes@{build.KUBERNETES} failed")
-    source = Path(json.loads(proc.stdout)["Dir"]) / "build" / "pause" / "linux" / "pause.c"
+    module = build.download_module("k8s.io/kubernetes", build.KUBERNETES)
+    source = Path(module["Dir"]) / "build" / "pause" / "linux" / "pause.c"
     out = work / "pause"
     if not shutil.which("cc"):
         raise DockerError("cc: not found; the pause image needs a C compiler "
@@ -250,10 +236,11 @@ def component_images(bin_dir: Path, work: Path, say) -> list[str]:
     return [*wanted.values(), FLANNEL_IMAGE]
 
 
-def build_base(bin_dir: Path, say, log) -> str:
+def build_base(bin_dir: Path, say) -> str:
     if image_exists(BASE_IMAGE):
         return BASE_IMAGE
-    kind_dir = kind_module_dir(log)
+    # kind's own node files, from the sigs.k8s.io/kind module at the pinned version.
+    kind_dir = Path(build.download_module("sigs.k8s.io/kind", build.KIND)["Dir"])
     with tempfile.TemporaryDirectory(prefix="shardwise-kindbase-") as ctx:
         shutil.copytree(kind_dir / "images" / "base" / "files", Path(ctx) / "files")
         (Path(ctx) / "bin").mkdir()
@@ -275,13 +262,10 @@ def build_node_image(say=print, force: bool = False) -> str:
     started = time.monotonic()
     build_debian(say)
     bin_dir = build.build(say=say, wanted=(*build.ALL_BINARIES, *build.KIND_BINARIES))
-    logfile = build.cache_root() / "images.log"
-    with open(logfile, "a") as f:
-        log = f.write
-        work = build.cache_root() / "src"
-        work.mkdir(parents=True, exist_ok=True)
-        base = build_base(bin_dir, say, log)
-        images = component_images(bin_dir, work, say)
+    work = build.cache_root() / "src"
+    work.mkdir(parents=True, exist_ok=True)
+    base = build_base(bin_dir, say)
+    images = component_images(bin_dir, work, say)
     say(f"assembling {NODE_IMAGE}: importing {len(images)} images into the node's containerd")
     container = docker("run", "-d", "--entrypoint=sleep", "--security-opt", "seccomp=unconfined",
                        base, "infinity").stdout.decode().strip()

@@ -114,3 +114,16 @@ def test_no_docker_no_daemon_no_binaries_each_say_one_line(tmp_path):
     unbuilt = shardwise_kind("up", "--name", "nothing-here", env={"SHARDWISE_CACHE": str(tmp_path / "cache")})
     assert unbuilt.returncode == 1
     assert unbuilt.stderr.strip() == "shardwise kind: kind is not built: run `shardwise kind build`"
+
+
+def test_a_module_that_cannot_be_downloaded_is_one_line(tmp_path, monkeypatch):
+    if not shutil.which("go"):
+        pytest.skip("no go here")
+    from shardwise.e2e import build
+    monkeypatch.setenv("SHARDWISE_CACHE", str(tmp_path))
+    monkeypatch.setenv("GOPROXY", "off")   # as without network: nothing to download from
+    monkeypatch.setenv("GOMODCACHE", str(tmp_path / "mod"))
+    with pytest.raises(build.BuildError) as e:
+        build.download_module("example.com/not/there", "v1.0.0")
+    assert str(e.value).startswith("downloading example.com/not/there@v1.0.0 failed: ")
+    assert "GOPROXY=off" in str(e.value) and "\n" not in str(e.value)

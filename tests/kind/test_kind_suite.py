@@ -173,6 +173,7 @@ def test_training_job_survives_a_node_stop_and_succeeds_from_its_checkpoint(kind
     volume = cluster.shared_claim(MODEL_NS, "checkpoints", "checkpoints")
     model = write_tiny_model(inputs / "model", _corpus(), layers=4, hidden=64, heads=4, kv_heads=2)
     (inputs / "corpus.txt").write_text(_corpus())
+    subprocess.run(["chmod", "-R", "a+rX", str(inputs)], check=True)   # the worker is not root
     config = json.loads((model / "config.json").read_text())
     sm = {"apiVersion": "shardwise.dev/v1alpha1", "kind": "ShardedModel",
           "metadata": {"name": "tiny-train", "namespace": MODEL_NS},
