@@ -127,3 +127,24 @@ def test_a_module_that_cannot_be_downloaded_is_one_line(tmp_path, monkeypatch):
         build.download_module("example.com/not/there", "v1.0.0")
     assert str(e.value).startswith("downloading example.com/not/there@v1.0.0 failed: ")
     assert "GOPROXY=off" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_missing_node_image_and_a_taken_cluster_name_are_one_line(tmp_path):
+    try:
+        docker.check_daemon()
+    except docker.DockerError as e:
+        pytest.skip(str(e))
+    # kind itself answers `get clusters`; this stand-in lists one cluster, as kind would.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "kind").write_text("#!/bin/sh\n[ \"$1 $2\" = 'get clusters' ] && echo taken\n")
+    (bin_dir / "kind").chmod(0o755)
+    with pytest.raises(docker.DockerError) as e:
+        kindcluster.KindCluster("taken", bin_dir).create(image="shardwise/kind-node:not-built")
+    assert str(e.value) == ("node image shardwise/kind-node:not-built is not there: build it with "
+                            "`shardwise kind build`")
+    if not docker.image_exists(images.DEBIAN_IMAGE):
+        pytest.skip(f"no {images.DEBIAN_IMAGE} to stand in for a node image")
+    with pytest.raises(docker.DockerError) as e:
+        kindcluster.KindCluster("taken", bin_dir).create(image=images.DEBIAN_IMAGE)
+    assert str(e.value).startswith("a kind cluster named 'taken' already exists: use it")
