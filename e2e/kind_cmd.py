@@ -111,7 +111,9 @@ def _up(args) -> int:
     from shardwise.e2e.kindcluster import KindCluster
 
     cluster = KindCluster(args.name)
-    if not (args.reuse and cluster.exists()):
+    if args.reuse and cluster.exists():
+        cluster.advertise_gpus()   # a node container that restarted lost its fake GPUs
+    else:
         cluster.create()
     pushed = cluster.push_product(images.product_images(args.tag))
     print(f"images for the chart: image.repository={pushed.operator.rsplit(':', 1)[0]} "
