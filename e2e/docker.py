@@ -34,7 +34,8 @@ CAPABILITIES = (
 
 
 class DockerError(RuntimeError):
-    """Docker is missing, not answering or cannot do what the suite needs; the message says how to fix."""
+    """Docker, an image build, kind or the kind cluster could not do what was asked; the message is
+    one line that says what and how to fix it."""
 
 
 def capabilities_missing(status: str | None = None, last_cap: int | None = None) -> list[str]:

@@ -100,8 +100,8 @@ class KindCluster:
             raise DockerError(f"{name} is not built: run `shardwise kind build`")
         return str(path)
 
-    def kind(self, *args: str, timeout: float = 600, capture: bool = True) -> str:
-        proc = subprocess.run([self._tool("kind"), *args], capture_output=capture, text=True,
+    def kind(self, *args: str, timeout: float = 600) -> str:
+        proc = subprocess.run([self._tool("kind"), *args], capture_output=True, text=True,
                               timeout=timeout, env={**os.environ, "KUBECONFIG": str(self.kubeconfig)})
         if proc.returncode != 0:
             # kind's own error line, not the stack trace after it.
