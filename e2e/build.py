@@ -202,9 +202,11 @@ def _flannel_source(module_dir: Path) -> str:
     return "\nreplace github.com/flannel-io/flannel => ./src\n"
 
 
-def _run_with_progress(cmd: list[str], cwd: Path, env: dict, log, label: str, say) -> int:
+def run_with_progress(cmd: list[str], cwd: Path | None, env: dict | None, log, label: str, say,
+                      stdin=None) -> int:
+    """Run `cmd` with its output in `log`, saying every 30 s that it still works; its exit status."""
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=stdin, stdout=log, stderr=subprocess.STDOUT)
     done = threading.Event()
 
     def heartbeat() -> None:
@@ -245,7 +247,7 @@ def build(force: bool = False, say=print, wanted: tuple[str, ...] = ALL_BINARIES
             env = {**_go_env(work), "CGO_ENABLED": "1"} if step.cgo else _go_env(work)
             t0 = time.monotonic()
             say(f"[{step.name}] downloading modules")
-            rc = _run_with_progress(["go", "mod", "download"], step.module_dir, env, log,
+            rc = run_with_progress(["go", "mod", "download"], step.module_dir, env, log,
                                     f"{step.name} download", say)
             if rc != 0:
                 raise BuildError(f"[{step.name}] go mod download failed (exit {rc}); see {log_path}")
@@ -255,7 +257,7 @@ def build(force: bool = False, say=print, wanted: tuple[str, ...] = ALL_BINARIES
                 say(f"[{step.name}] compiling {' '.join(step.binary(p) for p in packages)}")
                 log.write(f"\n$ (cd {step.module_dir}) {' '.join(cmd)}\n")
                 log.flush()
-                rc = _run_with_progress(cmd, step.module_dir, env, log, f"{step.name} compile", say)
+                rc = run_with_progress(cmd, step.module_dir, env, log, f"{step.name} compile", say)
                 if rc != 0:
                     raise BuildError(f"[{step.name}] go build failed (exit {rc}); see {log_path}")
                 for produced in Path(out).iterdir():

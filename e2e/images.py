@@ -17,7 +17,6 @@ import re
 import shutil
 import subprocess
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,17 +71,6 @@ def extra_ca_certs() -> str:
     return "".join(p.read_text() for p in sorted(folder.rglob("*.crt")) if p.is_file())
 
 
-def _heartbeat(label: str, say, start: float) -> threading.Event:
-    done = threading.Event()
-
-    def beat() -> None:
-        while not done.wait(30):
-            say(f"  … {label}: still working ({time.monotonic() - start:.0f}s)")
-
-    threading.Thread(target=beat, daemon=True).start()
-    return done
-
-
 def run_logged(cmd: list[str], label: str, say, cwd: Path | None = None, stdin=None) -> None:
     """Run a long command with its output in the log; raise DockerError with its last line on failure."""
     path = log_path()
@@ -91,14 +79,11 @@ def run_logged(cmd: list[str], label: str, say, cwd: Path | None = None, stdin=N
     with open(path, "ab") as log:
         log.write(f"\n$ {' '.join(cmd)}\n".encode())
         log.flush()
-        done = _heartbeat(label, say, start)
         try:
-            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, stdin=stdin)
+            rc = build.run_with_progress(cmd, cwd, None, log, label, say, stdin=stdin)
         except FileNotFoundError:
             raise DockerError(f"{cmd[0]}: not found on PATH") from None
-        finally:
-            done.set()
-    if proc.returncode != 0:
+    if rc != 0:
         raise DockerError(f"{label} failed: {_log_tail(path)} (full log: {path})")
     say(f"  {label}: done in {time.monotonic() - start:.0f}s")
 
