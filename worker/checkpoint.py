@@ -56,6 +56,11 @@ class CheckpointError(Exception):
     """A checkpoint that cannot be used: one line that names the checkpoint and what is wrong."""
 
 
+class CheckpointMismatch(CheckpointError):
+    """A checkpoint of a different model (other shapes or tensors): an error to stop on, where a
+    damaged checkpoint is one to skip for the previous one."""
+
+
 @dataclasses.dataclass
 class Slice:
     """The part of one full tensor that this rank holds: `tensor` sits at `offsets` in `full_shape`."""
@@ -134,10 +139,10 @@ class _SliceLoadPlanner(DefaultLoadPlanner):
         for fqn, s in self.slices.items():
             md = stored.get(fqn)
             if not isinstance(md, TensorStorageMetadata):
-                raise CheckpointError(f"checkpoint {self.where} has no tensor {fqn!r}: "
+                raise CheckpointMismatch(f"checkpoint {self.where} has no tensor {fqn!r}: "
                                       f"it was written for a different model")
             if tuple(md.size) != tuple(s.full_shape):
-                raise CheckpointError(f"checkpoint {self.where}: {fqn!r} has shape {tuple(md.size)}, "
+                raise CheckpointMismatch(f"checkpoint {self.where}: {fqn!r} has shape {tuple(md.size)}, "
                                       f"this model needs {tuple(s.full_shape)}: it was written for a different model")
             if s.tensor.numel():
                 items += create_read_items_for_chunk_list(fqn, md, [s.chunk()])
@@ -383,10 +388,10 @@ class CheckpointManager:
                 self.check_model(meta, path)
                 read_slices(path, slices)
             except CheckpointError as e:
-                code, error = (FATAL if "different model" in str(e) else SKIP), e
+                code, error = (FATAL if isinstance(e, CheckpointMismatch) else SKIP), e
             agreed = agree(code)
             if agreed == FATAL:
-                raise error if code == FATAL else CheckpointError(
+                raise error if code == FATAL else CheckpointMismatch(
                     f"checkpoint {path} was written for a different model")
             if agreed == SKIP:
                 why = error or f"checkpoint {path} is damaged on another rank"
@@ -404,7 +409,7 @@ def check_same_model(stored: dict, wanted: dict, path: Path | str) -> None:
     diffs = [f"{k}={stored.get(k)!r} (this model: {wanted.get(k)!r})"
              for k in sorted(set(stored) | set(wanted)) if stored.get(k) != wanted.get(k)]
     if diffs:
-        raise CheckpointError(f"checkpoint {path} was written for a different model: " + ", ".join(diffs[:4]))
+        raise CheckpointMismatch(f"checkpoint {path} was written for a different model: " + ", ".join(diffs[:4]))
 
 
 def latest_complete(root: str | Path) -> tuple[int, Path, dict] | None:

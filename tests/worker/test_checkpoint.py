@@ -146,12 +146,13 @@ def test_cut_off_and_damaged_checkpoints_are_never_loaded(tmp_path):
 
 
 def test_checkpoint_of_another_model_is_a_clear_error(tmp_path):
+    """CheckpointMismatch, the type load_latest stops on (a damaged checkpoint is skipped instead)."""
     _save_in_ranks(tmp_path, world=2, steps=(1,), keep=3)
-    with pytest.raises(ckpt.CheckpointError, match=r"different model: hidden_size=8 \(this model: 16\)"):
+    with pytest.raises(ckpt.CheckpointMismatch, match=r"different model: hidden_size=8 \(this model: 16\)"):
         _load(tmp_path, {"model/col": ckpt.Slice.whole(torch.zeros(8, 6))}, meta={**META, "hidden_size": 16})
-    with pytest.raises(ckpt.CheckpointError, match=r"'model/col' has shape \(8, 6\).*\(5, 6\).*different model"):
+    with pytest.raises(ckpt.CheckpointMismatch, match=r"'model/col' has shape \(8, 6\).*\(5, 6\).*different model"):
         _load(tmp_path, {"model/col": ckpt.Slice.whole(torch.zeros(5, 6))})
-    with pytest.raises(ckpt.CheckpointError, match="no tensor 'model/missing'.*different model"):
+    with pytest.raises(ckpt.CheckpointMismatch, match="no tensor 'model/missing'.*different model"):
         _load(tmp_path, {"model/missing": ckpt.Slice.whole(torch.zeros(2))})
 
 
