@@ -16,12 +16,15 @@ Node labelled `shardwise.dev/local-node=true` that is not labelled `shardwise.de
   when its node is deleted or marked down, and when this runtime stops.
 
 What a container sees, since there is no image and no mount namespace:
-- mountPath of a volume is rewritten to the materialised folder wherever it appears in command, args
-  and env values (`/etc/shardwise/plan.json` -> `<state>/pods/ns_pod/volumes/plan/plan.json`);
+- mountPath of a volume is rewritten to the materialised folder wherever it appears in command, args,
+  env values and the files of ConfigMap volumes (`/etc/shardwise/plan.json` ->
+  `<state>/pods/ns_pod/volumes/plan/plan.json`; the worker's pod contract in that file names the
+  model, data and checkpoint paths inside the pod);
   a hostPath volume, and a PersistentVolumeClaim bound to a hostPath or local PersistentVolume, is
   that folder of this machine (shared by every pod that mounts it, as a ReadWriteMany volume is);
 - the terminationMessagePath (default /dev/termination-log) is rewritten the same way to a file of
-  the container's own; what the process writes there (or, with FallbackToLogsOnError, the tail of
+  the container's own (in a ConfigMap's files: of the pod's first container declaring that path);
+  what the process writes there (or, with FallbackToLogsOnError, the tail of
   its log when it failed) is reported as the terminated state's message;
 - there is no cluster DNS: `<hostname>.<subdomain>.<namespace>.svc[.cluster.local]` in args and env
   values is rewritten to the IP of the pod with that hostname and subdomain, and
@@ -741,6 +744,7 @@ class PodRunner(threading.Thread):
     def _materialise_volumes(self, pod: dict) -> dict[str, str]:
         """Write each volume to <pod dir>/volumes/<name>; return mountPath -> host path."""
         folders: dict[str, Path] = {}
+        texts: list[Path] = []     # ConfigMap files: they may name paths inside the pod
         for vol in pod["spec"].get("volumes") or []:
             target = self.dir / "volumes" / vol["name"]
             if "hostPath" in vol:
@@ -766,6 +770,8 @@ class PodRunner(threading.Thread):
                         if k in data:
                             (target / rel).parent.mkdir(parents=True, exist_ok=True)
                             (target / rel).write_text(data[k])
+                            if kind == "configMap":
+                                texts.append(target / rel)
             # emptyDir and anything else (projected service-account tokens...) stay empty folders
         mounts: dict[str, str] = {}
         for c in pod["spec"]["containers"] + (pod["spec"].get("initContainers") or []):
@@ -773,7 +779,17 @@ class PodRunner(threading.Thread):
                 if m["name"] in folders:
                     host = folders[m["name"]] / m.get("subPath", "")
                     mounts[m["mountPath"].rstrip("/") or "/"] = str(host).rstrip("/")
+        paths = {**self._termination_paths(), **mounts}
+        for text in texts:
+            text.write_text(_rewrite_paths(text.read_text(), paths))
         return mounts or {"": ""}
+
+    def _termination_paths(self) -> dict[str, str]:
+        """terminationMessagePath -> the file of the first container that declares it."""
+        paths: dict[str, str] = {}
+        for c in self.containers:
+            paths.setdefault(c.spec.get("terminationMessagePath") or TERMINATION_LOG, str(self._message_file(c)))
+        return paths
 
     def _claim_folder(self, claim: str) -> Path:
         """The folder of this machine behind a claim: its bound PersistentVolume's hostPath or local
@@ -805,10 +821,7 @@ class PodRunner(threading.Thread):
             raise
 
     def _rewrite(self, text: str, env: dict | None = None) -> str:
-        paths = {**self.mounts, **self.container_paths}
-        for mount in sorted((m for m in paths if m), key=len, reverse=True):
-            text = re.sub(re.escape(mount) + r"(?=/|$|[^\w.-])", paths[mount].replace(
-                "\\", "\\\\"), text)
+        text = _rewrite_paths(text, {**self.mounts, **self.container_paths})
 
         def resolve(m: re.Match) -> str:
             ip = self.rt.resolve(m.group(1))
@@ -889,6 +902,13 @@ class _Waiting(Exception):
     def __init__(self, reason: str, message: str):
         super().__init__(message)
         self.reason, self.message = reason, message
+
+
+def _rewrite_paths(text: str, paths: dict[str, str]) -> str:
+    """Each path inside the pod (a mountPath, a terminationMessagePath) -> its folder or file here."""
+    for mount in sorted((m for m in paths if m), key=len, reverse=True):
+        text = re.sub(re.escape(mount) + r"(?=/|$|[^\w.-])", paths[mount].replace("\\", "\\\\"), text)
+    return text
 
 
 def _signal_group(pid: int, sig: int) -> None:

@@ -2,8 +2,14 @@
 
 One Pod per (replica, pipeline stage), pinned to the planned node and asking for `tensor` GPUs; a
 headless Service through which a replica's ranks find stage 0 (rendezvous); a serving Service in front
-of every replica's stage 0; a ConfigMap with plan.json; a PodDisruptionBudget. Every object carries an
-ownerReference to the ShardedModel, so deleting the model garbage-collects all of it.
+of every replica's stage 0; a ConfigMap with the pod contract (crds/contract.py) as plan.json; a
+PodDisruptionBudget. Every object carries an ownerReference to the ShardedModel, so deleting the model
+garbage-collects all of it.
+
+The spec is read typed (crds.models.ShardedModel): every default is the API's. The pod contract holds
+everything the worker needs that is the same for every pod of the model (plan, model path, dtype,
+workload, serving, training and checkpoint options); only the pod's identity and its rendezvous go in
+its environment, since the ConfigMap is shared.
 
 Pod names carry the replica's attempt (`<model>-r<R>-s<S>-a<N>`) so that a recreated group never waits
 for its torn-down predecessor to disappear; the DNS name the ranks rendezvous on is the pod's hostname
@@ -15,6 +21,10 @@ import hashlib
 import json
 from typing import Any, Mapping
 
+from pydantic import ValidationError
+
+from shardwise.crds.contract import ContractError, ModelContract, PodContract, ServingContract
+from shardwise.crds.models import Serving, ShardedModel, ShardedModelSpec
 from shardwise.crds.plan import ShardPlan, StagePlacement
 
 API_VERSION = "shardwise.dev/v1alpha1"
@@ -31,24 +41,13 @@ ANNOTATION_PLANNED_NODE = "shardwise.dev/planned-node"   # where the plan put a 
 MANAGED_BY = "shardwise"
 
 PLAN_MOUNT = "/etc/shardwise"
-PLAN_FILE = "plan.json"
+PLAN_FILE = "plan.json"        # the pod contract; the key and file name of the days it was a bare plan
 MODEL_MOUNT = "/models"
 DATA_MOUNT = "/data"
 TERMINATION_LOG = "/dev/termination-log"
 MASTER_PORT = 29500
-DEFAULT_PORT = 8000
-DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
+DEFAULT_PORT = Serving.model_fields["port"].default   # for pods that do not name their http port
 DEFAULT_IMAGE = "ghcr.io/shardwise/worker:0.1.0-cuda"
-
-
-def spec_get(spec: Mapping[str, Any] | None, path: str, default: Any = None) -> Any:
-    """`spec_get(spec, "gpu.resourceName", "nvidia.com/gpu")`: a dotted lookup that tolerates absent parts."""
-    node: Any = spec or {}
-    for part in path.split("."):
-        if not isinstance(node, Mapping) or node.get(part) is None:
-            return default
-        node = node[part]
-    return node
 
 
 # --- names ---------------------------------------------------------------------------------------
@@ -92,19 +91,12 @@ def master_port(namespace: str, model: str, replica: int, attempt: int) -> int:
     return 20000 + int(digest[:8], 16) % 10000
 
 
-def is_training(spec: Mapping[str, Any] | None) -> bool:
-    return spec_get(spec, "workload", "inference") == "training"
-
-
-def endpoint(model: str, namespace: str, port: int) -> str:
-    return f"http://{serving_service_name(model)}.{namespace}.svc.cluster.local:{port}"
+def endpoint(model: ShardedModel) -> str:
+    """URL of the model's OpenAI-compatible API (its serving Service)."""
+    return f"http://{serving_service_name(model.name)}.{model.namespace}.svc.cluster.local:{model.spec.serving.port}"
 
 
 # --- hashes --------------------------------------------------------------------------------------
-
-def plan_json(plan: ShardPlan) -> str:
-    return plan.model_dump_json(indent=2)
-
 
 def plan_hash(plan: ShardPlan) -> str:
     return hashlib.sha256(plan.model_dump_json().encode()).hexdigest()[:10]
@@ -119,20 +111,20 @@ def replica_hash(plan: ShardPlan, replica: int) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:10]
 
 
-def spec_hash(spec: Mapping[str, Any], default_image: str = DEFAULT_IMAGE) -> str:
+def spec_hash(spec: ShardedModelSpec, default_image: str = DEFAULT_IMAGE) -> str:
     """Hash of what a running pod depends on, besides its placement: a change rolls the replicas.
-    Replicas, recovery and placement preferences are left out: changing them rolls nothing."""
-    keep = {k: v for k, v in spec.items() if k not in ("parallelism", "recovery", "placement")}
-    keep["parallelism"] = {k: v for k, v in (spec.get("parallelism") or {}).items() if k != "replicas"}
-    keep["image"] = spec.get("image") or default_image
-    return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:10]
+    Replicas, recovery and placement preferences are left out: changing them rolls nothing. The
+    typed spec has its defaults filled in, so writing a default out changes nothing either."""
+    keep = spec.model_dump(mode="json", by_alias=True,
+                           exclude={"recovery": True, "placement": True, "parallelism": {"replicas"}})
+    keep["image"] = spec.image or default_image
+    return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:10]
 
 
 # --- common metadata -----------------------------------------------------------------------------
 
-def owner_reference(body: Mapping[str, Any]) -> dict:
-    meta = body["metadata"]
-    return {"apiVersion": API_VERSION, "kind": KIND, "name": meta["name"], "uid": meta["uid"],
+def owner_reference(model: ShardedModel) -> dict:
+    return {"apiVersion": API_VERSION, "kind": KIND, "name": model.name, "uid": model.metadata["uid"],
             "controller": True, "blockOwnerDeletion": True}
 
 
@@ -141,9 +133,9 @@ def model_labels(model: str) -> dict[str, str]:
             "app.kubernetes.io/name": "shardwise-worker", "app.kubernetes.io/instance": model}
 
 
-def _meta(body: Mapping[str, Any], name: str, labels: dict[str, str]) -> dict:
-    return {"name": name, "namespace": body["metadata"]["namespace"], "labels": labels,
-            "ownerReferences": [owner_reference(body)]}
+def _meta(model: ShardedModel, name: str, labels: dict[str, str]) -> dict:
+    return {"name": name, "namespace": model.namespace, "labels": labels,
+            "ownerReferences": [owner_reference(model)]}
 
 
 # --- model location ------------------------------------------------------------------------------
@@ -162,35 +154,46 @@ def model_volume(uri: str, name: str = "model", root: str = MODEL_MOUNT) -> tupl
     return uri, None, None
 
 
-# spec.training field -> the variable the worker reads it from (worker/train.py TRAIN_ENV)
-TRAINING_ENV = {
-    "steps": "SHARDWISE_TRAIN_STEPS",
-    "batchSize": "SHARDWISE_TRAIN_BATCH_SIZE",
-    "seqLength": "SHARDWISE_TRAIN_SEQ_LEN",
-    "learningRate": "SHARDWISE_TRAIN_LR",
-    "warmupSteps": "SHARDWISE_TRAIN_WARMUP",
-    "weightDecay": "SHARDWISE_TRAIN_WEIGHT_DECAY",
-    "seed": "SHARDWISE_TRAIN_SEED",
-    "microBatches": "SHARDWISE_TRAIN_MICRO_BATCHES",
-}
+def _data_volume(model: ShardedModel) -> tuple[str, dict | None, dict | None]:
+    return model_volume(model.spec.training.data, "data", DATA_MOUNT)
 
 
-def training_env(spec: Mapping[str, Any], data_path: str) -> list[dict]:
-    """What a training pod's ranks train on and where they checkpoint (docs/training.md)."""
-    training = spec_get(spec, "training", {}) or {}
-    env = [{"name": "SHARDWISE_WORKLOAD", "value": "training"},
-           {"name": "SHARDWISE_TRAIN_DATA", "value": data_path}]
-    env += [{"name": var, "value": str(training[field])} for field, var in TRAINING_ENV.items()
-            if training.get(field) is not None]
-    env += [{"name": "SHARDWISE_CHECKPOINT_DIR", "value": spec_get(spec, "checkpoint.path", "/checkpoints")},
-            {"name": "SHARDWISE_CHECKPOINT_EVERY", "value": str(spec_get(spec, "checkpoint.intervalSteps", 100))},
-            {"name": "SHARDWISE_CHECKPOINT_KEEP", "value": str(spec_get(spec, "checkpoint.keep", 3))},
-            # The job's result (steps done, last checkpoint) for the operator when the pod ends.
-            {"name": "SHARDWISE_TERMINATION_LOG", "value": TERMINATION_LOG}]
-    return env
+# --- the pod contract ----------------------------------------------------------------------------
+
+def pod_contract(model: ShardedModel, plan: ShardPlan) -> PodContract:
+    """What every pod of the model is told (crds/contract.py), with paths as the pods see them."""
+    spec = model.spec
+    training = spec.training
+    if training is not None:
+        training = training.model_copy(update={"data": _data_volume(model)[0]})
+    return PodContract(
+        plan=plan,
+        model=ModelContract(path=model_volume(spec.model.uri)[0], format=spec.model.format, dtype=spec.dtype),
+        workload=spec.workload,
+        serving=ServingContract(**spec.serving.model_dump(), model_name=model.name),
+        training=training, checkpoint=spec.checkpoint, termination_log=TERMINATION_LOG)
 
 
-# --- objects -------------------------------------------------------------------------------------
+def plan_from_configmap(configmap: Mapping[str, Any] | None) -> ShardPlan | None:
+    """The plan the pods were last given, read back from the model's ConfigMap; None when there is
+    none or it cannot be read (the caller plans afresh).
+
+    Only the plan: the rest of the contract is the spec's, rendered again on every pass. An older
+    operator's ConfigMap holds a bare ShardPlan, which is read too."""
+    text = ((configmap or {}).get("data") or {}).get(PLAN_FILE)
+    if not text:
+        return None
+    try:
+        return PodContract.from_json(text).plan
+    except ContractError:
+        pass
+    try:
+        return ShardPlan.model_validate_json(text)
+    except ValidationError:
+        return None
+
+
+# --- pods ----------------------------------------------------------------------------------------
 
 # Worker pods meet Pod Security "restricted": a non-root user (the worker image's uid 10001, or any
 # non-root user of a custom image), no privilege escalation, no capabilities, the runtime's default
@@ -199,176 +202,184 @@ WORKER_POD_SECURITY = {"runAsNonRoot": True, "seccompProfile": {"type": "Runtime
 WORKER_CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
 
 
-def render_pod(body: Mapping[str, Any], plan: ShardPlan, placement: StagePlacement, attempt: int,
+def render_pod(model: ShardedModel, plan: ShardPlan, placement: StagePlacement, attempt: int,
                default_image: str = DEFAULT_IMAGE) -> dict:
-    spec = body.get("spec", {})
-    model = body["metadata"]["name"]
-    namespace = body["metadata"]["namespace"]
     r, s = placement.replica, placement.stage
-    port = int(spec_get(spec, "serving.port", DEFAULT_PORT))
-    gpu_resource = spec_get(spec, "gpu.resourceName", DEFAULT_GPU_RESOURCE)
-    model_path, volume, mount = model_volume(spec_get(spec, "model.uri", ""))
-
-    labels = {**model_labels(model), LABEL_REPLICA: str(r), LABEL_STAGE: str(s),
+    labels = {**model_labels(model.name), LABEL_REPLICA: str(r), LABEL_STAGE: str(s),
               LABEL_PLAN_HASH: replica_hash(plan, r), LABEL_ATTEMPT: str(attempt),
-              LABEL_SPEC_HASH: spec_hash(spec, default_image)}
-    resources = _resources(spec, gpu_resource, placement.gpus)
-    training = is_training(spec)
-    # Inference: each replica is a world of its own. Training: one world over every replica (data
-    # parallel averages gradients across them), rendezvousing at replica 0's first stage; the
-    # replicas are created, torn down and re-planned together, so they share the attempt number.
-    leader = 0 if training else r
-    rendezvous = master_port(namespace, model, leader, attempt)
-    world = plan.world_size * (plan.replicas if training else 1)
-    env = [
-        {"name": "SHARDWISE_MODEL_NAME", "value": model},
-        {"name": "SHARDWISE_REPLICA", "value": str(r)},
-        {"name": "SHARDWISE_STAGE", "value": str(s)},
-        {"name": "MASTER_ADDR", "value": master_addr(model, namespace, leader)},
-        {"name": "MASTER_PORT", "value": str(rendezvous)},
-        {"name": "WORLD_SIZE", "value": str(world)},
+              LABEL_SPEC_HASH: spec_hash(model.spec, default_image)}
+    meta = _meta(model, pod_name(model.name, r, s, attempt), labels)
+    meta["annotations"] = {"shardwise.dev/layers": f"{placement.layer_start}-{placement.layer_end}",
+                           ANNOTATION_PLANNED_NODE: placement.node}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta,
+            "spec": _pod_spec(model, placement, attempt, default_image)}
+
+
+def _rendezvous(model: ShardedModel, replica: int, attempt: int) -> tuple[str, int]:
+    """(MASTER_ADDR, MASTER_PORT) of a pod's torch.distributed world.
+
+    Inference: each replica is a world of its own. Training: one world over every replica (data
+    parallel averages gradients across them), rendezvousing at replica 0's first stage; the
+    replicas are created, torn down and re-planned together, so they share the attempt number."""
+    leader = 0 if model.spec.workload == "training" else replica
+    return (master_addr(model.name, model.namespace, leader),
+            master_port(model.namespace, model.name, leader, attempt))
+
+
+def _env(placement: StagePlacement, addr: str, port: int) -> list[dict]:
+    """The pod's identity and rendezvous: all that differs between pods sharing one contract."""
+    return [
+        {"name": "SHARDWISE_REPLICA", "value": str(placement.replica)},
+        {"name": "SHARDWISE_STAGE", "value": str(placement.stage)},
+        {"name": "MASTER_ADDR", "value": addr},
+        {"name": "MASTER_PORT", "value": str(port)},
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
     ]
-    mounts = [{"name": "plan", "mountPath": PLAN_MOUNT, "readOnly": True}]
-    volumes: list[dict] = [{"name": "plan", "configMap": {"name": configmap_name(model)}}]
-    if volume:
-        volumes.append(volume)
-        mounts.append(mount)
-    if training:
-        data_path, data_volume, data_mount = model_volume(spec_get(spec, "training.data", ""), "data", DATA_MOUNT)
-        env += training_env(spec, data_path)
-        if data_volume:
-            volumes.append(data_volume)
-            mounts.append(data_mount)
-    env += list(spec_get(spec, "env", []) or [])
-    ckpt_claim = spec_get(spec, "checkpoint.claim")
-    if ckpt_claim:
-        volumes.append({"name": "checkpoint", "persistentVolumeClaim": {"claimName": ckpt_claim}})
-        mounts.append({"name": "checkpoint", "mountPath": spec_get(spec, "checkpoint.path", "/checkpoints")})
 
-    container = {
+
+def _volumes(model: ShardedModel) -> tuple[list[dict], list[dict]]:
+    """(volumes, volumeMounts): the contract, the model's claim, the data's claim (training), the
+    checkpoint claim."""
+    spec = model.spec
+    volumes = [{"name": "plan", "configMap": {"name": configmap_name(model.name)}}]
+    mounts = [{"name": "plan", "mountPath": PLAN_MOUNT, "readOnly": True}]
+    claims = [model_volume(spec.model.uri)[1:]]
+    if spec.training is not None:
+        claims.append(_data_volume(model)[1:])
+    for volume, mount in claims:
+        if volume:
+            volumes.append(volume)
+            mounts.append(mount)
+    if spec.checkpoint is not None and spec.checkpoint.claim:
+        volumes.append({"name": "checkpoint", "persistentVolumeClaim": {"claimName": spec.checkpoint.claim}})
+        mounts.append({"name": "checkpoint", "mountPath": spec.checkpoint.path})
+    return volumes, mounts
+
+
+def _resources(spec: ShardedModelSpec, gpus: int) -> dict:
+    requests = dict(spec.resources.requests) if spec.resources else {}
+    limits = dict(spec.resources.limits) if spec.resources else {}
+    # Extended resources must have request == limit; the TP degree is the GPU count of the pod.
+    requests[spec.gpu.resource_name] = str(gpus)
+    limits[spec.gpu.resource_name] = str(gpus)
+    return {"requests": requests, "limits": limits}
+
+
+def _container(model: ShardedModel, placement: StagePlacement, attempt: int, default_image: str,
+               mounts: list[dict]) -> dict:
+    port = model.spec.serving.port
+    addr, rendezvous = _rendezvous(model, placement.replica, attempt)
+    return {
         "name": "worker",
-        "image": spec_get(spec, "image", None) or default_image,
+        "image": model.spec.image or default_image,
         "command": ["shardwise", "worker"],
-        "args": ["--plan", f"{PLAN_MOUNT}/{PLAN_FILE}", "--model", model_path, "--port", str(port)] + (
-            ["--dtype", spec["dtype"]] if spec.get("dtype") not in (None, "auto") else []),
-        "env": env,
+        "args": ["--contract", f"{PLAN_MOUNT}/{PLAN_FILE}"],
+        "env": _env(placement, addr, rendezvous),
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"},
                   {"name": "rendezvous", "containerPort": rendezvous, "protocol": "TCP"}],
-        "resources": resources,
+        "resources": _resources(model.spec, placement.gpus),
         "readinessProbe": {"httpGet": {"path": "/healthz", "port": port},
                            "periodSeconds": 2, "failureThreshold": 3},
         "volumeMounts": mounts,
         # A failed pod's last log lines become its termination message, which the operator quotes
-        # as the group's failure; a training pod that finished writes its result there instead.
+        # as the group's failure; a training pod that finished writes its result there instead
+        # (the contract's termination_log is this same path).
         "terminationMessagePath": TERMINATION_LOG,
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": WORKER_CONTAINER_SECURITY,
     }
+
+
+def _pod_spec(model: ShardedModel, placement: StagePlacement, attempt: int, default_image: str) -> dict:
+    volumes, mounts = _volumes(model)
     pod_spec: dict[str, Any] = {
         # A torch.distributed group cannot lose a rank: the operator restarts the whole group instead.
         "restartPolicy": "Never",
-        "hostname": hostname(model, r, s),
-        "subdomain": headless_service_name(model),
+        "hostname": hostname(model.name, placement.replica, placement.stage),
+        "subdomain": headless_service_name(model.name),
         # Pinned by node *name* through required node affinity (what the DaemonSet controller does), so
         # the scheduler still checks GPU capacity and taints and reports why a pod does not fit.
         "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
             "nodeSelectorTerms": [{"matchFields": [
                 {"key": "metadata.name", "operator": "In", "values": [placement.node]}]}]}}},
-        "containers": [container],
+        "containers": [_container(model, placement, attempt, default_image, mounts)],
         "volumes": volumes,
         "terminationGracePeriodSeconds": 10,
         "enableServiceLinks": False,
         "securityContext": WORKER_POD_SECURITY,
     }
-    selector = spec_get(spec, "placement.nodeSelector")
-    if selector:
-        pod_spec["nodeSelector"] = dict(selector)
-    tolerations = spec_get(spec, "placement.tolerations")
-    if tolerations:
-        pod_spec["tolerations"] = list(tolerations)
-    pull_secrets = spec_get(spec, "imagePullSecrets")
-    if pull_secrets:
-        pod_spec["imagePullSecrets"] = list(pull_secrets)
-    meta = _meta(body, pod_name(model, r, s, attempt), labels)
-    meta["annotations"] = {"shardwise.dev/layers": f"{placement.layer_start}-{placement.layer_end}",
-                           ANNOTATION_PLANNED_NODE: placement.node}
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+    placement_spec = model.spec.placement
+    if placement_spec.node_selector:
+        pod_spec["nodeSelector"] = dict(placement_spec.node_selector)
+    if placement_spec.tolerations:
+        pod_spec["tolerations"] = [t.to_api() for t in placement_spec.tolerations]
+    return pod_spec
 
 
-def _resources(spec: Mapping[str, Any], gpu_resource: str, gpus: int) -> dict:
-    user = spec_get(spec, "resources", {}) or {}
-    requests = dict(user.get("requests") or {})
-    limits = dict(user.get("limits") or {})
-    # Extended resources must have request == limit; the TP degree is the GPU count of the pod.
-    requests[gpu_resource] = str(gpus)
-    limits[gpu_resource] = str(gpus)
-    return {"requests": requests, "limits": limits}
-
-
-def render_replica_pods(body: Mapping[str, Any], plan: ShardPlan, replica: int, attempt: int,
+def render_replica_pods(model: ShardedModel, plan: ShardPlan, replica: int, attempt: int,
                         default_image: str = DEFAULT_IMAGE) -> list[dict]:
     """Every pod of one replica: the unit that is created, counted Ready and torn down together."""
-    return [render_pod(body, plan, p, attempt, default_image) for p in plan.stages_of(replica)]
+    return [render_pod(model, plan, p, attempt, default_image) for p in plan.stages_of(replica)]
 
 
-def render_headless_service(body: Mapping[str, Any]) -> dict:
-    model = body["metadata"]["name"]
+# --- shared objects ------------------------------------------------------------------------------
+
+def render_headless_service(model: ShardedModel) -> dict:
+    name = model.name
     return {"apiVersion": "v1", "kind": "Service",
-            "metadata": _meta(body, headless_service_name(model), model_labels(model)),
-            "spec": {"clusterIP": "None", "selector": {LABEL_MODEL: model},
+            "metadata": _meta(model, headless_service_name(name), model_labels(name)),
+            "spec": {"clusterIP": "None", "selector": {LABEL_MODEL: name},
                      # Ranks rendezvous before any of them is Ready.
                      "publishNotReadyAddresses": True,
                      "ports": [{"name": "rendezvous", "port": MASTER_PORT, "targetPort": "rendezvous"}]}}
 
 
-def render_serving_service(body: Mapping[str, Any]) -> dict:
-    model = body["metadata"]["name"]
-    port = int(spec_get(body.get("spec"), "serving.port", DEFAULT_PORT))
+def render_serving_service(model: ShardedModel) -> dict:
+    name, port = model.name, model.spec.serving.port
     return {"apiVersion": "v1", "kind": "Service",
-            "metadata": _meta(body, serving_service_name(model), model_labels(model)),
-            "spec": {"selector": {LABEL_MODEL: model, LABEL_STAGE: "0"},
+            "metadata": _meta(model, serving_service_name(name), model_labels(name)),
+            "spec": {"selector": {LABEL_MODEL: name, LABEL_STAGE: "0"},
                      "ports": [{"name": "http", "port": port, "targetPort": port}]}}
 
 
-def render_configmap(body: Mapping[str, Any], plan: ShardPlan) -> dict:
-    model = body["metadata"]["name"]
-    meta = _meta(body, configmap_name(model), model_labels(model))
+def render_configmap(model: ShardedModel, plan: ShardPlan) -> dict:
+    """The pod contract every pod of the model mounts at /etc/shardwise/plan.json."""
+    meta = _meta(model, configmap_name(model.name), model_labels(model.name))
     meta["annotations"] = {"shardwise.dev/plan-hash": plan_hash(plan)}
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": {PLAN_FILE: plan_json(plan)}}
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta,
+            "data": {PLAN_FILE: pod_contract(model, plan).to_json()}}
 
 
-def render_pdb(body: Mapping[str, Any], replicas: int, pipeline: int) -> dict:
+def render_pdb(model: ShardedModel, replicas: int, pipeline: int) -> dict:
     """A drain may take at most one replica's worth of pods: losing one pod stops its whole group, so
     with two or more replicas the others must keep serving. With one replica nothing can be protected
     without blocking drains forever (minAvailable 0; the group is recreated elsewhere).
 
     Always an integer minAvailable: with maxUnavailable or a percentage the disruption controller
     would ask the pods' controller (the ShardedModel) for its scale, which counts replicas, not pods."""
-    model = body["metadata"]["name"]
-    spec: dict[str, Any] = {"selector": {"matchLabels": {LABEL_MODEL: model}},
+    spec: dict[str, Any] = {"selector": {"matchLabels": {LABEL_MODEL: model.name}},
                             "minAvailable": max(0, replicas - 1) * pipeline}
     return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-            "metadata": _meta(body, pdb_name(model), model_labels(model)), "spec": spec}
+            "metadata": _meta(model, pdb_name(model.name), model_labels(model.name)), "spec": spec}
 
 
-def render_shared(body: Mapping[str, Any], plan: ShardPlan) -> list[dict]:
-    """The per-model objects (not per replica): services, plan ConfigMap, disruption budget.
+def render_shared(model: ShardedModel, plan: ShardPlan) -> list[dict]:
+    """The per-model objects (not per replica): services, the contract's ConfigMap, disruption budget.
 
     A training job has no API to serve, and no disruption budget: losing any of its pods stops
     the whole job (it resumes from the last checkpoint), and a budget that forbade that would
     block node drains for as long as the job runs."""
-    if is_training(body.get("spec")):
-        return [render_headless_service(body), render_configmap(body, plan)]
-    return [render_headless_service(body), render_serving_service(body), render_configmap(body, plan),
-            render_pdb(body, plan.replicas, plan.pipeline)]
+    if model.spec.workload == "training":
+        return [render_headless_service(model), render_configmap(model, plan)]
+    return [render_headless_service(model), render_serving_service(model), render_configmap(model, plan),
+            render_pdb(model, plan.replicas, plan.pipeline)]
 
 
-def render_all(body: Mapping[str, Any], plan: ShardPlan, attempts: Mapping[int, int] | None = None,
+def render_all(model: ShardedModel, plan: ShardPlan, attempts: Mapping[int, int] | None = None,
                default_image: str = DEFAULT_IMAGE) -> list[dict]:
     attempts = attempts or {}
-    objects = render_shared(body, plan)
+    objects = render_shared(model, plan)
     for r in sorted({p.replica for p in plan.placements}):
-        objects += render_replica_pods(body, plan, r, attempts.get(r, 0), default_image)
+        objects += render_replica_pods(model, plan, r, attempts.get(r, 0), default_image)
     return objects

@@ -83,7 +83,7 @@ def server(kubectl, namespace, tmp_path):
     script = tmp_path / "server.py"
     script.write_text(SERVER)
     kubectl("create", "configmap", "plan", "--from-literal=greeting=hello",
-            '--from-literal=plan.json={"stages": 2}')
+            '--from-literal=plan.json={"stages": 2, "self": "/etc/shardwise/plan.json", "log": "/dev/termination-log"}')
     return script, tmp_path
 
 
@@ -104,8 +104,12 @@ def test_pod_runs_its_command_and_is_ready_only_when_its_probe_answers(kubectl, 
     assert ip.startswith("127.") and ip != "127.0.0.1"
     assert seen == {"MY_NAME": "rank-0", "MY_NAMESPACE": namespace, "MY_ROLE": "server",
                     "GREETING": "hello", "POD_IP": ip, "PEER": f"{ip}:29500",
-                    "PLAN": seen["PLAN"], "plan_file": '{"stages": 2}', "pid": seen["pid"]}
+                    "PLAN": seen["PLAN"], "plan_file": seen["plan_file"], "pid": seen["pid"]}
     assert seen["PLAN"] != "/etc/shardwise/plan.json" and seen["PLAN"].endswith("/plan.json")
+    # Paths inside the pod named in a ConfigMap's file (the worker's pod contract) are this machine's.
+    plan_file = json.loads(seen["plan_file"])
+    assert plan_file["stages"] == 2 and plan_file["self"] == seen["PLAN"]
+    assert plan_file["log"].endswith(f"{namespace}_rank-0/server.termination-log")
 
     # Running, but its probe does not answer yet: not Ready for a few probe periods.
     for _ in range(3):

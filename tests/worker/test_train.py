@@ -257,32 +257,71 @@ def test_bad_input_is_one_clear_line(work, reference, tmp_path):
     assert "was written for a different model" in p.stderr and len(p.stderr.strip().splitlines()) == 1
 
 
+def _training_contract(path: Path, plan, model, port: int, termination_log: Path, data, checkpoint_dir,
+                       steps: int, **training) -> str:
+    """A training pod's contract file, as the operator would write it (options in the spec's names)."""
+    from shardwise.crds.contract import ModelContract, PodContract, ServingContract
+    from shardwise.crds.models import Checkpoint, Training
+    checkpoint = Checkpoint(path=str(checkpoint_dir), interval_steps=training.pop("interval_steps", 100))
+    path.write_text(PodContract(
+        plan=plan, model=ModelContract(path=str(model), format="auto", dtype="auto"), workload="training",
+        serving=ServingContract(port=port, model_name="tiny"),
+        training=Training(data=str(data), steps=steps, **training), checkpoint=checkpoint,
+        termination_log=str(termination_log)).to_json())
+    return str(path)
+
+
+def _one_stage_plan():
+    from shardwise.crds.plan import ShardPlan, StagePlacement
+    return ShardPlan(tensor=1, pipeline=1, replicas=1, num_layers=4, placements=[
+        StagePlacement(replica=0, stage=0, node="n", gpus=1, layer_start=0, layer_end=4, embedding=True, head=True)])
+
+
+def test_options_from_the_contract_are_the_specs():
+    """The one mapping from spec.training and spec.checkpoint (in the contract) to TrainOptions."""
+    from shardwise.crds.contract import PodContract
+    from shardwise.crds.models import ShardedModel, ShardedModelSpec
+    from shardwise.operator.renderer import render_configmap
+    from shardwise.worker.train import options_from_contract
+    plan = _one_stage_plan()
+    spec = ShardedModelSpec.model_validate({
+        "model": {"uri": "/m"}, "workload": "training", "checkpoint": {"claim": "c", "intervalSteps": 5, "keep": 2},
+        "training": {"data": "pvc://d/x.txt", "steps": 9, "batchSize": 6, "seqLength": 16, "learningRate": 0.01,
+                     "warmupSteps": 3, "weightDecay": 0.1, "seed": 4, "microBatches": 2}})
+    cm = render_configmap(ShardedModel(metadata={"name": "t", "namespace": "n", "uid": "u"}, spec=spec), plan)
+    opts = options_from_contract(PodContract.from_json(cm["data"]["plan.json"]), device="cpu", dtype="float32")
+    assert (opts.model, opts.data, opts.checkpoint_dir, opts.steps) == ("/m", "/data/d/x.txt", "/checkpoints", 9)
+    assert (opts.checkpoint_every, opts.keep, opts.batch_size, opts.seq_len) == (5, 2, 6, 16)
+    assert (opts.lr, opts.warmup, opts.weight_decay, opts.seed, opts.micro_batches) == (0.01, 3, 0.1, 4, 2)
+    assert (opts.tensor, opts.pipeline, opts.data_parallel, opts.stage_layers) == (1, 1, 1, [(0, 4)])
+    assert (opts.device, opts.dtype, opts.json) == ("cpu", "float32", True)
+
+
 def test_training_pods_from_a_plan_reproduce_the_reference(work, reference, tmp_path):
-    """What a training ShardedModel's pods run: `shardwise worker` with SHARDWISE_WORKLOAD=training,
-    layout and (uneven) layer split from the plan, options from SHARDWISE_* variables, one world
-    over all the pods of both replicas (data parallel). The losses match the reference run; each pod
-    serves /healthz and /progress while it trains and leaves the result as its termination message."""
+    """What a training ShardedModel's pods run: `shardwise worker` with a training contract: layout
+    and (uneven) layer split from the plan, options from the contract, one world over all the pods
+    of both replicas (data parallel). The losses match the reference run; each pod serves /healthz
+    and /progress while it trains and leaves the result as its termination message."""
     import urllib.request
     from shardwise.crds.plan import ShardPlan, StagePlacement
     losses, _ = reference
     plan = ShardPlan(tensor=1, pipeline=2, replicas=2, num_layers=4, placements=[
         StagePlacement(replica=r, stage=s, node=f"node-{r}-{s}", gpus=1, layer_start=(0, 3)[s],
                        layer_end=(3, 4)[s], embedding=s == 0, head=s == 1) for r in range(2) for s in range(2)])
-    (tmp_path / "plan.json").write_text(plan.model_dump_json())
     steps = 6
-    env = {**os.environ, "SHARDWISE_WORKLOAD": "training", "SHARDWISE_TRAIN_DATA": str(work / "data.txt"),
-           "SHARDWISE_TRAIN_STEPS": str(steps), "SHARDWISE_CHECKPOINT_DIR": str(tmp_path / "ck"),
-           "SHARDWISE_CHECKPOINT_EVERY": "2", "SHARDWISE_TRAIN_LR": "3e-3", "SHARDWISE_TRAIN_SEED": "7",
-           "SHARDWISE_TRAIN_BATCH_SIZE": "4", "SHARDWISE_TRAIN_SEQ_LEN": "32", "POD_IP": "127.0.0.1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "POD_IP": "127.0.0.1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "OMP_NUM_THREADS": "1"}
     ports = [_free_port() for _ in range(4)]
     pods = []
     for (r, s), port in zip([(0, 0), (0, 1), (1, 0), (1, 1)], ports):
-        pod_env = {**env, "SHARDWISE_REPLICA": str(r), "SHARDWISE_STAGE": str(s),
-                   "SHARDWISE_TERMINATION_LOG": str(tmp_path / f"termination-{r}-{s}")}
+        # Each pod its own copy of the contract (as local nodes give each): its port, its termination log.
+        contract = _training_contract(
+            tmp_path / f"contract-{r}-{s}.json", plan, work / "model", port, tmp_path / f"termination-{r}-{s}",
+            work / "data.txt", tmp_path / "ck", steps, interval_steps=2, learning_rate=3e-3, seed=7, batch_size=4,
+            seq_length=32)
+        pod_env = {**env, "SHARDWISE_REPLICA": str(r), "SHARDWISE_STAGE": str(s)}
         pods.append(subprocess.Popen(
-            [sys.executable, "-m", "shardwise", "worker", "--plan", str(tmp_path / "plan.json"),
-             "--model", str(work / "model"), "--port", str(port), "--device", "cpu"],
+            [sys.executable, "-m", "shardwise", "worker", "--contract", contract, "--device", "cpu"],
             env=pod_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     seen = []
     deadline = time.monotonic() + 300
@@ -309,19 +348,14 @@ def test_training_pods_from_a_plan_reproduce_the_reference(work, reference, tmp_
 
 def test_a_training_pod_with_a_bad_dataset_fails_in_one_line_before_starting_ranks(work, tmp_path):
     """The pod's last log line is what the operator quotes as the job's failure."""
-    from shardwise.crds.plan import ShardPlan, StagePlacement
-    plan = ShardPlan(tensor=1, pipeline=1, replicas=1, num_layers=4, placements=[
-        StagePlacement(replica=0, stage=0, node="n", gpus=1, layer_start=0, layer_end=4, embedding=True, head=True)])
-    (tmp_path / "plan.json").write_text(plan.model_dump_json())
     (tmp_path / "empty.txt").write_text("")
-    env = {**os.environ, "SHARDWISE_WORKLOAD": "training", "SHARDWISE_TRAIN_STEPS": "4",
-           "SHARDWISE_CHECKPOINT_DIR": str(tmp_path / "ck"), "POD_IP": "127.0.0.1", "SHARDWISE_REPLICA": "0",
-           "SHARDWISE_STAGE": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
-    cmd = [sys.executable, "-m", "shardwise", "worker", "--plan", str(tmp_path / "plan.json"),
-           "--model", str(work / "model"), "--port", str(_free_port()), "--device", "cpu"]
+    env = {**os.environ, "POD_IP": "127.0.0.1", "SHARDWISE_REPLICA": "0", "SHARDWISE_STAGE": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
     for data, words in ((tmp_path / "missing.txt", "missing.txt"), (tmp_path / "empty.txt", "is empty")):
-        p = subprocess.run(cmd, env={**env, "SHARDWISE_TRAIN_DATA": str(data)}, capture_output=True, text=True,
-                           timeout=120)
+        contract = _training_contract(tmp_path / "contract.json", _one_stage_plan(), work / "model", _free_port(),
+                                      tmp_path / "termination", data, tmp_path / "ck", 4)
+        p = subprocess.run([sys.executable, "-m", "shardwise", "worker", "--contract", contract, "--device", "cpu"],
+                           env=env, capture_output=True, text=True, timeout=120)
         last = p.stderr.strip().splitlines()[-1]
         assert p.returncode == 2 and last.startswith("shardwise worker: error: ") and words in last, p.stderr
         assert "Traceback" not in p.stderr
@@ -330,17 +364,12 @@ def test_a_training_pod_with_a_bad_dataset_fails_in_one_line_before_starting_ran
 def test_a_training_pod_stopped_before_the_end_does_not_exit_zero(work, tmp_path):
     """SIGTERM (pod deleted, node drained) mid-run: the pod must not look finished (exit 0 would be
     Succeeded, and the job would end early)."""
-    from shardwise.crds.plan import ShardPlan, StagePlacement
-    plan = ShardPlan(tensor=1, pipeline=1, replicas=1, num_layers=4, placements=[
-        StagePlacement(replica=0, stage=0, node="n", gpus=1, layer_start=0, layer_end=4, embedding=True, head=True)])
-    (tmp_path / "plan.json").write_text(plan.model_dump_json())
-    env = {**os.environ, "SHARDWISE_WORKLOAD": "training", "SHARDWISE_TRAIN_DATA": str(work / "data.txt"),
-           "SHARDWISE_TRAIN_STEPS": "100000", "SHARDWISE_CHECKPOINT_DIR": str(tmp_path / "ck"),
-           "SHARDWISE_TRAIN_BATCH_SIZE": "4", "SHARDWISE_TRAIN_SEQ_LEN": "32", "POD_IP": "127.0.0.1",
-           "SHARDWISE_REPLICA": "0", "SHARDWISE_STAGE": "0", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}
-    pod = subprocess.Popen([sys.executable, "-m", "shardwise", "worker", "--plan", str(tmp_path / "plan.json"),
-                            "--model", str(work / "model"), "--port", str(_free_port()), "--device", "cpu"],
+    contract = _training_contract(tmp_path / "contract.json", _one_stage_plan(), work / "model", _free_port(),
+                                  tmp_path / "termination", work / "data.txt", tmp_path / "ck", 100000,
+                                  batch_size=4, seq_length=32)
+    env = {**os.environ, "POD_IP": "127.0.0.1", "SHARDWISE_REPLICA": "0", "SHARDWISE_STAGE": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}
+    pod = subprocess.Popen([sys.executable, "-m", "shardwise", "worker", "--contract", contract, "--device", "cpu"],
                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not (tmp_path / "ck" / "progress.json").exists() and time.monotonic() < deadline:

@@ -1,5 +1,6 @@
 """`shardwise worker` as the operator runs it: two pods (pipeline stages) of one replica, each
-with two TP ranks, rendezvous through MASTER_ADDR/MASTER_PORT and serve the API from stage 0."""
+with two TP ranks, read their pod contract, rendezvous through MASTER_ADDR/MASTER_PORT and serve
+the API from stage 0."""
 from __future__ import annotations
 
 import json
@@ -13,6 +14,7 @@ import urllib.request
 
 import torch
 
+from shardwise.crds.contract import ModelContract, PodContract, ServingContract
 from shardwise.crds.plan import ShardPlan, StagePlacement
 from shardwise.worker.runtime import free_port
 from shardwise.worker.tiny import write_tiny_model
@@ -37,15 +39,18 @@ def test_two_stage_pods_serve_the_same_tokens_as_transformers(tmp_path):
         StagePlacement(replica=0, stage=0, node="n0", gpus=2, layer_start=0, layer_end=2, embedding=True, head=False),
         StagePlacement(replica=0, stage=1, node="n1", gpus=2, layer_start=2, layer_end=3, embedding=False, head=True),
     ])
-    (tmp_path / "plan.json").write_text(plan.model_dump_json())
     master, api, health = free_port(), free_port(), free_port()
     pods = []
     for stage, port in ((0, api), (1, health)):
+        # Each pod its own copy of the contract: on this one machine they cannot share a port.
+        contract = tmp_path / f"contract-{stage}.json"
+        contract.write_text(PodContract(
+            plan=plan, model=ModelContract(path=str(model), format="auto", dtype="auto"), workload="inference",
+            serving=ServingContract(port=port, model_name="tiny"), termination_log=str(tmp_path / "log")).to_json())
         env = {**os.environ, "SHARDWISE_REPLICA": "0", "SHARDWISE_STAGE": str(stage), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(master), "POD_IP": "127.0.0.1"}
-        pods.append(subprocess.Popen([sys.executable, "-m", "shardwise", "worker", "--plan", str(tmp_path / "plan.json"),
-                                      "--model", str(model), "--port", str(port), "--device", "cpu"],
-                                     env=env, stderr=subprocess.PIPE, text=True))
+        pods.append(subprocess.Popen([sys.executable, "-m", "shardwise", "worker", "--contract", str(contract),
+                                      "--device", "cpu"], env=env, stderr=subprocess.PIPE, text=True))
     try:
         deadline = time.time() + 120
         while time.time() < deadline:
@@ -62,7 +67,9 @@ def test_two_stage_pods_serve_the_same_tokens_as_transformers(tmp_path):
         req = urllib.request.Request(f"http://127.0.0.1:{api}/v1/completions", data=json.dumps(
             {"prompt": "all that glitters", "max_tokens": 6, "temperature": 0}).encode())
         with urllib.request.urlopen(req, timeout=60) as r:
-            text = json.loads(r.read())["choices"][0]["text"]
+            answer = json.loads(r.read())
+        text = answer["choices"][0]["text"]
+        assert answer["model"] == "tiny"    # the contract's serving.model_name
 
         from transformers import LlamaForCausalLM
         tok = from_hf_dir(str(model), [])

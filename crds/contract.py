@@ -1,0 +1,88 @@
+"""The pod contract: everything the operator tells a worker pod, in one validated file.
+
+The renderer (operator/renderer.py) writes it as `plan.json` in the model's ConfigMap, mounted in
+every pod at /etc/shardwise/plan.json; `shardwise worker --contract PATH` reads it with
+`load_contract`. The ConfigMap is shared by all the pods of a model, so what differs from pod to
+pod stays in their environment: SHARDWISE_REPLICA, SHARDWISE_STAGE, MASTER_ADDR, MASTER_PORT (the
+torch.distributed rendezvous), POD_IP and NODE_NAME.
+
+The fields reuse the API's own models (crds/models.py), so every default has one definition, the
+spec's. Paths are paths inside the pod: a pvc:// uri is already resolved to where the renderer
+mounts its claim. Importable without torch: the operator writes the file, the worker reads it.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from shardwise.crds.models import (Checkpoint, ModelSource, Serving, ShardedModelSpec, Training,
+                                   describe_validation_error)
+from shardwise.crds.plan import ShardPlan
+
+# The spec's own types: the contract accepts exactly the values the API accepts.
+Workload = ShardedModelSpec.model_fields["workload"].annotation
+Dtype = ShardedModelSpec.model_fields["dtype"].annotation
+ModelFormat = ModelSource.model_fields["format"].annotation
+
+
+class ContractError(ValueError):
+    """A contract that is missing or invalid, as one line naming the file and the first bad field."""
+
+
+class _Contract(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class ModelContract(_Contract):
+    path: str = Field(min_length=1, description=(
+        "the weights inside the pod: an HF folder, a .gguf file, or a built-in model name"))
+    format: ModelFormat = Field(description="spec.model.format; the worker detects the format from the files")
+    dtype: Dtype = Field(description="spec.dtype as asked (auto included); the worker resolves auto")
+
+
+class ServingContract(Serving):
+    """spec.serving, and the name the OpenAI-compatible API reports."""
+
+    model_name: str = Field(min_length=1, description="the ShardedModel's name")
+
+
+class PodContract(_Contract):
+    plan: ShardPlan = Field(description="the plan exactly as the planner made it")
+    model: ModelContract
+    workload: Workload
+    serving: ServingContract
+    training: Optional[Training] = Field(None, description="spec.training, `data` being the path inside the pod")
+    checkpoint: Optional[Checkpoint] = Field(None, description="spec.checkpoint (`path` is inside the pod)")
+    termination_log: str = Field(min_length=1, description=(
+        "the container's terminationMessagePath: a finished training pod writes its result there"))
+
+    @model_validator(mode="after")
+    def _training_has_its_options(self) -> "PodContract":
+        if self.workload == "training" and (self.training is None or self.checkpoint is None):
+            raise ValueError("a training contract needs training and checkpoint")
+        return self
+
+    def to_json(self) -> str:
+        # Field names, not the API's camelCase aliases: the plan inside has no aliases either.
+        return self.model_dump_json(indent=2)
+
+    @classmethod
+    def from_json(cls, text: str | bytes, where: str = "the JSON") -> "PodContract":
+        """Parse and validate; raises ContractError (one line) on anything else."""
+        try:
+            return cls.model_validate_json(text)
+        except ValidationError as e:
+            raise ContractError(f"{where} is not a valid pod contract: {describe_validation_error(e)}") from None
+
+
+def load_contract(path: str | Path) -> PodContract:
+    """The contract file a worker pod is started with; ContractError when missing or invalid."""
+    try:
+        text = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise ContractError(f"pod contract {path} not found") from None
+    except OSError as e:
+        raise ContractError(f"pod contract {path} cannot be read: {e.strerror or e}") from None
+    return PodContract.from_json(text, where=str(path))

@@ -1,0 +1,95 @@
+"""The pod contract: what the planner decides reaches the worker unchanged, through the renderer's
+ConfigMap and the worker's own reading function (no torch needed)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from shardwise.crds.contract import ContractError, PodContract, load_contract
+from shardwise.crds.models import ShardedModel, ShardedModelSpec
+from shardwise.crds.modelshape import from_hf_config
+from shardwise.operator import renderer
+from shardwise.operator.inventory import NodeInfo
+from shardwise.operator.planner import GiB, plan
+from shardwise.worker.cmd_worker import read_contract
+from shardwise.worker.errors import WorkerError
+
+ZONE, RACK = "topology.kubernetes.io/zone", "topology.shardwise.dev/rack"
+SMOL = from_hf_config(dict(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                           hidden_size=576, intermediate_size=1536, vocab_size=49152,
+                           tie_word_embeddings=True), "bfloat16")
+
+
+def _model(**spec) -> ShardedModel:
+    base = {"model": {"uri": "pvc://weights/smollm2"}, "parallelism": {"tensor": 3, "pipeline": 2, "replicas": 2},
+            "dtype": "bfloat16"}
+    return ShardedModel(metadata={"name": "smol", "namespace": "prod", "uid": "u-1"},
+                        spec=ShardedModelSpec.model_validate({**base, **spec}))
+
+
+def _nodes() -> list[NodeInfo]:
+    # One node without a memory label: the plan carries a note about it.
+    return [NodeInfo(f"n{i}", {ZONE: f"z{i % 2}", RACK: f"r{i}"}, gpus=4, used=1,
+                     gpu_memory=0 if i == 3 else 24 * GiB) for i in range(4)]
+
+
+def test_the_pod_reads_exactly_the_plan_the_planner_made(tmp_path):
+    model = _model()
+    planned = plan(model.spec, SMOL, _nodes())
+    assert planned.notes and planned.memory_per_gpu and planned.topology_keys
+    assert all(p.params and p.domains for p in planned.placements) and len(planned.placements) == 4
+
+    configmap = renderer.render_configmap(model, planned)
+    (tmp_path / "plan.json").write_text(configmap["data"]["plan.json"])
+    contract = read_contract(str(tmp_path / "plan.json"))     # what `shardwise worker --contract` does
+
+    assert contract.plan == planned
+    assert contract.plan.model_dump() == planned.model_dump()
+    assert contract.model.path == "/models/weights/smollm2" and contract.model.dtype == "bfloat16"
+    assert renderer.plan_from_configmap(configmap) == planned
+
+
+def test_a_training_contract_carries_the_specs_options_with_pod_paths(tmp_path):
+    model = _model(workload="training", parallelism={"tensor": 1, "pipeline": 2, "replicas": 2},
+                   training={"data": "pvc://corpora/wiki.txt", "steps": 50, "microBatches": 4},
+                   checkpoint={"claim": "ckpt", "intervalSteps": 10})
+    planned = plan(model.spec, SMOL, _nodes())
+    contract = PodContract.from_json(renderer.render_configmap(model, planned)["data"]["plan.json"])
+    assert contract.workload == "training" and contract.plan == planned
+    assert contract.training == model.spec.training.model_copy(update={"data": "/data/corpora/wiki.txt"})
+    assert contract.checkpoint == model.spec.checkpoint and contract.checkpoint.path == "/checkpoints"
+
+
+@pytest.mark.parametrize("text, words", [
+    (None, "not found"),
+    ("{not json", "is not a valid pod contract: Invalid JSON"),
+    ('{"tensor": 1, "pipeline": 1, "replicas": 1, "num_layers": 2}', "is not a valid pod contract: plan: Field required"),
+])
+def test_a_missing_or_invalid_contract_is_one_line(tmp_path, text, words):
+    path = tmp_path / "plan.json"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(ContractError, match=words) as raised:
+        load_contract(path)
+    assert "\n" not in str(raised.value) and str(path) in str(raised.value)
+    with pytest.raises(WorkerError, match=words):
+        read_contract(str(path))
+
+
+def test_a_training_contract_without_its_options_is_refused():
+    contract = PodContract.from_json(renderer.render_configmap(_model(), plan(_model().spec, SMOL, _nodes()))
+                                     ["data"]["plan.json"])
+    with pytest.raises(ContractError, match="a training contract needs training and checkpoint"):
+        PodContract.from_json(contract.model_copy(update={"workload": "training"}).to_json())
+
+
+def test_the_worker_exits_2_in_one_line_without_a_traceback(tmp_path):
+    (tmp_path / "plan.json").write_text("{}")
+    for path in (tmp_path / "missing.json", tmp_path / "plan.json"):
+        p = subprocess.run([sys.executable, "-m", "shardwise", "worker", "--contract", str(path)],
+                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert p.returncode == 2, p.stderr
+        assert p.stderr.strip().startswith("shardwise worker: error: ") and len(p.stderr.strip().splitlines()) == 1
+        assert "Traceback" not in p.stderr
