@@ -12,6 +12,7 @@ by validators where that is cheap, so `shardwise plan -f` refuses the same manif
 from __future__ import annotations
 
 import re
+from enum import Enum
 from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -372,18 +373,42 @@ class TrainingProgress(ApiModel):
     time: Optional[str] = Field(None, json_schema_extra={"format": "date-time"})
 
 
+class GroupPhase(str, Enum):
+    """Where one replica group is (operator/recovery.py:decide moves it between these)."""
+
+    CREATING = "Creating"      # pods being created; missing pods are created, not counted as failures
+    STARTING = "Starting"      # every pod exists; waiting for all of them to be Ready
+    READY = "Ready"
+    RECOVERING = "Recovering"  # failure seen; group torn down, waiting for backoff, then re-planned
+    PENDING = "Pending"        # not planned (new, short of capacity, or waiting for the model's shape)
+    FAILED = "Failed"          # restart budget spent; terminal until the spec changes
+    SUCCEEDED = "Succeeded"    # training: every pod exited 0
+    OUTDATED = "Outdated"      # serving on an old layout or spec; replaced one replica at a time
+
+
 class ReplicaGroupStatus(ApiModel):
     """The operator's record of one replica group (its pods restart as one unit), kept in status so
     that a restarted operator continues where it was."""
 
     replica: int = Field(ge=0)
     attempt: int = Field(0, ge=0, description="incarnation of the group; part of its pods' names")
-    phase: str = Field("Creating", description="Creating, Starting, Ready, Recovering, Pending, Failed or Succeeded")
+    phase: GroupPhase = Field(GroupPhase.PENDING, description="one of " + ", ".join(p.value for p in GroupPhase))
     restarts: int = Field(0, ge=0)
     last_failure: Optional[str] = None
     failed_at: Optional[str] = Field(None, json_schema_extra={"format": "date-time"})
     retry_at: Optional[str] = Field(None, json_schema_extra={"format": "date-time"})
     ready_since: Optional[str] = Field(None, json_schema_extra={"format": "date-time"})
+
+
+class ModelFactsStatus(ApiModel):
+    """What the operator read of the model itself, cached so that it is read once per uri: by a probe
+    pod that mounts the claim of a pvc:// uri (only pods can), or from a path the operator can read."""
+
+    uri: str = Field(description="the spec.model.uri these facts are of")
+    facts: Optional[dict[str, Any]] = Field(None, description="the model's shape: layers, heads, sizes, parameters")
+    error: Optional[str] = Field(None, description="why the model could not be read")
+    generation: Optional[int] = Field(None, description="the spec generation a failed read belongs to; "
+                                                         "a changed spec reads the model again")
 
 
 class ShardedModelStatus(ApiModel):
@@ -405,6 +430,7 @@ class ShardedModelStatus(ApiModel):
         "training: the newest complete checkpoint, which a restarted job resumes from"))
     training: Optional[TrainingProgress] = None
     groups: list[ReplicaGroupStatus] = Field(default_factory=list, description="one record per replica group")
+    model_facts: Optional[ModelFactsStatus] = Field(None, description="the model's shape as the operator read it")
 
 
 class ShardedModel(ApiModel):

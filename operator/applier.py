@@ -87,6 +87,15 @@ class Applier:
         return _json(self.core.list_namespaced_pod(namespace, label_selector=f"{LABEL_MODEL}={model}",
                                                    _preload_content=False))["items"]
 
+    def get_configmap(self, namespace: str, name: str) -> dict | None:
+        self._count("get", "ConfigMap")
+        try:
+            return _json(self.core.read_namespaced_config_map(name, namespace, _preload_content=False))
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
     def list_nodes(self) -> list[dict]:
         self._count("list", "Node")
         return _json(self.core.list_node(_preload_content=False))["items"]

@@ -20,6 +20,8 @@ import time
 from typing import Any, Mapping
 
 import kopf
+import urllib3
+from kubernetes.client.rest import ApiException
 
 from shardwise.crds.models import GROUP, PLURAL, VERSION
 from shardwise.operator import metrics, recovery, reconciler, renderer
@@ -28,6 +30,11 @@ from shardwise.operator.inventory import pod_gpus
 
 log = logging.getLogger("shardwise.operator")
 DEBOUNCE_SECONDS = 0.2
+# What a failed pass can meet that is not the model's fault nor a bug: the API server refusing or
+# not answering (kopf's temporary errors). A bad spec is not among them: the reconciler reports it
+# in status and waits for a new spec (kopf's permanent errors), and short capacity is retried by the
+# pass itself.
+TRANSIENT = (ApiException, urllib3.exceptions.HTTPError, OSError)
 
 
 class Capacity:
@@ -209,11 +216,15 @@ async def model_loop(namespace: str, name: str, ref: dict, logger: logging.Logge
             try:
                 outcome = await loop.run_in_executor(RUNTIME.executor, _reconcile_once, namespace, name, nodes)
                 failures = 0
-            except Exception as e:  # an API hiccup must not kill the loop; back off and retry
+            except TRANSIENT as e:  # an API hiccup must not kill the loop; back off and retry
                 failures += 1
                 logger.warning(f"reconcile failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
                                f"retrying")
-                outcome = reconciler.Outcome(requeue_after=min(30.0, 0.5 * 2 ** failures))
+                outcome = reconciler.Outcome(requeue_after=_backoff(failures))
+            except Exception:  # a bug: say where, keep the other models going, retry the same way
+                failures += 1
+                logger.exception("reconcile failed unexpectedly; retrying")
+                outcome = reconciler.Outcome(requeue_after=_backoff(failures))
             for ev in outcome.events:
                 kopf.event(ref, type=ev.type, reason=ev.reason, message=ev.message[:1000])
             try:
@@ -226,6 +237,10 @@ async def model_loop(namespace: str, name: str, ref: dict, logger: logging.Logge
     finally:
         if RUNTIME.wakers.get(key) is wake:
             RUNTIME.wakers.pop(key, None)
+
+
+def _backoff(failures: int) -> float:
+    return min(30.0, 0.5 * 2 ** failures)
 
 
 def _reconcile_once(namespace: str, name: str, nodes: dict[str, dict]) -> reconciler.Outcome:

@@ -60,13 +60,3 @@ def forget(namespace: str, model: str) -> None:
             gauge.remove(namespace, model)
         except KeyError:
             pass
-
-
-def cause_of(failure: str) -> str:
-    """A small fixed set of label values for the recovery counter (no pod names in labels)."""
-    for key, cause in (("NotReady", "node-not-ready"), ("is gone", "node-gone"), ("Evicted", "evicted"),
-                       ("being deleted", "pod-deleted"), ("missing", "pod-deleted"),
-                       ("cannot be scheduled", "unschedulable")):
-        if key in failure:
-            return cause
-    return "pod-failed"

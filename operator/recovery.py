@@ -6,8 +6,9 @@ the scheduler cannot place for longer than a grace period - and the group is tor
 healthy capacity and recreated. Restarts are paced with exponential backoff and capped by
 `recovery.maxRestarts`, after which the replica is Failed with the reason.
 
-The per-replica record lives in the ShardedModel's status (`status.replicaGroups`), so a restarted
-operator reads where each group was and continues; it never holds state of its own.
+The per-replica record (crds.models.ReplicaGroupStatus) lives in the ShardedModel's status
+(`status.groups`), so a restarted operator reads where each group was and continues; it never holds
+state of its own.
 """
 from __future__ import annotations
 
@@ -15,22 +16,17 @@ import dataclasses
 from datetime import datetime, timezone
 from typing import Any, Iterable, Mapping
 
-from shardwise.operator.renderer import ANNOTATION_PLANNED_NODE, LABEL_ATTEMPT, LABEL_STAGE, spec_get
+from shardwise.crds.models import GroupPhase, Recovery, ReplicaGroupStatus
+from shardwise.operator.renderer import ANNOTATION_PLANNED_NODE, LABEL_ATTEMPT, LABEL_STAGE
 
-# Group phases (per replica).
-CREATING = "Creating"      # pods being created; missing pods are created, not counted as failures
-STARTING = "Starting"      # every pod exists; waiting for all of them to be Ready
-READY = "Ready"
-RECOVERING = "Recovering"  # failure seen; group torn down, waiting for backoff, then re-planned
-PENDING = "Pending"        # no capacity for this group (no plan); retried on the next timer tick
-FAILED = "Failed"          # restart budget spent
-SUCCEEDED = "Succeeded"    # training: every pod exited 0
-OUTDATED = "Outdated"      # serving on an old layout or spec; replaced one replica at a time
+CREATING, STARTING, READY, RECOVERING, PENDING, FAILED, SUCCEEDED, OUTDATED = (
+    GroupPhase.CREATING, GroupPhase.STARTING, GroupPhase.READY, GroupPhase.RECOVERING, GroupPhase.PENDING,
+    GroupPhase.FAILED, GroupPhase.SUCCEEDED, GroupPhase.OUTDATED)
 
-DEFAULT_MAX_RESTARTS = 3
-DEFAULT_BACKOFF_SECONDS = 10.0
-DEFAULT_MAX_BACKOFF_SECONDS = 300.0
-DEFAULT_UNSCHEDULABLE_GRACE_SECONDS = 15.0
+# Not in the API: the cap of the backoff, and how long a pod may stay unschedulable before its group
+# is re-planned elsewhere (the scheduler's own retries settle within seconds).
+MAX_BACKOFF_SECONDS = 300.0
+UNSCHEDULABLE_GRACE_SECONDS = 15.0
 
 
 def now_utc() -> datetime:
@@ -49,22 +45,16 @@ def parse_iso(value: str | None) -> datetime | None:
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-    max_restarts: int = DEFAULT_MAX_RESTARTS
-    backoff_seconds: float = DEFAULT_BACKOFF_SECONDS
-    max_backoff_seconds: float = DEFAULT_MAX_BACKOFF_SECONDS
-    unschedulable_grace_seconds: float = DEFAULT_UNSCHEDULABLE_GRACE_SECONDS
-    allow_shrink: bool = False
+    """How a group is restarted: spec.recovery (its defaults are the API model's) plus the fixed rules."""
+
+    max_restarts: int = Recovery.model_fields["max_restarts"].default
+    backoff_seconds: float = Recovery.model_fields["backoff_seconds"].default
+    max_backoff_seconds: float = MAX_BACKOFF_SECONDS
+    unschedulable_grace_seconds: float = UNSCHEDULABLE_GRACE_SECONDS
 
     @classmethod
-    def from_spec(cls, spec: Mapping[str, Any] | None) -> "Policy":
-        return cls(
-            max_restarts=int(spec_get(spec, "recovery.maxRestarts", DEFAULT_MAX_RESTARTS)),
-            backoff_seconds=float(spec_get(spec, "recovery.backoffSeconds", DEFAULT_BACKOFF_SECONDS)),
-            max_backoff_seconds=float(spec_get(spec, "recovery.maxBackoffSeconds", DEFAULT_MAX_BACKOFF_SECONDS)),
-            unschedulable_grace_seconds=float(spec_get(spec, "recovery.unschedulableSeconds",
-                                                       DEFAULT_UNSCHEDULABLE_GRACE_SECONDS)),
-            allow_shrink=bool(spec_get(spec, "recovery.allowShrink", False)),
-        )
+    def from_spec(cls, recovery: Recovery) -> "Policy":
+        return cls(max_restarts=recovery.max_restarts, backoff_seconds=float(recovery.backoff_seconds))
 
     def backoff(self, restarts: int) -> float:
         """Delay before the `restarts`-th recreation of a group: base, 2×base, 4×base... capped."""
@@ -78,6 +68,11 @@ class Verdict:
     failure: str = ""
     missing: tuple[int, ...] = ()  # stages whose pod does not exist
     ready: int = 0                 # pods Ready
+    cause: str = ""                # what kind of failure, one of CAUSES (a metric label)
+
+
+# The kinds of failure a group can meet (the values of shardwise_recoveries_total's cause label).
+CAUSES = ("node-not-ready", "node-gone", "evicted", "pod-deleted", "unschedulable", "pod-failed")
 
 
 def node_ready(node: Mapping[str, Any] | None) -> bool:
@@ -112,30 +107,37 @@ def unschedulable_message(pod: Mapping[str, Any]) -> str:
 def pod_failure(pod: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]], completes: bool = False) -> str:
     """Why this pod ends its group, or "" when it does not. `completes`: the pod runs to an end
     (training), so exiting 0 is its success, not a failure."""
+    return _pod_failure(pod, nodes, completes)[1]
+
+
+def _pod_failure(pod: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]],
+                 completes: bool) -> tuple[str, str]:
+    """(cause, one line) of what ends this pod's group, or ("", "")."""
     name = pod["metadata"]["name"]
     status = pod.get("status", {}) or {}
     if status.get("phase") == "Failed":
         reason = status.get("reason") or "Failed"
         message = status.get("message") or _terminated_message(status)
-        return f"pod {name} {reason}" + (f": {message}" if message else "")
+        return ("evicted" if reason == "Evicted" else "pod-failed",
+                f"pod {name} {reason}" + (f": {message}" if message else ""))
     if status.get("phase") == "Succeeded":
-        return "" if completes else f"pod {name} exited"
+        return ("", "") if completes else ("pod-failed", f"pod {name} exited")
     node = pod.get("spec", {}).get("nodeName")
-    if node:
-        if node not in nodes:
-            return f"node {node} of pod {name} is gone"
-        if not node_ready(nodes[node]):
-            return f"node {node} of pod {name} is NotReady"
-    else:
+    if not node:
         # Not bound yet, and the node it is pinned to went away meanwhile (a group re-planned in the
         # seconds before a lost node is marked NotReady): it would only wait out the unschedulable
         # grace, so re-plan at once.
-        planned = (pod["metadata"].get("annotations") or {}).get(ANNOTATION_PLANNED_NODE)
-        if planned and (planned not in nodes or not node_ready(nodes[planned])):
-            return f"node {planned} planned for pod {name} is {'gone' if planned not in nodes else 'NotReady'}"
+        node = (pod["metadata"].get("annotations") or {}).get(ANNOTATION_PLANNED_NODE)
+        of = f"planned for pod {name}"
+    else:
+        of = f"of pod {name}"
+    if node and node not in nodes:
+        return "node-gone", f"node {node} {of} is gone"
+    if node and not node_ready(nodes[node]):
+        return "node-not-ready", f"node {node} {of} is NotReady"
     if pod["metadata"].get("deletionTimestamp"):
-        return f"pod {name} is being deleted"
-    return ""
+        return "pod-deleted", f"pod {name} is being deleted"
+    return "", ""
 
 
 def _terminated_message(status: Mapping[str, Any]) -> str:
@@ -176,12 +178,12 @@ def assess(pods: Iterable[Mapping[str, Any]], attempt: int, stages: int,
     if completes and not missing and len(done) == stages:
         return Verdict("succeeded", "", (), stages)  # training finished on every rank
     for s in sorted(by_stage):
-        why = pod_failure(by_stage[s], nodes, completes)
+        cause, why = _pod_failure(by_stage[s], nodes, completes)
         if why:
-            return Verdict("failed", why, missing)
+            return Verdict("failed", why, missing, cause=cause)
     ready = sum(pod_ready(p) or (completes and s in done) for s, p in by_stage.items())
     if missing:
-        return Verdict("missing", f"pod of stage {missing[0]} is missing", missing, ready)
+        return Verdict("missing", f"pod of stage {missing[0]} is missing", missing, ready, cause="pod-deleted")
     for s in sorted(by_stage):
         u = _unschedulable(by_stage[s])
         if u:
@@ -189,7 +191,7 @@ def assess(pods: Iterable[Mapping[str, Any]], attempt: int, stages: int,
             waited = (now - since).total_seconds() if since else 0.0
             if waited >= policy.unschedulable_grace_seconds:
                 return Verdict("unschedulable", f"pod {by_stage[s]['metadata']['name']} cannot be scheduled: "
-                                                f"{message}", (), ready)
+                                                f"{message}", (), ready, cause="unschedulable")
     if ready == stages:
         return Verdict("ready", "", (), ready)
     return Verdict("starting", "", (), ready)
@@ -207,7 +209,7 @@ def gang_verdict(verdicts: Iterable[Verdict]) -> Verdict:
         return Verdict("succeeded", "", (), ready)
     missing = next((v for v in verdicts if v.state == "missing"), None)
     if missing is not None:
-        return Verdict("missing", missing.failure, missing.missing, ready)
+        return Verdict("missing", missing.failure, missing.missing, ready, cause=missing.cause)
     if all(v.state in ("ready", "succeeded") for v in verdicts):
         return Verdict("ready", "", (), ready)
     return Verdict("starting", "", (), ready)
@@ -217,61 +219,61 @@ def gang_verdict(verdicts: Iterable[Verdict]) -> Verdict:
 class Step:
     """What the reconciler must do for one group, and the group record to store afterwards."""
     action: str                    # "none" | "create" | "teardown" | "replan" | "fail"
-    group: dict
+    group: ReplicaGroupStatus
     reason: str = ""               # one line for the condition and the Event
     event: str = ""                # Event reason when this step is a transition worth reporting
     requeue_after: float | None = None
+    cause: str = ""                # a failure's kind (Verdict.cause)
 
 
-def decide(group: Mapping[str, Any], verdict: Verdict, now: datetime, policy: Policy) -> Step:
+def decide(group: ReplicaGroupStatus, verdict: Verdict, now: datetime, policy: Policy) -> Step:
     """The recovery state machine for one replica group.
 
     Creating --all pods exist--> Starting --all Ready--> Ready
     any ----failure--> Recovering (teardown; restarts+1) --backoff elapsed--> replan --> Creating
     Recovering with restarts > maxRestarts --> Failed (terminal until the spec changes)
     """
-    g = dict(group)
-    phase = g.get("phase", CREATING)
-    if phase in (FAILED, SUCCEEDED):
+    g = group.model_copy()
+    if g.phase in (FAILED, SUCCEEDED):
         return Step("none", g)
     if verdict.state == "succeeded":
-        g["phase"] = SUCCEEDED
+        g.phase = SUCCEEDED
         return Step("none", g, event="Succeeded")
 
-    if phase == RECOVERING:
+    if g.phase == RECOVERING:
         # The group was torn down when the failure was seen; recreate it once the backoff has passed.
-        until = parse_iso(g.get("retryAt"))
+        until = parse_iso(g.retry_at)
         if until and now < until:
             return Step("none", g, requeue_after=(until - now).total_seconds())
-        return Step("replan", g, g.get("lastFailure", ""))
+        return Step("replan", g, g.last_failure or "")
 
-    if phase == PENDING:
-        return Step("replan", g, g.get("lastFailure", ""))
+    if g.phase == PENDING:
+        return Step("replan", g, g.last_failure or "")
 
-    if verdict.state in ("failed", "unschedulable") or (verdict.state == "missing" and phase in (STARTING, READY)):
-        restarts = int(g.get("restarts", 0)) + 1
-        g["restarts"] = restarts
-        g["lastFailure"] = verdict.failure
-        g.setdefault("failedAt", iso(now))
-        if restarts > policy.max_restarts:
-            g["phase"] = FAILED
-            return Step("fail", g, f"replica {g.get('replica')} gave up after {policy.max_restarts} restarts; "
-                                   f"last failure: {verdict.failure}", event="RestartBudgetExhausted")
-        g["phase"] = RECOVERING
-        delay = policy.backoff(restarts)
-        g["retryAt"] = iso(datetime.fromtimestamp(now.timestamp() + delay, timezone.utc))
-        return Step("teardown", g, verdict.failure, event="Recovering", requeue_after=delay)
+    if verdict.state in ("failed", "unschedulable") or (verdict.state == "missing" and g.phase in (STARTING, READY)):
+        return _failed(g, verdict, now, policy)
 
     if verdict.state == "missing":
-        g["phase"] = CREATING
+        g.phase = CREATING
         return Step("create", g)
     if verdict.state == "ready":
-        if phase != READY:
-            g["phase"] = READY
-            g["readySince"] = iso(now)
+        if g.phase != READY:
+            g.phase, g.ready_since = READY, iso(now)
             return Step("none", g, event="GroupReady")
         return Step("none", g)
-    # starting
-    if phase != STARTING:
-        g["phase"] = STARTING
+    g.phase = STARTING  # starting
     return Step("none", g)
+
+
+def _failed(g: ReplicaGroupStatus, verdict: Verdict, now: datetime, policy: Policy) -> Step:
+    g.restarts += 1
+    g.last_failure = verdict.failure
+    g.failed_at = g.failed_at or iso(now)
+    if g.restarts > policy.max_restarts:
+        g.phase = FAILED
+        return Step("fail", g, f"replica {g.replica} gave up after {policy.max_restarts} restarts; "
+                               f"last failure: {verdict.failure}", event="RestartBudgetExhausted")
+    g.phase = RECOVERING
+    delay = policy.backoff(g.restarts)
+    g.retry_at = iso(datetime.fromtimestamp(now.timestamp() + delay, timezone.utc))
+    return Step("teardown", g, verdict.failure, event="Recovering", requeue_after=delay, cause=verdict.cause)

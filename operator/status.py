@@ -10,42 +10,42 @@ Phase of the whole model, from its replica groups:
   Failed      nothing can serve: the spec cannot be planned, or every group spent its restarts
   Succeeded   training finished on every replica
 
-Conditions (type: status, reason): Planned, Ready, Recovering; each with a one-line message. The
+Conditions (type: status, reason): Planned, Ready, PodsScheduled, Recovering; each with a one-line
+message. The
 conditions' lastTransitionTime changes only when their status changes, as Kubernetes conventions want.
 """
 from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
-from shardwise.crds.plan import ShardPlan
-from shardwise.operator import recovery
+from shardwise.crds.models import GroupPhase, ReplicaGroupStatus
 
 PENDING, STARTING, READY, RUNNING, RECOVERING, DEGRADED, FAILED, SUCCEEDED = (
     "Pending", "Starting", "Ready", "Running", "Recovering", "Degraded", "Failed", "Succeeded")
 
 
-def model_phase(groups: Iterable[Mapping[str, Any]], desired: int, invalid: str = "") -> str:
+def model_phase(groups: Iterable[ReplicaGroupStatus], desired: int, invalid: str = "") -> str:
     """`invalid`: why the spec cannot run at all (not a capacity problem) - terminal until it changes."""
     if invalid:
         return FAILED
     # An Outdated group still serves (on the old layout) until its replacement is Ready.
-    phases = [recovery.READY if g.get("phase") == recovery.OUTDATED else g.get("phase", recovery.CREATING)
-              for g in groups if g.get("replica", 0) < desired]
-    phases += [recovery.PENDING] * (desired - len(phases))
+    phases = [GroupPhase.READY if g.phase == GroupPhase.OUTDATED else g.phase
+              for g in groups if g.replica < desired]
+    phases += [GroupPhase.PENDING] * (desired - len(phases))
     if desired == 0:
         return READY
-    if all(p == recovery.SUCCEEDED for p in phases):
+    if all(p == GroupPhase.SUCCEEDED for p in phases):
         return SUCCEEDED
-    ready = phases.count(recovery.READY)
+    ready = phases.count(GroupPhase.READY)
     if ready == desired:
         return READY
-    if recovery.RECOVERING in phases:
+    if GroupPhase.RECOVERING in phases:
         return RECOVERING
-    stuck = sum(p in (recovery.FAILED, recovery.PENDING) for p in phases)
+    stuck = sum(p in (GroupPhase.FAILED, GroupPhase.PENDING) for p in phases)
     if ready and stuck:
         return DEGRADED
     if stuck == desired:
-        return FAILED if all(p == recovery.FAILED for p in phases) else PENDING
+        return FAILED if all(p == GroupPhase.FAILED for p in phases) else PENDING
     return STARTING
 
 
@@ -72,23 +72,13 @@ def condition(conditions: Iterable[Mapping[str, Any]] | None, type_: str) -> Map
     return None
 
 
-def placements_summary(plan: ShardPlan | None) -> list[dict]:
-    """What `kubectl get sm -o yaml` shows of the plan: where each stage runs and which layers it holds."""
-    if plan is None:
-        return []
-    return [{"replica": p.replica, "stage": p.stage, "node": p.node, "gpus": p.gpus,
-             "layers": f"{p.layer_start}-{p.layer_end}",
-             **({"domain": next(iter(p.domains.values()))} if p.domains else {})}
-            for p in sorted(plan.placements, key=lambda p: (p.replica, p.stage))]
-
-
-def phase_message(groups: list[Mapping[str, Any]], desired: int, invalid: str = "", job: bool = False) -> str:
+def phase_message(groups: list[ReplicaGroupStatus], desired: int, invalid: str = "", job: bool = False) -> str:
     """`job`: the groups are one training job's replicas, which share their failure: told once."""
-    ready = sum(g.get("phase") == recovery.READY for g in groups if g.get("replica", 0) < desired)
+    ready = sum(g.phase == GroupPhase.READY for g in groups if g.replica < desired)
     base = f"{ready}/{desired} replicas ready"
     failures = list(dict.fromkeys(
-        f"{'training job' if job else 'replica ' + str(g['replica'])}: {g['lastFailure']}" for g in groups
-        if g.get("phase") in (recovery.RECOVERING, recovery.FAILED, recovery.PENDING) and g.get("lastFailure")))
+        f"{'training job' if job else 'replica ' + str(g.replica)}: {g.last_failure}" for g in groups
+        if g.phase in (GroupPhase.RECOVERING, GroupPhase.FAILED, GroupPhase.PENDING) and g.last_failure))
     if invalid:
         failures.insert(0, invalid)
     return base + ("; " + "; ".join(failures) if failures else "")

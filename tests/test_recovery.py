@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
 
+from shardwise.crds.models import ReplicaGroupStatus
 from shardwise.operator import recovery, status
 
 NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
@@ -26,20 +27,25 @@ def _pod(stage, attempt=1, node="n1", phase="Running", ready=True, **extra):
 NODES = {"n1": _node("n1"), "n2": _node("n2")}
 
 
+def G(**record) -> ReplicaGroupStatus:
+    """A group record as status stores it (camelCase keys)."""
+    return ReplicaGroupStatus.model_validate(record)
+
+
 def test_all_ready_group_is_ready_and_older_attempts_are_ignored():
     pods = [_pod(0), _pod(1, node="n2"), _pod(1, attempt=0, phase="Failed")]
     v = recovery.assess(pods, 1, 2, NODES, NOW, POLICY)
     assert v.state == "ready" and v.ready == 2
-    step = recovery.decide({"replica": 0, "attempt": 1, "phase": "Starting"}, v, NOW, POLICY)
-    assert step.group["phase"] == "Ready" and step.event == "GroupReady"
+    step = recovery.decide(G(replica=0, attempt=1, phase="Starting"), v, NOW, POLICY)
+    assert step.group.phase == "Ready" and step.event == "GroupReady"
 
 
 def test_node_not_ready_fails_the_whole_group_and_counts_a_restart():
     nodes = {"n1": _node("n1"), "n2": _node("n2", ready=False)}
     v = recovery.assess([_pod(0), _pod(1, node="n2")], 1, 2, nodes, NOW, POLICY)
     assert v.state == "failed" and "node n2" in v.failure and "NotReady" in v.failure
-    step = recovery.decide({"replica": 0, "attempt": 1, "phase": "Ready", "restarts": 0}, v, NOW, POLICY)
-    assert step.action == "teardown" and step.group["phase"] == "Recovering" and step.group["restarts"] == 1
+    step = recovery.decide(G(replica=0, attempt=1, phase="Ready", restarts=0), v, NOW, POLICY)
+    assert step.action == "teardown" and step.group.phase == "Recovering" and step.group.restarts == 1
 
 
 def test_deleted_node_and_missing_pod_after_start_are_failures_but_missing_while_creating_is_not():
@@ -47,9 +53,9 @@ def test_deleted_node_and_missing_pod_after_start_are_failures_but_missing_while
     assert v.state == "failed" and "gone" in v.failure
     missing = recovery.assess([_pod(0)], 1, 2, NODES, NOW, POLICY)
     assert missing.state == "missing" and missing.missing == (1,)
-    creating = recovery.decide({"replica": 0, "attempt": 1, "phase": "Creating"}, missing, NOW, POLICY)
+    creating = recovery.decide(G(replica=0, attempt=1, phase="Creating"), missing, NOW, POLICY)
     assert creating.action == "create"
-    started = recovery.decide({"replica": 0, "attempt": 1, "phase": "Starting"}, missing, NOW, POLICY)
+    started = recovery.decide(G(replica=0, attempt=1, phase="Starting"), missing, NOW, POLICY)
     assert started.action == "teardown"
 
 
@@ -61,17 +67,17 @@ def test_evicted_pod_reason_is_reported():
 
 def test_backoff_doubles_and_budget_ends_in_failed():
     assert [POLICY.backoff(n) for n in (1, 2, 3)] == [4, 8, 16]
-    group = {"replica": 0, "attempt": 1, "phase": "Ready", "restarts": 0}
+    group = G(replica=0, attempt=1, phase="Ready", restarts=0)
     failed = recovery.Verdict("failed", "pod x Failed")
     step = recovery.decide(group, failed, NOW, POLICY)
-    assert step.group["retryAt"] == recovery.iso(NOW + timedelta(seconds=4))
+    assert step.group.retry_at == recovery.iso(NOW + timedelta(seconds=4))
     waiting = recovery.decide(step.group, recovery.Verdict("missing", missing=(0, 1)), NOW + timedelta(seconds=1), POLICY)
     assert waiting.action == "none" and 2.9 < waiting.requeue_after < 3.1
     due = recovery.decide(step.group, recovery.Verdict("missing", missing=(0, 1)), NOW + timedelta(seconds=5), POLICY)
     assert due.action == "replan"
-    g = dict(step.group, phase="Ready", restarts=2)
+    g = step.group.model_copy(update={"phase": "Ready", "restarts": 2})
     final = recovery.decide(g, failed, NOW, POLICY)
-    assert final.action == "fail" and final.group["phase"] == "Failed"
+    assert final.action == "fail" and final.group.phase == "Failed"
     assert "after 2 restarts" in final.reason
 
 
@@ -88,13 +94,13 @@ def test_unschedulable_past_grace_is_replanned_with_the_schedulers_reason():
 
 
 def test_model_phase():
-    ready = {"replica": 0, "phase": "Ready"}
-    assert status.model_phase([ready, {"replica": 1, "phase": "Ready"}], 2) == "Ready"
-    assert status.model_phase([ready, {"replica": 1, "phase": "Recovering"}], 2) == "Recovering"
-    assert status.model_phase([ready, {"replica": 1, "phase": "Pending"}], 2) == "Degraded"
-    assert status.model_phase([{"replica": 0, "phase": "Pending"}], 1) == "Pending"
-    assert status.model_phase([{"replica": 0, "phase": "Failed"}], 1) == "Failed"
-    assert status.model_phase([{"replica": 0, "phase": "Starting"}], 1) == "Starting"
+    ready = G(replica=0, phase="Ready")
+    assert status.model_phase([ready, G(replica=1, phase="Ready")], 2) == "Ready"
+    assert status.model_phase([ready, G(replica=1, phase="Recovering")], 2) == "Recovering"
+    assert status.model_phase([ready, G(replica=1, phase="Pending")], 2) == "Degraded"
+    assert status.model_phase([G(replica=0, phase="Pending")], 1) == "Pending"
+    assert status.model_phase([G(replica=0, phase="Failed")], 1) == "Failed"
+    assert status.model_phase([G(replica=0, phase="Starting")], 1) == "Starting"
     assert status.model_phase([ready], 1, invalid="tensor 3 does not divide 32 heads") == "Failed"
 
 
@@ -115,9 +121,9 @@ def test_training_pods_that_exited_zero_are_done_not_failed():
     # a finished pod on a node lost afterwards is still finished
     lost = {"n1": _node("n1"), "n2": _node("n2", ready=False)}
     assert recovery.assess(done, 1, 2, lost, NOW, POLICY, completes=True).state == "succeeded"
-    step = recovery.decide({"replica": 0, "attempt": 1, "phase": "Ready"},
+    step = recovery.decide(G(replica=0, attempt=1, phase="Ready"),
                            recovery.assess(done, 1, 2, lost, NOW, POLICY, completes=True), NOW, POLICY)
-    assert step.group["phase"] == "Succeeded" and step.action == "none"
+    assert step.group.phase == "Succeeded" and step.action == "none"
 
 
 def test_gang_verdict_one_failure_fails_the_job_and_it_is_done_when_all_are():
@@ -149,6 +155,6 @@ def test_a_pod_pinned_to_a_node_that_went_not_ready_before_binding_fails_at_once
 
 
 def test_a_training_job_tells_its_shared_failure_once():
-    groups = [{"replica": r, "phase": "Recovering", "lastFailure": "pod m-r0-s0-a1 Failed"} for r in range(3)]
+    groups = [G(replica=r, phase="Recovering", lastFailure="pod m-r0-s0-a1 Failed") for r in range(3)]
     assert status.phase_message(groups, 3, job=True) == "0/3 replicas ready; training job: pod m-r0-s0-a1 Failed"
     assert status.phase_message(groups, 3).count("pod m-r0-s0-a1 Failed") == 3

@@ -224,7 +224,7 @@ def test_create_ready_with_planned_placement_then_delete_collects_everything(kub
         assert res["limits"]["nvidia.com/gpu"] == "8"
     assert {s["metadata"]["name"] for s in kube.get("services")["items"]} >= {"llama", "llama-ranks"}
     plan_json = json.loads(kube.get("configmap", "llama-plan")["data"]["plan.json"])
-    assert len(plan_json["placements"]) == 4
+    assert len(plan_json["plan"]["placements"]) == 4   # the pod contract: the whole plan and more
     assert kube.get("pdb", "llama")["spec"]["minAvailable"] == 2
 
     # Deleting needs no running operator: no finalizer, only ownerReferences and the garbage collector.
