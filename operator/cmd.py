@@ -48,42 +48,77 @@ class _Health(http.server.BaseHTTPRequestHandler):
         pass
 
 
+class _Refused(Exception):
+    """A one-line reason the operator cannot start (printed, exit status 2)."""
+
+
 def run(args: argparse.Namespace) -> int:
     import kopf
-    from kubernetes.config import ConfigException
 
-    from shardwise.operator import applier as applier_mod, handlers, metrics, training
-    from shardwise.operator.leader import LeaseLock
+    from shardwise.operator import applier as applier_mod, handlers
 
-    if args.progress_seconds <= 0:
-        print("shardwise operator: --progress-seconds must be more than 0", file=sys.stderr)
-        return 2
-    training.POLL_SECONDS = args.progress_seconds
-
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # kopf logs every successful event handler at INFO: one line per pod or node update is noise.
-    if args.log_level != "debug":
-        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
-    for noisy in ("kubernetes", "aiohttp"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    logging.getLogger("urllib3").setLevel(logging.ERROR)  # its retry warnings repeat what we say once
-    if args.kubeconfig:
-        if not os.path.exists(args.kubeconfig):
-            print(f"shardwise operator: kubeconfig {args.kubeconfig} does not exist", file=sys.stderr)
-            return 2
-        os.environ["KUBECONFIG"] = args.kubeconfig  # kopf's own login reads it too
-        # ...through the kubernetes client, which read $KUBECONFIG once, when it was imported above.
-        from kubernetes.config import kube_config
-        kube_config.KUBE_CONFIG_DEFAULT_LOCATION = args.kubeconfig
     try:
-        api = applier_mod.load_config(args.kubeconfig)
-    except (ConfigException, OSError) as e:
-        print(f"shardwise operator: no cluster to talk to ({e}); pass --kubeconfig", file=sys.stderr)
+        _check_arguments(args)
+        _configure_logging(args.log_level)
+        api = _connect(args.kubeconfig)
+        _serve_health_and_metrics(args)
+    except _Refused as e:
+        print(f"shardwise operator: {e}", file=sys.stderr)
         return 2
     handlers.RUNTIME.applier = applier_mod.Applier(api)
     if args.worker_image:
         handlers.RUNTIME.default_image = args.worker_image
+    lock = None if args.no_leader_election else _become_leader(api, args)
+    scope = dict(clusterwide=True) if not args.namespace else dict(namespaces=args.namespace)
+    try:
+        kopf.run(standalone=True, **scope)
+    finally:
+        if lock is not None:
+            lock.release()
+    return 0
+
+
+def _check_arguments(args: argparse.Namespace) -> None:
+    from shardwise.operator import training
+
+    if args.progress_seconds <= 0:
+        raise _Refused("--progress-seconds must be more than 0")
+    if not args.no_leader_election and args.lease_duration < 3:
+        raise _Refused("--lease-duration must be at least 3 seconds")
+    if args.kubeconfig and not os.path.exists(args.kubeconfig):
+        raise _Refused(f"kubeconfig {args.kubeconfig} does not exist")
+    training.POLL_SECONDS = args.progress_seconds
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # kopf logs every successful event handler at INFO: one line per pod or node update is noise.
+    if level != "debug":
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    for noisy in ("kubernetes", "aiohttp"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    logging.getLogger("urllib3").setLevel(logging.ERROR)  # its retry warnings repeat what we say once
+
+
+def _connect(kubeconfig: str | None):
+    from kubernetes.config import ConfigException
+
+    from shardwise.operator import applier as applier_mod
+
+    if kubeconfig:
+        os.environ["KUBECONFIG"] = kubeconfig  # kopf's own login reads it too
+        # ...through the kubernetes client, which read $KUBECONFIG once, when it was imported.
+        from kubernetes.config import kube_config
+        kube_config.KUBE_CONFIG_DEFAULT_LOCATION = kubeconfig
+    try:
+        return applier_mod.load_config(kubeconfig)
+    except (ConfigException, OSError) as e:
+        raise _Refused(f"no cluster to talk to ({e}); pass --kubeconfig") from None
+
+
+def _serve_health_and_metrics(args: argparse.Namespace) -> None:
+    from shardwise.operator import metrics
 
     try:
         if args.health_port:
@@ -93,30 +128,22 @@ def run(args: argparse.Namespace) -> int:
         if args.metrics_port:
             metrics.serve(args.metrics_port, args.bind_address)
     except OSError as e:
-        print(f"shardwise operator: cannot listen on {args.bind_address} for /healthz (port {args.health_port}) "
-              f"or /metrics (port {args.metrics_port}): {e.strerror}", file=sys.stderr)
-        return 2
+        raise _Refused(f"cannot listen on {args.bind_address} for /healthz (port {args.health_port}) "
+                       f"or /metrics (port {args.metrics_port}): {e.strerror}") from None
 
-    lock = None
-    if not args.no_leader_election:
-        lease_ns = args.lease_namespace or os.environ.get("POD_NAMESPACE") or "default"
-        if args.lease_duration < 3:
-            print("shardwise operator: --lease-duration must be at least 3 seconds", file=sys.stderr)
-            return 2
-        lock = LeaseLock(api, lease_ns, args.lease_name, lease_seconds=args.lease_duration,
-                         renew_seconds=args.lease_duration / 3)
-        lock.wait_until_leader()
 
-        def lost() -> None:
-            # Another replica may be reconciling now: stop at once rather than act twice.
-            logging.getLogger("shardwise.operator").error("leadership lost; exiting")
-            os._exit(3)
-        lock.keep_renewing(lost)
+def _become_leader(api, args: argparse.Namespace):
+    """Block until this replica holds the Lease; exit at once if it is ever lost."""
+    from shardwise.operator.leader import LeaseLock
 
-    scope = dict(clusterwide=True) if not args.namespace else dict(namespaces=args.namespace)
-    try:
-        kopf.run(standalone=True, **scope)
-    finally:
-        if lock is not None:
-            lock.release()
-    return 0
+    lease_ns = args.lease_namespace or os.environ.get("POD_NAMESPACE") or "default"
+    lock = LeaseLock(api, lease_ns, args.lease_name, lease_seconds=args.lease_duration,
+                     renew_seconds=args.lease_duration / 3)
+    lock.wait_until_leader()
+
+    def lost() -> None:
+        # Another replica may be reconciling now: stop at once rather than act twice.
+        logging.getLogger("shardwise.operator").error("leadership lost; exiting")
+        os._exit(3)
+    lock.keep_renewing(lost)
+    return lock
