@@ -43,6 +43,10 @@ tests/e2e/test_chart_install.py runs the operator as this ServiceAccount against
 - apiGroups: [""]
   resources: ["services", "configmaps"]
   verbs: ["create", "patch"]
+# The plan ConfigMap is also where the plan is stored: each pass reads it back.
+- apiGroups: [""]
+  resources: ["configmaps"]
+  verbs: ["get"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["create", "patch"]
