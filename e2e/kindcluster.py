@@ -132,6 +132,7 @@ class KindCluster:
         return self.name in self.kind("get", "clusters").split()
 
     def create(self, image: str = NODE_IMAGE, config: Path = CONFIG, say=print) -> None:
+        self._tool("kind")   # the binaries first: that check needs no Docker daemon
         if not image_exists(image):
             raise DockerError(f"node image {image} is not there: build it with `shardwise kind build`")
         if self.exists():
