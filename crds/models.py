@@ -234,7 +234,8 @@ class Training(ApiModel):
 
 class Recovery(ApiModel):
     max_restarts: int = Field(3, ge=0, le=1000, description=(
-        "Restarts of a replica group before the model is marked Failed."))
+        "Restarts of one replica group before that group gives up (Failed). The model is Degraded "
+        "while other replicas serve, and Failed when every group gave up."))
     backoff_seconds: int = Field(10, ge=0, le=3600, description="Wait before recreating a failed group.")
     allow_shrink: bool = Field(False, description=(
         "When capacity is short, run fewer replicas (or another layout when tensor/pipeline are "
