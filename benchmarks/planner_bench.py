@@ -22,8 +22,8 @@ import sys
 import time
 
 from shardwise.crds.models import ShardedModelSpec
+from shardwise.crds.modelshape import ModelFacts, from_hf_config
 from shardwise.operator import inventory
-from shardwise.operator.modelfacts import ModelFacts, from_hf_config
 from shardwise.operator.planner import plan
 
 LLAMA_70B = from_hf_config(dict(num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,

@@ -68,10 +68,10 @@ def _slices_for(config, folder: Path, tp: int, rank: int, stage: tuple[int, int]
 def _load_time(folder: Path, config, tp: int, pp: int) -> float:
     """Slowest rank's time to read its slices of `folder` under TP=tp x PP=pp (ranks in turn)."""
     from shardwise.worker import checkpoint as ckpt
-    from shardwise.worker.loader import split_layers
+    from shardwise.crds.layout import split_layers
 
     times = []
-    for stage in split_layers(config.num_layers, pp):
+    for stage in split_layers(config.facts(), pp).ranges:
         for rank in range(tp):
             slices = _slices_for(config, folder, tp, rank, stage)
             best = float("inf")

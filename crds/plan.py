@@ -4,14 +4,15 @@ The plan is the contract between the planner (pure), the renderer (pods from the
 worker (which layers and which slice of each weight a rank owns). It travels to the pods as
 `plan.json` in a ConfigMap, so both sides validate it with this one model.
 
-Rank layout inside one replica (one torch.distributed group per replica):
-    world_size = tensor * pipeline
-    rank       = stage * tensor + tp_rank        (tp_rank = the GPU index inside the stage's pod)
-Replicas are independent groups; training averages gradients across them (data parallel).
+Ranks: crds/layout.py RankLayout. Inside one replica (one torch.distributed world per replica)
+consecutive ranks are one stage's TP group; training makes one world of all replicas and averages
+gradients across them (data parallel). The layer ranges come from crds/layout.py split_layers.
 """
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from shardwise.crds.layout import RankLayout
 
 
 class _Model(BaseModel):
@@ -60,7 +61,8 @@ class ShardPlan(_Model):
 
     @property
     def world_size(self) -> int:
-        return self.tensor * self.pipeline
+        """Ranks of one replica's world (what an inference pod joins)."""
+        return RankLayout(self.tensor, self.pipeline).world_size
 
     def stages_of(self, replica: int) -> list[StagePlacement]:
         return sorted((p for p in self.placements if p.replica == replica), key=lambda p: p.stage)

@@ -69,12 +69,13 @@ def table(plan: Any) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shardwise.operator import inventory, modelfacts, planner
+    from shardwise.crds import modelshape
+    from shardwise.operator import inventory, planner
 
     try:
         manifest = _load_spec(args.filename)
         spec = manifest.spec
-        facts = modelfacts.resolve(spec, base=Path(args.filename).resolve().parent)
+        facts = modelshape.resolve(spec, base=Path(args.filename).resolve().parent)
         if args.from_cluster:
             raw_nodes, raw_pods = _from_cluster()
         else:

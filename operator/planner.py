@@ -21,7 +21,10 @@ How it decides
    towards nodes the replica fills (best fit, keeping big blocks whole), then by name (determinism). Replicas are placed one after the
    other; only the domains a placed replica touched are recomputed, which keeps 1,000 nodes fast.
 4. Layers. Split contiguously so stages hold equal parameters, counting the embedding on the
-   first stage and the final norm + LM head on the last.
+   first stage and the final norm + LM head on the last (crds/layout.py: the worker splits a
+   local run the same way).
+Weights are sized in the dtype the worker will hold them in on a GPU (crds/modelshape.py
+in_memory_dtype: a quantized GGUF is dequantized, so it takes bfloat16's room, not its file's).
 """
 from __future__ import annotations
 
@@ -31,10 +34,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
+from shardwise.crds.layout import split_layers
 from shardwise.crds.models import ShardedModelSpec
+from shardwise.crds.modelshape import ModelFacts
 from shardwise.crds.plan import ReplicaPlan, ShardPlan, StagePlacement
 from shardwise.operator.inventory import NodeInfo, usable
-from shardwise.operator.modelfacts import ModelFacts
 
 GiB = 2**30
 CUDA_OVERHEAD = 1 * GiB          # context, cuBLAS workspace, NCCL buffers per GPU
@@ -60,44 +64,19 @@ class Layout:
 # ------------------------------------------------------------------ layers and memory
 
 
-def split_layers(facts: ModelFacts, stages: int) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]]:
-    """Contiguous layer ranges minimising the largest stage's parameters, and each stage's params."""
-    n, per, emb, head = facts.layers, facts.layer_params, facts.embedding_params, facts.head_params
-    if stages > n:
-        raise PlanError(f"pipeline {stages} exceeds the model's {n} layers")
-    if stages == 1:
-        return ((0, n),), (emb + n * per + head,)
-    extra = [emb] + [0] * (stages - 2) + [head]
-
-    def counts_for(limit: int) -> list[int] | None:
-        caps = [(limit - e) // per for e in extra]
-        return caps if min(caps) >= 1 and sum(caps) >= n else None
-
-    lo, hi = per, max(extra) + n * per
-    while lo < hi:  # smallest largest-stage that fits
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if counts_for(mid) else (mid + 1, hi)
-    counts = counts_for(lo)
-    assert counts is not None
-    # Too much room: take layers back from the heaviest stages (later index first on ties).
-    while sum(counts) > n:
-        i = max((i for i in range(stages) if counts[i] > 1), key=lambda i: (extra[i] + counts[i] * per, i))
-        counts[i] -= 1
-    ranges, start = [], 0
-    for c in counts:
-        ranges.append((start, start + c))
-        start += c
-    return tuple(ranges), tuple(e + c * per for e, c in zip(extra, counts))
-
-
 def activation_bytes(facts: ModelFacts) -> float:
     """Bytes per KV-cache and activation element: quantized weights still compute in 16 bits."""
     return max(2.0, facts.bytes_per_param) if facts.bytes_per_param <= 4 else 4.0
 
 
+def weight_bytes(facts: ModelFacts, params: int, tensor: int) -> float:
+    """Bytes of weights one GPU of a stage holding `params` parameters keeps, once loaded."""
+    return params * facts.bytes_per_param / tensor
+
+
 def stage_memory(facts: ModelFacts, spec: ShardedModelSpec, tensor: int, params: int, layers: int) -> int:
     """Bytes one GPU of a stage needs: its slice of the weights plus headroom."""
-    weights = params * facts.bytes_per_param / tensor
+    weights = weight_bytes(facts, params, tensor)
     if spec.workload == "training":
         # gradients in the weight dtype and fp32 Adam moments, sharded like the weights
         state = params * (facts.bytes_per_param + 8) / tensor
@@ -109,7 +88,10 @@ def stage_memory(facts: ModelFacts, spec: ShardedModelSpec, tensor: int, params:
 
 
 def make_layout(facts: ModelFacts, spec: ShardedModelSpec, tensor: int, pipeline: int) -> Layout:
-    ranges, params = split_layers(facts, pipeline)
+    try:
+        ranges, params = split_layers(facts, pipeline)
+    except ValueError as e:  # more stages than layers: no capacity makes that fit
+        raise PlanError(str(e)) from None
     memory = max(stage_memory(facts, spec, tensor, p, e - s) for p, (s, e) in zip(params, ranges))
     return Layout(tensor, pipeline, memory, ranges, params)
 

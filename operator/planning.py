@@ -12,7 +12,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from shardwise.crds.models import ShardedModelSpec
 from shardwise.crds.plan import ShardPlan, StagePlacement
-from shardwise.operator import inventory, modelfacts, planner, recovery
+from shardwise.crds import modelshape as modelfacts
+from shardwise.operator import inventory, planner, recovery
 from shardwise.operator.renderer import LABEL_MODEL, LABEL_REPLICA
 
 # PlanError messages that no amount of capacity will fix: the spec must change.

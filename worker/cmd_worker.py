@@ -6,16 +6,16 @@
          POD_IP                               a loopback POD_IP is the address to bind (--host overrides)
          SHARDWISE_MODEL_NAME                 optional: the model name the API reports
 
-The pod process reads the plan, then starts one process per TP rank (plan.tensor of them) with
-RANK = stage * tensor + local_rank and WORLD_SIZE = tensor * pipeline, and supervises them: if
+The pod process reads the plan, then starts one process per TP rank (plan.tensor of them),
+ranked by crds/layout.py RankLayout (a replica is its own world), and supervises them: if
 one dies the pod exits non-zero so the operator sees it. On stage 0, global rank 0 serves the
 OpenAI API, /healthz (200 once every rank of the replica has loaded) and /metrics on --port. On
 other stages the pod process serves /healthz (200 once its own ranks have loaded) and /metrics
 (its ranks' weight bytes) on --port.
 
 With SHARDWISE_WORKLOAD=training the ranks train instead (worker/train.py, options from the
-SHARDWISE_TRAIN_* and SHARDWISE_CHECKPOINT_* variables): one world over every replica, RANK =
-(replica * pipeline + stage) * tensor + local_rank. Every pod serves /healthz (200 once its ranks
+SHARDWISE_TRAIN_* and SHARDWISE_CHECKPOINT_* variables): one world over every replica (RankLayout
+with the replicas counted). Every pod serves /healthz (200 once its ranks
 have joined and resumed) and /progress (the job's progress.json from the shared checkpoint
 directory); when every step is done the pod writes the result to $SHARDWISE_TERMINATION_LOG and
 exits 0.
@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replica", type=int, default=None, help="default: $SHARDWISE_REPLICA")
     parser.add_argument("--stage", type=int, default=None, help="default: $SHARDWISE_STAGE")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     parser.add_argument("--max-seq-len", type=int, default=0)
     parser.add_argument("--max-batch", type=int, default=8)
 
@@ -97,6 +97,8 @@ def run(args) -> int:
 def _run(args) -> int:
     import torch
 
+    from shardwise.crds.layout import RankLayout
+
     from .errors import WorkerError
     from .runtime import RankSpec, validate
 
@@ -118,7 +120,7 @@ def _run(args) -> int:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     spec = RankSpec(model=args.model, tensor=plan.tensor, pipeline=plan.pipeline,
                     layers=[(p.layer_start, p.layer_end) for p in plan.stages_of(replica)],
-                    device=device, dtype=args.dtype or ("bfloat16" if device == "cuda" else "float32"),
+                    device=device, dtype=args.dtype,   # validate() resolves auto
                     max_batch=args.max_batch, max_seq=args.max_seq_len)
     source = validate(spec)
     if source.config.num_layers != plan.num_layers:
@@ -129,12 +131,13 @@ def _run(args) -> int:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if os.environ.get(WORKLOAD_ENV) == "training":
         return _run_training(args, plan, replica, stage, device, spec.dtype, host)
-    world = plan.tensor * plan.pipeline
+    layout = RankLayout(plan.tensor, plan.pipeline)   # an inference replica is its own world
+    world, ranks = layout.world_size, layout.stage_ranks(stage)
     _say(f"replica {replica} stage {stage}: layers [{placement.layer_start}, {placement.layer_end}), "
-         f"ranks {stage * plan.tensor}..{stage * plan.tensor + plan.tensor - 1} of {world}, {device}")
+         f"ranks {ranks[0]}..{ranks[-1]} of {world}, {device} {spec.dtype}")
 
     procs, loaded_q = _start_ranks(plan.tensor, _rank_main, lambda local, q: (
-        spec, stage * plan.tensor + local, world, local, host, args.port, args.model, q, dict(os.environ)))
+        spec, ranks[local], world, local, host, args.port, args.model, q, dict(os.environ)))
     health = None
     if stage != 0:
         health = _StageHealth(plan.tensor, host, args.port)

@@ -11,6 +11,7 @@ register theirs); `detect_format(path)` names the format of a `--model` argument
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from typing import Callable
 
 import torch
 from torch import nn
+
+from shardwise.crds.modelshape import COMPUTE_DTYPES, gguf_dtype, hf_dtype
 
 from .errors import WorkerError
 from .model import ModelConfig, Transformer
@@ -63,6 +66,7 @@ class ModelSource:
     """What a loader needs from a format: the config, tensors by model.py name, the tokenizer."""
     config: ModelConfig
     path: str
+    dtype: str = ""    # as stored ("bfloat16", "Q4_1"); "" unknown. in_memory_dtype picks the run dtype from it
 
     def read(self, name: str, shard: Shard | None) -> torch.Tensor:  # pragma: no cover - interface
         raise NotImplementedError
@@ -180,6 +184,7 @@ class HFSource(ModelSource):
         except ValueError as e:
             raise WorkerError(f"{cfg_path} is not valid JSON: {e}") from None
         self.config = config_from_hf(self.raw_config, path)
+        self.dtype = hf_dtype(self.raw_config)
         gen = os.path.join(path, "generation_config.json")
         if os.path.isfile(gen):
             with open(gen) as f:
@@ -255,6 +260,7 @@ class GGUFSource(ModelSource):
             raise WorkerError(f"weight file {path} is truncated or not a GGUF file ({e})") from None
         self.fields = self.index.fields
         self.tensors = self.index.tensors
+        self.dtype = gguf_dtype((t.qtype, math.prod(t.shape)) for t in self.tensors.values())
         arch = self.field("general.architecture")
         if arch != "llama":
             raise WorkerError(f"{path}: unsupported GGUF architecture {arch!r} (supported: llama)")
@@ -389,18 +395,6 @@ def open_model(spec: str) -> ModelSource:
 
 # ---- layout checks and loading ----------------------------------------------------------------
 
-def split_layers(num_layers: int, stages: int) -> list[tuple[int, int]]:
-    """Contiguous, as-even-as-possible layer ranges; the last stage also holds the head, so the
-    extra layers go to the first stages."""
-    base, extra = divmod(num_layers, stages)
-    ranges, start = [], 0
-    for s in range(stages):
-        n = base + (1 if s < extra else 0)
-        ranges.append((start, start + n))
-        start += n
-    return ranges
-
-
 def check_layout(config: ModelConfig, tensor: int, pipeline: int) -> None:
     try:
         check_tensor_parallel(config, tensor)
@@ -411,7 +405,7 @@ def check_layout(config: ModelConfig, tensor: int, pipeline: int) -> None:
                           f"{config.num_layers} layers (use 1..{config.num_layers})")
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in COMPUTE_DTYPES}
 
 
 def load_stage(source: ModelSource, layer_start: int, layer_end: int, embedding: bool, head: bool,

@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardwise.crds.modelshape import ModelFacts
+
 
 @dataclass
 class ModelConfig:
@@ -68,6 +70,15 @@ class ModelConfig:
         per_layer = h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size + 2 * h
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + emb + h
+
+    def facts(self) -> ModelFacts:
+        """This model's shape as the planner sees it, so that the worker splits layers with the
+        planner's rule (crds/layout.py split_layers). bytes_per_param is left 0: the split counts
+        parameters, and the bytes are those of whatever dtype the worker loads in."""
+        return ModelFacts(layers=self.num_layers, heads=self.num_heads, kv_heads=self.num_kv_heads,
+                          hidden=self.hidden_size, vocab=self.vocab_size, intermediate=self.intermediate_size,
+                          params=self.num_params, bytes_per_param=0, tied_embeddings=self.tie_word_embeddings,
+                          source="worker model config")
 
 
 class RMSNorm(nn.Module):

@@ -1,6 +1,6 @@
 """Pipeline parallelism: stages own contiguous layer ranges and pass hidden states with send/recv.
 
-Rank layout (crds/plan.py): rank = stage * tensor + tp_rank. Rank 0 (stage 0, TP rank 0) drives:
+Ranks: crds/layout.py RankLayout (a replica is its own world). Rank 0 (stage 0, TP rank 0) drives:
 it decides every step (which requests, which tokens, positions, cache slots), runs stage 0 and
 sends the step down the pipeline; the last stage returns last-position logits to rank 0.
 
@@ -22,9 +22,12 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
+
+from shardwise.crds.layout import RankLayout
 
 from .parallel import COMM
 
@@ -49,17 +52,22 @@ class StageInfo:
     def is_last(self) -> bool:
         return self.stage == self.pipeline - 1
 
-    @property
+    # Cached: the pipeline asks for its peers on every step.
+    @cached_property
+    def layout(self) -> RankLayout:
+        return RankLayout(self.tensor, self.pipeline)
+
+    @cached_property
     def next_rank(self) -> int:
-        return (self.stage + 1) * self.tensor + self.tp_rank
+        return self.layout.rank(0, self.stage + 1, self.tp_rank)
 
-    @property
+    @cached_property
     def prev_rank(self) -> int:
-        return (self.stage - 1) * self.tensor + self.tp_rank
+        return self.layout.rank(0, self.stage - 1, self.tp_rank)
 
-    @property
+    @cached_property
     def last_stage_rank0(self) -> int:
-        return (self.pipeline - 1) * self.tensor
+        return self.layout.rank(0, self.pipeline - 1, 0)
 
 
 def _recv(t: torch.Tensor, src: int) -> torch.Tensor:

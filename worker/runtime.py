@@ -23,9 +23,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from shardwise.crds.layout import RankLayout, split_layers
+from shardwise.crds.modelshape import in_memory_dtype
+
 from . import parallel
 from .errors import WorkerError
-from .loader import DTYPES, check_layout, load_stage, open_model, split_layers
+from .loader import DTYPES, check_layout, load_stage, open_model
 from .pipeline import Stage, StageInfo
 
 PG_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("SHARDWISE_PG_TIMEOUT", "600")))
@@ -37,9 +40,9 @@ class RankSpec:
     model: str
     tensor: int = 1
     pipeline: int = 1
-    layers: list[tuple[int, int]] = field(default_factory=list)   # per stage; empty: even split
+    layers: list[tuple[int, int]] = field(default_factory=list)   # per stage; empty: the planner's split
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"           # validate() resolves auto (crds/modelshape.py in_memory_dtype)
     max_batch: int = 8
     max_seq: int = 0              # 0: min(model context, 4096)
     threads: int = 0              # torch intra-op threads per rank; 0: cores / local ranks
@@ -85,13 +88,14 @@ def setup_rank(spec: RankSpec, rank: int, world: int, local_rank: int, init_meth
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=PG_TIMEOUT)
     parallel.COMM.__init__()
     t, p = spec.tensor, spec.pipeline
-    stage_idx, tp_rank = divmod(rank, t)
-    groups = [dist.new_group(list(range(s * t, (s + 1) * t))) if t > 1 else None for s in range(p)]
+    layout = RankLayout(t, p)   # an inference replica is a world of its own
+    _, stage_idx, tp_rank = layout.position(rank)
+    groups = [dist.new_group(layout.stage_ranks(s)) if t > 1 else None for s in range(p)]
     info = StageInfo(rank, world, t, p, stage_idx, tp_rank, groups[stage_idx])
     parallel.use_shm_allreduce(info.tp_group, PG_TIMEOUT.total_seconds())   # the TP ranks share a host
     t0 = time.perf_counter()
     source = open_model(spec.model)
-    layers = spec.layers or split_layers(source.config.num_layers, p)
+    layers = spec.layers or split_layers(source.config.facts(), p).ranges
     start, end = layers[stage_idx]
     model = load_stage(source, start, end, embedding=stage_idx == 0, head=stage_idx == p - 1,
                        tp_rank=tp_rank, tp_world=t, group=info.tp_group, device=device,
@@ -159,15 +163,17 @@ def forkserver(preload: str = "shardwise.worker.runtime"):
 
 
 def validate(spec: RankSpec):
-    """Checks done once before any process starts: model readable, layout fits the model."""
+    """Checks done once before any process starts: model readable, layout fits the model. Resolves
+    spec.dtype "auto" here, before the spec is handed to the ranks, so that they all load alike."""
     source = open_model(spec.model)
     check_layout(source.config, spec.tensor, spec.pipeline)
     if spec.layers:
         if len(spec.layers) != spec.pipeline or spec.layers[-1][1] != source.config.num_layers:
             raise WorkerError(f"layer ranges {spec.layers} do not cover the model's "
                               f"{source.config.num_layers} layers in {spec.pipeline} stages")
-    if spec.dtype not in DTYPES:
-        raise WorkerError(f"unknown dtype {spec.dtype!r} (use one of: {', '.join(DTYPES)})")
+    if spec.dtype != "auto" and spec.dtype not in DTYPES:
+        raise WorkerError(f"unknown dtype {spec.dtype!r} (use one of: auto, {', '.join(DTYPES)})")
+    spec.dtype = in_memory_dtype(spec.dtype, source.dtype, spec.device)
     return source
 
 
@@ -177,7 +183,7 @@ class LocalRuntime:
     def __init__(self, spec: RankSpec, source=None):
         self.spec = spec
         self.source = source or validate(spec)
-        self.world = spec.tensor * spec.pipeline
+        self.world = RankLayout(spec.tensor, spec.pipeline).world_size
         self.procs: list = []
         self.ctx: RankContext | None = None
         self.final: list[dict] | None = None

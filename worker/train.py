@@ -1,7 +1,7 @@
 """Causal-LM training of the unchanged model under tensor × pipeline × data parallelism.
 
-One process per rank; global rank = replica * (P * T) + stage * T + tp_rank (the ShardPlan layout
-within a replica, replicas stacked). Each step:
+One process per rank; global ranks by crds/layout.py RankLayout over all D replicas (the ShardPlan
+layout within a replica, replicas stacked). Each step:
 
   1. the global batch of the step (data.py: a function of seed and step only) is split across the
      D replicas, and each replica's share into M micro-batches;
@@ -36,6 +36,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from shardwise.crds.layout import RankLayout, RankPosition, split_layers
+from shardwise.crds.modelshape import in_memory_dtype
+
 from . import checkpoint as ckpt
 from . import parallel
 from .data import StepBatches, TokenDataset
@@ -68,38 +71,23 @@ class TrainOptions:
     dtype: str = "float32"
     async_checkpoint: bool = True
     json: bool = False
-    stage_layers: list[tuple[int, int]] | None = None   # from a ShardPlan; None: even split
+    stage_layers: list[tuple[int, int]] | None = None   # from a ShardPlan; None: the planner's split
+
+    @property
+    def layout(self) -> RankLayout:
+        """Training is one world over all replicas: data-parallel replicas are RankLayout's replicas."""
+        return RankLayout(self.tensor, self.pipeline, self.data_parallel)
 
     @property
     def world_size(self) -> int:
-        return self.tensor * self.pipeline * self.data_parallel
-
-
-@dataclass(frozen=True)
-class Position:
-    replica: int
-    stage: int
-    tp_rank: int
-
-
-class Layout:
-    def __init__(self, tensor: int, pipeline: int, data_parallel: int):
-        self.T, self.P, self.D = tensor, pipeline, data_parallel
-
-    def position(self, rank: int) -> Position:
-        replica, rest = divmod(rank, self.P * self.T)
-        stage, tp_rank = divmod(rest, self.T)
-        return Position(replica, stage, tp_rank)
-
-    def rank(self, replica: int, stage: int, tp_rank: int) -> int:
-        return replica * self.P * self.T + stage * self.T + tp_rank
+        return self.layout.world_size
 
 
 class Groups:
     """Every process group training needs; all ranks create all of them in the same order."""
 
-    def __init__(self, layout: Layout, pos: Position, backend: str):
-        T, P, D = layout.T, layout.P, layout.D
+    def __init__(self, layout: RankLayout, pos: RankPosition, backend: str):
+        T, P, D = layout.tensor, layout.pipeline, layout.replicas
         R = layout.rank
         self.tp = self.dp = self.mp = self.tie = None
         for r in range(D):
@@ -125,7 +113,7 @@ class Groups:
                         self.tie = g
         # Checkpoint writes run in a background thread: their own gloo group keeps their
         # collectives from ever interleaving with the training collectives.
-        self.checkpoint = dist.new_group(list(range(layout.T * P * D)), backend="gloo")
+        self.checkpoint = dist.new_group(list(range(layout.world_size)), backend="gloo")
 
 
 # ---------------------------------------------------------------- model state as full-tensor slices
@@ -184,16 +172,14 @@ def init_optimizer_state(model, optimizer) -> None:
 
 class Trainer:
     def __init__(self, opts: TrainOptions, rank: int, emit: Callable[[dict], None] | None = None):
-        from .loader import DTYPES, check_layout, load_stage, open_model, split_layers
+        from .loader import DTYPES, check_layout, load_stage, open_model
 
         self.opts, self.rank = opts, rank
-        self.layout = Layout(opts.tensor, opts.pipeline, opts.data_parallel)
+        self.layout = opts.layout
         self.pos = self.layout.position(rank)
         self.device = torch.device(opts.device if opts.device != "cuda" else f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        # "auto" (the ShardedModel default): float32 on CPU, bfloat16 on GPUs
-        self.dtype = DTYPES.get(opts.dtype) or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.emit = emit or (lambda rec: None)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.groups = Groups(self.layout, self.pos, backend)
@@ -201,8 +187,10 @@ class Trainer:
         source = open_model(opts.model)
         self.source = source
         self.config = source.config
+        # "auto" (the ShardedModel default): the rule the planner sized the job by
+        self.dtype = DTYPES[in_memory_dtype(opts.dtype, source.dtype, self.device.type)]
         check_layout(self.config, opts.tensor, opts.pipeline)
-        ranges = opts.stage_layers or split_layers(self.config.num_layers, opts.pipeline)
+        ranges = opts.stage_layers or split_layers(self.config.facts(), opts.pipeline).ranges
         s, P = self.pos.stage, opts.pipeline
         self.first, self.last = s == 0, s == P - 1
         self.model = load_stage(source, ranges[s][0], ranges[s][1], self.first, self.last,
@@ -488,7 +476,7 @@ def options_from_plan(plan, *, model: str, data: str, steps: int, checkpoint_dir
 
 def pod_rank(replica: int, stage: int, local_rank: int, plan) -> int:
     """The global training rank of a GPU in a pod (torchrun --node-rank = replica*P + stage)."""
-    return (replica * plan.pipeline + stage) * plan.tensor + local_rank
+    return RankLayout(plan.tensor, plan.pipeline, max(1, plan.replicas)).rank(replica, stage, local_rank)
 
 
 def last_checkpoint(checkpoint_dir: str) -> dict | None:

@@ -1,0 +1,351 @@
+"""A model's shape - layers, heads, sizes, parameters - and the one rule for its dtype in memory.
+
+Read from an HF `config.json` (dict or directory), from a GGUF file's header, or from the hints in
+`spec.model`. Pure Python with no torch and no numpy: the operator image has neither, and
+`shardwise inspect` (inspect_cmd.py) runs in whichever image a probe pod uses. The GGUF header is a
+simple length-prefixed format, so it is parsed here in a few dozen lines instead of pulling in the
+`gguf` package (which needs numpy).
+
+It lives in crds/ because both sides read it: the planner sizes a stage with it, and the worker
+picks the dtype it loads weights in with `in_memory_dtype` - the same rule, so the memory the
+plan promises is the memory the pod uses.
+"""
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import MISSING, asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any, BinaryIO, Iterable
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1}
+# The dtypes the worker computes in (worker/loader.py's DTYPES are these).
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ModelFactsError(ValueError):
+    """The model's shape could not be determined; the message says from what and why."""
+
+
+def in_memory_dtype(requested: str | None, model_dtype: str | None, device: str) -> str:
+    """The dtype a model's weights have once loaded on `device` ("cpu" or "cuda").
+
+    An explicit dtype wins. "auto" (or None): on CUDA the model's own dtype when the worker
+    computes in it, else bfloat16 - a quantized GGUF is dequantized on load, so in memory it is as
+    big as bfloat16, not as its file; on CPU float32, where 16-bit matmuls are slow or missing.
+    The planner asks for "cuda" (it sizes GPUs); the worker asks for the device it runs on.
+    """
+    if requested and requested != "auto":
+        if requested not in COMPUTE_DTYPES:
+            raise ModelFactsError(f"dtype {requested!r} is not one of auto, {', '.join(COMPUTE_DTYPES)}")
+        return requested
+    if device.split(":")[0] != "cuda":
+        return "float32"
+    return model_dtype if model_dtype in COMPUTE_DTYPES else "bfloat16"
+
+
+def hf_dtype(config: dict[str, Any]) -> str:
+    """The dtype an HF config says its weights are stored in ("" when it does not say)."""
+    return str(config.get("torch_dtype") or config.get("dtype") or "").removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    layers: int
+    heads: int
+    kv_heads: int
+    hidden: int
+    vocab: int
+    intermediate: int
+    params: int                    # total parameters stored (tied embeddings counted once)
+    # Bytes per parameter once loaded on a GPU: DTYPE_BYTES[in_memory_dtype(requested, dtype, "cuda")].
+    bytes_per_param: float
+    tied_embeddings: bool = False
+    source: str = ""
+    dtype: str = ""                # as stored: "bfloat16", "float32", a GGUF quantization ("Q4_1"); "" unknown
+    file_bytes: int = 0            # the weights as stored (a quantized GGUF's own size); 0 unknown
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads if self.hidden and self.heads else 0
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def head_params(self) -> int:
+        """Final norm and LM head; a tied head still needs its own copy on the last stage."""
+        return self.vocab * self.hidden + self.hidden
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer (all layers of a Llama-family model are alike)."""
+        stored_outside = self.embedding_params + self.hidden + (0 if self.tied_embeddings else self.vocab * self.hidden)
+        return max(1, (self.params - stored_outside) // self.layers)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of all weights in GPU memory (see bytes_per_param)."""
+        return int(self.params * self.bytes_per_param)
+
+    def kv_bytes_per_token_per_layer(self, dtype_bytes: float = 2) -> float:
+        """K and V for one token in one layer, in bytes (KV cache is kept in the activation dtype)."""
+        return 2 * self.kv_heads * self.head_dim * dtype_bytes
+
+    def for_dtype(self, requested: str) -> ModelFacts:
+        """These facts sized for another requested dtype (a cached probe result and a changed
+        spec.dtype): the stored dtype and shape stay, bytes_per_param follows the rule."""
+        return replace(self, bytes_per_param=DTYPE_BYTES[in_memory_dtype(requested, self.dtype, "cuda")])
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON types only: what `shardwise inspect --json` prints and the operator caches."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> ModelFacts:
+        """The inverse of to_dict, checked: anything else raises ModelFactsError (one line). Keys
+        it does not know are ignored, so an operator reads what a newer probe image reports."""
+        if not isinstance(data, dict):
+            raise ModelFactsError(f"model facts must be a JSON object, not {type(data).__name__}")
+        values = {}
+        for f in fields(cls):
+            if f.name in data:
+                values[f.name] = _checked(f.name, data[f.name], str(f.type))
+            elif f.default is MISSING:
+                raise ModelFactsError(f"model facts lack {f.name!r}")
+        return cls(**values)
+
+
+_AT_LEAST_ONE = ("layers", "heads", "kv_heads", "params")
+
+
+def _checked(name: str, value: Any, kind: str) -> Any:
+    """One field of a facts dict, type- and range-checked (bool is no int here, though Python says so)."""
+    types = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}[kind]
+    if isinstance(value, bool) != (kind == "bool") or not isinstance(value, types):
+        raise ModelFactsError(f"model facts: {name} must be {kind}, not {value!r}")
+    if kind in ("int", "float"):
+        least = 1 if name in _AT_LEAST_ONE else 0
+        if value < least or (name == "bytes_per_param" and value <= 0):
+            raise ModelFactsError(f"model facts: {name} = {value!r} is out of range")
+        return float(value) if kind == "float" else value
+    return value
+
+
+def llama_params(layers: int, heads: int, kv_heads: int, hidden: int, intermediate: int, vocab: int,
+                 tied: bool) -> int:
+    head_dim = hidden // heads
+    attention = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2  # q, o, k, v
+    mlp = 3 * hidden * intermediate                                               # gate, up, down
+    layer = attention + mlp + 2 * hidden                                          # two RMSNorms
+    return vocab * hidden + layers * layer + hidden + (0 if tied else vocab * hidden)
+
+
+def from_hf_config(config: dict[str, Any], dtype: str = "auto", source: str = "config.json") -> ModelFacts:
+    """Facts from a Hugging Face config.json (Llama-family names), sized for `dtype` on a GPU."""
+    try:
+        layers = int(config["num_hidden_layers"])
+        heads = int(config["num_attention_heads"])
+        hidden = int(config["hidden_size"])
+        vocab = int(config["vocab_size"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelFactsError(f"{source}: missing or bad {e} (expected a Llama-family config)") from None
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    intermediate = int(config.get("intermediate_size") or 4 * hidden)
+    tied = bool(config.get("tie_word_embeddings", False))
+    stored = hf_dtype(config)
+    params = llama_params(layers, heads, kv_heads, hidden, intermediate, vocab, tied)
+    return ModelFacts(layers=layers, heads=heads, kv_heads=kv_heads, hidden=hidden, vocab=vocab,
+                      intermediate=intermediate, params=params,
+                      bytes_per_param=DTYPE_BYTES[in_memory_dtype(dtype, stored, "cuda")],
+                      tied_embeddings=tied, source=source, dtype=stored,
+                      file_bytes=params * DTYPE_BYTES.get(stored, 0))
+
+
+def from_hf_dir(path: Path, dtype: str = "auto") -> ModelFacts:
+    """Facts from an HF model directory (or its config.json); the stored size from its safetensors."""
+    config = path / "config.json" if path.is_dir() else path
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelFactsError(f"{config}: cannot read the model config ({e})") from None
+    if not isinstance(data, dict):
+        raise ModelFactsError(f"{config}: not a model config (a JSON object)")
+    facts = from_hf_config(data, dtype, str(config))
+    stored = sum(f.stat().st_size for f in config.parent.glob("*.safetensors"))
+    return replace(facts, file_bytes=stored) if stored else facts
+
+
+# ------------------------------------------------------------------ GGUF header
+
+# ggml tensor types -> (name, bytes per block, elements per block); float types by their torch names
+_GGML = {0: ("float32", 4, 1), 1: ("float16", 2, 1), 2: ("Q4_0", 18, 32), 3: ("Q4_1", 20, 32),
+         6: ("Q5_0", 22, 32), 7: ("Q5_1", 24, 32), 8: ("Q8_0", 34, 32), 9: ("Q8_1", 36, 32),
+         10: ("Q2_K", 84, 256), 11: ("Q3_K", 110, 256), 12: ("Q4_K", 144, 256), 13: ("Q5_K", 176, 256),
+         14: ("Q6_K", 210, 256), 15: ("Q8_K", 292, 256), 24: ("int8", 1, 1), 25: ("int16", 2, 1),
+         26: ("int32", 4, 1), 27: ("int64", 8, 1), 28: ("float64", 8, 1), 30: ("bfloat16", 2, 1)}
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+def gguf_dtype(tensors: Iterable[tuple[int, int]]) -> str:
+    """The dtype a GGUF file stores most of its weights in, from (ggml type, elements) pairs:
+    "Q4_1" for a Q4_1 file even though its norms are float32. The worker names its GGUF with
+    this too, so both sides apply in_memory_dtype to the same name."""
+    elements: dict[int, int] = {}
+    for kind, count in tensors:
+        elements[kind] = elements.get(kind, 0) + count
+    if not elements:
+        return ""
+    kind = max(elements, key=lambda k: (elements[k], -k))
+    return _GGML[kind][0] if kind in _GGML else f"ggml type {kind}"
+
+
+def _read(f: BinaryIO, fmt: str) -> Any:
+    size = struct.calcsize(fmt)
+    data = f.read(size)
+    if len(data) != size:
+        raise ModelFactsError("GGUF header ends early")
+    return struct.unpack(fmt, data)[0]
+
+
+def _read_str(f: BinaryIO) -> str:
+    n = _read(f, "<Q")
+    if n > 1 << 24:
+        raise ModelFactsError("GGUF string length is implausible; the file is damaged")
+    return f.read(n).decode("utf-8", "replace")
+
+
+def _read_value(f: BinaryIO, kind: int, keep: bool) -> Any:
+    if kind in _SCALARS:
+        return _read(f, _SCALARS[kind])
+    if kind == 8:
+        return _read_str(f)
+    if kind == 9:
+        item_kind, count = _read(f, "<I"), _read(f, "<Q")
+        if item_kind in _SCALARS and not keep:  # skip big arrays (token scores) without decoding
+            f.seek(struct.calcsize(_SCALARS[item_kind]) * count, 1)
+            return count
+        items = [_read_value(f, item_kind, False) for _ in range(count)]
+        return items if keep else count
+    raise ModelFactsError(f"GGUF metadata value type {kind} is unknown")
+
+
+def read_gguf_header(path: str | Path) -> tuple[dict[str, Any], list[tuple[str, list[int], int]]]:
+    """(metadata, [(tensor name, shape, ggml type)]) from a GGUF v2/v3 file, reading only its header.
+
+    Arrays in the metadata are returned as their length (the planner needs only the vocab size).
+    """
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ModelFactsError(f"{path}: not a GGUF file (bad magic)")
+        try:
+            return _read_gguf_index(f)
+        except ModelFactsError as e:  # the readers do not know the file's name
+            raise ModelFactsError(f"{path}: {e}") from None
+
+
+def _read_gguf_index(f: BinaryIO) -> tuple[dict[str, Any], list[tuple[str, list[int], int]]]:
+    version = _read(f, "<I")
+    if version not in (2, 3):
+        raise ModelFactsError(f"GGUF version {version} is not supported (2 or 3)")
+    n_tensors, n_kv = _read(f, "<Q"), _read(f, "<Q")
+    meta: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = _read_str(f)
+        meta[key] = _read_value(f, _read(f, "<I"), keep=False)
+    tensors = []
+    for _ in range(n_tensors):
+        name = _read_str(f)
+        dims = [_read(f, "<Q") for _ in range(_read(f, "<I"))]
+        kind = _read(f, "<I")
+        _read(f, "<Q")  # offset
+        tensors.append((name, dims, kind))
+    return meta, tensors
+
+
+def from_gguf(path: str | Path, dtype: str = "auto") -> ModelFacts:
+    """Facts from a GGUF file's header, sized for `dtype` on a GPU: the worker dequantizes, so a
+    quantized file's own size is only `file_bytes`."""
+    meta, tensors = read_gguf_header(path)
+    if not tensors:
+        raise ModelFactsError(f"{path}: the GGUF file holds no tensors")
+    arch = meta.get("general.architecture", "llama")
+
+    def key(name: str, default: Any = None) -> int:
+        value = meta.get(f"{arch}.{name}", default)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ModelFactsError(f"{path}: GGUF metadata has no integer {arch}.{name}")
+        return value
+
+    counts = [(kind, math.prod(dims)) for _, dims, kind in tensors]
+    stored = gguf_dtype(counts)
+    heads, hidden = key("attention.head_count"), key("embedding_length")
+    vocab = int(meta.get(f"{arch}.vocab_size") or meta.get("tokenizer.ggml.tokens") or 0)
+    return ModelFacts(layers=key("block_count"), heads=heads,
+                      kv_heads=int(meta.get(f"{arch}.attention.head_count_kv") or heads), hidden=hidden,
+                      vocab=vocab, intermediate=key("feed_forward_length", 4 * hidden),
+                      params=sum(count for _, count in counts),
+                      bytes_per_param=DTYPE_BYTES[in_memory_dtype(dtype, stored, "cuda")],
+                      tied_embeddings=not any(name == "output.weight" for name, _, _ in tensors),
+                      source=str(path), dtype=stored, file_bytes=sum(_stored_bytes(k, c) for k, c in counts))
+
+
+def _stored_bytes(kind: int, count: int) -> int:
+    _, block_bytes, block_elements = _GGML.get(kind, ("", 2, 1))  # an unknown type: guess 16 bits
+    return count * block_bytes // block_elements
+
+
+# ------------------------------------------------------------------ from a spec or a path
+
+
+def from_hints(model: Any, dtype: str = "auto") -> ModelFacts:
+    """Facts from spec.model hints (parameters, layers, heads, kvHeads, hiddenSize, vocabSize)."""
+    missing = [name for name, value in (("parameters", model.parameters), ("layers", model.layers),
+                                        ("heads", model.heads)) if not value]
+    if missing:
+        raise ModelFactsError(f"cannot read the model at {model.uri} here; set spec.model."
+                              + ", spec.model.".join(missing) + " so the planner can size it")
+    hidden = model.hidden_size or 0
+    vocab = model.vocab_size or 0
+    return ModelFacts(layers=model.layers, heads=model.heads, kv_heads=model.kv_heads or model.heads,
+                      hidden=hidden, vocab=vocab, intermediate=model.intermediate_size or 4 * hidden,
+                      params=model.parameters, bytes_per_param=DTYPE_BYTES[in_memory_dtype(dtype, None, "cuda")],
+                      tied_embeddings=False, source="spec.model hints")
+
+
+def local_path(uri: str) -> Path | None:
+    """The local file or directory a uri names, if it exists on this machine."""
+    if uri.startswith("pvc://"):
+        return None
+    path = Path(uri.removeprefix("file://")).expanduser()
+    return path if path.exists() else None
+
+
+def from_path(path: Path, dtype: str = "auto", gguf: bool = False) -> ModelFacts:
+    """Facts from a local model: a .gguf file (or a directory holding just one), an HF directory
+    or its config.json. OSErrors (a directory where a file was expected...) become ModelFactsError."""
+    try:
+        if path.is_dir() and not (path / "config.json").exists():
+            ggufs = sorted(path.glob("*.gguf"))
+            if len(ggufs) != 1:
+                raise ModelFactsError(f"{path}: not a model (expected a .gguf file or a directory with config.json)")
+            path, gguf = ggufs[0], True
+        if gguf or path.suffix == ".gguf":
+            return from_gguf(path, dtype)
+        return from_hf_dir(path, dtype)
+    except OSError as e:
+        raise ModelFactsError(f"{path}: cannot read the model ({e.strerror or e})") from None
+
+
+def resolve(spec: Any, base: Path | None = None) -> ModelFacts:
+    """Facts for a ShardedModelSpec: from the files when they are readable here, else from hints."""
+    model = spec.model
+    path = local_path(model.uri)
+    if path is None and base is not None and not model.uri.startswith(("/", "pvc://")):
+        candidate = base / model.uri
+        path = candidate if candidate.exists() else None
+    if path is not None:
+        return from_path(path, spec.dtype, gguf=model.resolved_format() == "gguf")
+    return from_hints(model, spec.dtype)
