@@ -14,6 +14,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("shardwise.operator.plan_cmd", "compute a topology-aware sharding plan for a ShardedModel"),
     "crds": ("shardwise.crds.cmd", "generate or check the CRD YAML from the API models"),
+    "inspect": ("shardwise.crds.inspect_cmd", "print a model's shape and its size in GPU memory (no torch needed)"),
     "operator": ("shardwise.operator.cmd", "run the Kubernetes operator"),
     "generate": ("shardwise.worker.cmd_generate", "generate text with a sharded model on local processes"),
     "serve": ("shardwise.worker.cmd_serve", "serve a sharded model over an OpenAI-compatible HTTP API"),

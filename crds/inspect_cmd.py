@@ -1,0 +1,70 @@
+"""`shardwise inspect MODEL`: a model's shape and its size in GPU memory, as the planner sees them.
+
+Needs neither torch nor kopf: a probe pod runs it in whichever image it has,
+
+    shardwise inspect /models/<claim>/<path> --json --output /dev/termination-log
+
+and the operator reads the pod's termination message back with ModelFacts.from_dict. Bad input
+(no such path, not a model, a damaged GGUF) is one line on stderr and exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from shardwise.crds.modelshape import (COMPUTE_DTYPES, DTYPE_BYTES, ModelFacts, ModelFactsError, from_path,
+                                       in_memory_dtype, local_path)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", metavar="MODEL", help="a .gguf file, an HF model directory or its config.json")
+    parser.add_argument("--dtype", choices=["auto", *COMPUTE_DTYPES], default="auto",
+                        help="the dtype asked for, as spec.dtype (auto: the model's own on a GPU, "
+                             "bfloat16 for a quantized GGUF or when unknown)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (the model facts)")
+    parser.add_argument("--output", metavar="FILE", help="also write that JSON object to FILE")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        path = local_path(args.model)
+        if path is None:
+            raise ModelFactsError(f"{args.model}: no such file or directory")
+        facts = from_path(path, args.dtype)
+        document = json.dumps(facts.to_dict())
+        if args.output:
+            _write(args.output, document)
+    except ModelFactsError as e:
+        print(f"shardwise inspect: {e}", file=sys.stderr)
+        return 2
+    print(document if args.json else describe(facts, in_memory_dtype(args.dtype, facts.dtype, "cuda")))
+    return 0
+
+
+def _write(path: str, document: str) -> None:
+    try:
+        with open(path, "w") as f:   # opened, not replaced: /dev/termination-log is a mounted file
+            f.write(document)
+    except OSError as e:
+        raise ModelFactsError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def describe(facts: ModelFacts, dtype: str) -> str:
+    """The facts as a few aligned lines for a person."""
+    mib = 2**20
+    stored = facts.dtype or "unknown dtype"
+    if facts.file_bytes:
+        stored += f", {facts.file_bytes / mib:.1f} MiB"
+    rows = [("model", facts.source),
+            ("layers", str(facts.layers)),
+            ("heads", f"{facts.heads} ({facts.kv_heads} KV heads, head dim {facts.head_dim})"),
+            ("hidden", str(facts.hidden)),
+            ("intermediate", str(facts.intermediate)),
+            ("vocab", str(facts.vocab)),
+            ("parameters", f"{facts.params:,}" + (" (tied embeddings)" if facts.tied_embeddings else "")),
+            ("stored", stored),
+            ("in memory", f"{facts.weight_bytes / mib:.1f} MiB on a GPU as {dtype} "
+                          f"({DTYPE_BYTES[dtype]} bytes per parameter)")]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
