@@ -141,7 +141,8 @@ class _Draft:
         self.pods = {r: list(p) for r, p in state.pods.items()}
         self.stored = state.plan
         # The plan in effect: the stored one unless the spec asks for another layout.
-        self.plan = state.plan if state.plan is not None and planning.layout_matches(state.plan, state.spec) else None
+        matches = state.plan is not None and planning.layout_matches(state.plan, state.spec)
+        self.plan = state.plan if matches else None
         self.actions: list[Action] = []
         self.events: list[Event] = []
         self.requeue = STEADY_REQUEUE
@@ -460,8 +461,8 @@ def _model_facts(d: _Draft) -> ModelFacts | None:
     uri = d.spec.model.uri
     cached = d.facts if d.facts is not None and d.facts.uri == uri else None
     if cached is not None and cached.facts:
-        try:
-            return ModelFacts.from_dict(cached.facts)
+        try:   # the probe sized it for dtype auto; the spec may ask for another
+            return ModelFacts.from_dict(cached.facts).for_dtype(d.spec.dtype)
         except ModelFactsError:
             cached = None          # written by another version: read the model again
     if cached is not None and cached.error and cached.generation == d.state.generation:
@@ -483,7 +484,7 @@ def _probe(d: _Draft, uri: str) -> ModelFacts | None:
     d.act(DeletePods((name,)))
     if isinstance(result, ModelFacts):
         d.facts = ModelFactsStatus(uri=uri, facts=result.to_dict())
-        return result
+        return result.for_dtype(d.spec.dtype)
     d.facts = ModelFactsStatus(uri=uri, error=result, generation=d.state.generation)
     raise planning.InvalidSpec(result)
 

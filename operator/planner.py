@@ -49,7 +49,11 @@ INF = float("inf")
 
 
 class PlanError(ValueError):
-    """Nothing fits; str(error) is one sentence saying why."""
+    """Nothing fits; str(error) is one sentence saying why. More capacity may fix it."""
+
+
+class LayoutError(PlanError):
+    """The layout asked for cannot hold the model at all (no amount of capacity fixes it)."""
 
 
 @dataclass(frozen=True)
@@ -78,8 +82,9 @@ def stage_memory(facts: ModelFacts, spec: ShardedModelSpec, tensor: int, params:
     """Bytes one GPU of a stage needs: its slice of the weights plus headroom."""
     weights = weight_bytes(facts, params, tensor)
     if spec.workload == "training":
-        # gradients in the weight dtype and fp32 Adam moments, sharded like the weights
-        state = params * (facts.bytes_per_param + 8) / tensor
+        # gradients and both AdamW moments, in the weight dtype as the worker keeps them
+        # (worker/train.py: no fp32 master copy), sharded like the weights
+        state = 3 * params * facts.bytes_per_param / tensor
         need = weights + state + TRAINING_ACTIVATION_FRACTION * weights
     else:
         kv = spec.serving.kv_cache_tokens * layers * facts.kv_bytes_per_token_per_layer(activation_bytes(facts))
@@ -91,7 +96,7 @@ def make_layout(facts: ModelFacts, spec: ShardedModelSpec, tensor: int, pipeline
     try:
         ranges, params = split_layers(facts, pipeline)
     except ValueError as e:  # more stages than layers: no capacity makes that fit
-        raise PlanError(str(e)) from None
+        raise LayoutError(str(e)) from None
     memory = max(stage_memory(facts, spec, tensor, p, e - s) for p, (s, e) in zip(params, ranges))
     return Layout(tensor, pipeline, memory, ranges, params)
 
@@ -437,12 +442,7 @@ def plan(spec: ShardedModelSpec, facts: ModelFacts, nodes: Sequence[NodeInfo],
     pods *not* subtracted; `keep` are placements of this model's replicas that must stay where
     they are (the operator re-plans one replica at a time). Their GPUs are subtracted here.
     """
-    if spec.parallelism.tensor:
-        for name, count in (("attention heads", facts.heads), ("KV heads", facts.kv_heads)):
-            if count % spec.parallelism.tensor:
-                raise PlanError(f"tensor {spec.parallelism.tensor} does not divide the model's {count} {name}")
-    if spec.parallelism.pipeline and spec.parallelism.pipeline > facts.layers:
-        raise PlanError(f"pipeline {spec.parallelism.pipeline} exceeds the model's {facts.layers} layers")
+    _check_layout(spec, facts)
     pool = usable(nodes, spec)
     by_name = {n.name: n for n in pool.nodes}
     notes = []
@@ -457,20 +457,7 @@ def plan(spec: ShardedModelSpec, facts: ModelFacts, nodes: Sequence[NodeInfo],
             used[p.node] = used.get(p.node, 0) + p.gpus
     count = wanted - len(kept)
 
-    if kept:
-        first = next(iter(kept.values()))
-        layouts = [make_layout(facts, spec, first[0].gpus, len(first))]
-    elif wanted == 0 and not pool.nodes:
-        layouts = [make_layout(facts, spec, spec.parallelism.tensor or 1, spec.parallelism.pipeline or 1)]
-    else:
-        if not pool.nodes:
-            reason = f"no node can run it ({pool.why_not()})" if pool.excluded else "the inventory has no nodes"
-            raise PlanError(reason)
-        layouts = candidate_layouts(spec, facts, pool.nodes)
-        if not layouts:
-            raise PlanError(f"no tensor degree up to the largest free block of "
-                            f"{max(n.free for n in pool.nodes)} GPUs divides the model's "
-                            f"{facts.heads} attention and {facts.kv_heads} KV heads")
+    layouts = _layouts(spec, facts, pool, kept, wanted)
     unknown = sum(1 for n in pool.nodes if not n.gpu_memory)
     if unknown:
         notes.append(f"GPU memory unknown on {unknown} node(s) (no nvidia.com/gpu.memory label; set "
@@ -497,6 +484,34 @@ def plan(spec: ShardedModelSpec, facts: ModelFacts, nodes: Sequence[NodeInfo],
         notes.append(f"tensor {chosen.layout.tensor} × pipeline {chosen.layout.pipeline} instead of "
                      f"tensor {layouts[0].tensor} × pipeline {layouts[0].pipeline}: {attempts[0].reason}")
     return _assemble(spec, facts, chosen, kept, wanted, shrunk, notes, by_name, keys, nodes)
+
+
+def _check_layout(spec: ShardedModelSpec, facts: ModelFacts) -> None:
+    """The degrees the spec names must fit the model's heads and layers, whatever the capacity."""
+    if spec.parallelism.tensor:
+        for name, count in (("attention heads", facts.heads), ("KV heads", facts.kv_heads)):
+            if count % spec.parallelism.tensor:
+                raise LayoutError(f"tensor {spec.parallelism.tensor} does not divide the model's {count} {name}")
+    if spec.parallelism.pipeline and spec.parallelism.pipeline > facts.layers:
+        raise LayoutError(f"pipeline {spec.parallelism.pipeline} exceeds the model's {facts.layers} layers")
+
+
+def _layouts(spec: ShardedModelSpec, facts: ModelFacts, pool, kept: dict[int, list[StagePlacement]],
+             wanted: int) -> list[Layout]:
+    """The layouts to try, most preferred first: the kept replicas' own, else the candidates."""
+    if kept:
+        first = next(iter(kept.values()))
+        return [make_layout(facts, spec, first[0].gpus, len(first))]
+    if wanted == 0 and not pool.nodes:
+        return [make_layout(facts, spec, spec.parallelism.tensor or 1, spec.parallelism.pipeline or 1)]
+    if not pool.nodes:
+        raise PlanError(f"no node can run it ({pool.why_not()})" if pool.excluded else "the inventory has no nodes")
+    layouts = candidate_layouts(spec, facts, pool.nodes)
+    if not layouts:
+        raise LayoutError(f"no tensor degree up to the largest free block of "
+                          f"{max(n.free for n in pool.nodes)} GPUs divides the model's "
+                          f"{facts.heads} attention and {facts.kv_heads} KV heads")
+    return layouts
 
 
 def _kept_replicas(keep: Sequence[StagePlacement], wanted: int, by_name: dict[str, NodeInfo],

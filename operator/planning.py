@@ -11,42 +11,35 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping, Sequence
 
 from shardwise.crds.models import ShardedModelSpec
+from shardwise.crds.modelshape import ModelFacts
 from shardwise.crds.plan import ShardPlan, StagePlacement
-from shardwise.crds import modelshape as modelfacts
-from shardwise.operator import inventory, planner, recovery
+from shardwise.operator import inventory, planner
 from shardwise.operator.renderer import LABEL_MODEL, LABEL_REPLICA
-
-# PlanError messages that no amount of capacity will fix: the spec must change.
-_INVALID_MARKS = ("does not divide", "exceeds the model's", "divides the model's")
 
 
 class PlanFailure(Exception):
-    """No plan: `invalid` when the spec (or the model) is wrong, else capacity is short for now."""
-
-    def __init__(self, message: str, invalid: bool):
-        super().__init__(message)
-        self.invalid = invalid
+    """No plan for the groups asked for; str(error) is one sentence saying why."""
 
 
-def model_facts(spec: ShardedModelSpec) -> modelfacts.ModelFacts:
-    """From the model's files when the operator can read them (a local path), else from spec.model
-    hints; the weights usually live on a PVC only the pods mount."""
-    try:
-        return modelfacts.resolve(spec)
-    except (modelfacts.ModelFactsError, OSError) as e:
-        raise PlanFailure(str(e), invalid=True) from None
+class InvalidSpec(PlanFailure):
+    """The spec (or the model it names) cannot run at all: terminal until the spec changes."""
 
 
-def plan_groups(spec: ShardedModelSpec, namespace: str, model: str, nodes: Mapping[str, Mapping[str, Any]],
-                pods: Iterable[Mapping[str, Any]], replicas: Sequence[int], current: ShardPlan | None,
-                keep: Iterable[int], previous: Mapping[int, Sequence[str]] | None = None) -> ShardPlan:
+class ShortOfCapacity(PlanFailure):
+    """Not enough healthy capacity now: retried as nodes come and go."""
+
+
+def plan_groups(spec: ShardedModelSpec, facts: ModelFacts, namespace: str, model: str,
+                nodes: Mapping[str, Mapping[str, Any]], pods: Iterable[Mapping[str, Any]], replicas: Sequence[int],
+                current: ShardPlan | None, keep: Iterable[int],
+                previous: Mapping[int, Sequence[str]] | None = None) -> ShardPlan:
     """A plan holding placements for `replicas` (numbered as asked), other groups in `keep` staying
-    where `current` has them. `pods`: every live GPU pod of the cluster (ours included: this model's
-    pods are told apart by label). `previous`: replica -> nodes it ran on (domain preference)."""
-    facts = model_facts(spec)
+    where `current` has them; InvalidSpec or ShortOfCapacity when there is none. `pods`: every live
+    GPU pod of the cluster (ours included: this model's pods are told apart by label). `previous`:
+    replica -> nodes it ran on (domain preference)."""
     keep = [r for r in keep if current is not None]
     kept = [p for p in (current.placements if current else []) if p.replica in keep]
-    same_layout = current is not None and _layout_ok(current, spec)
+    same_layout = current is not None and layout_matches(current, spec)
     # This model's pods of the groups being planned or kept are left out of the inventory (the
     # planner subtracts kept placements itself); its other pods - groups on an old layout still
     # serving during a roll - hold their GPUs like any other workload.
@@ -86,13 +79,15 @@ def plan_groups(spec: ShardedModelSpec, namespace: str, model: str, nodes: Mappi
     if plan is None:
         try:
             plan = attempt(infos)
+        except planner.LayoutError as e:
+            raise InvalidSpec(str(e)) from None
         except planner.PlanError as e:
-            message = str(e)
-            raise PlanFailure(message, invalid=any(m in message for m in _INVALID_MARKS)) from None
+            raise ShortOfCapacity(str(e)) from None
     return _renumber(plan, {p.replica for p in kept}, list(replicas))
 
 
-def _layout_ok(plan: ShardPlan, spec: ShardedModelSpec) -> bool:
+def layout_matches(plan: ShardPlan, spec: ShardedModelSpec) -> bool:
+    """The plan has the layout the spec asks for (an omitted degree matches any)."""
     t, p = spec.parallelism.tensor, spec.parallelism.pipeline
     return (t is None or t == plan.tensor) and (p is None or p == plan.pipeline)
 
@@ -133,4 +128,3 @@ def _renumber(plan: ShardPlan, kept: set[int], wanted: list[int]) -> ShardPlan:
                                    "cost": sum(g.cost for g in groups)})
 
 
-__all__ = ["PlanFailure", "plan_groups", "model_facts", "recovery"]
