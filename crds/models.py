@@ -223,7 +223,8 @@ class Training(ApiModel):
     seed: int = Field(0, ge=0, description="Data order and initial randomness: the batch of a step "
                                            "depends on the seed and the step only, in any layout.")
     micro_batches: Optional[int] = Field(None, ge=1, description=(
-        "Pipeline micro-batches per replica; default: the pipeline degree."))
+        "Pipeline micro-batches per replica; default: the pipeline degree, or the per-replica batch "
+        "when that is smaller."))
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Training":

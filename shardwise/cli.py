@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("shardwise.worker.cmd_generate", "generate text with a sharded model on local processes"),
     "serve": ("shardwise.worker.cmd_serve", "serve a sharded model over an OpenAI-compatible HTTP API"),
     "train": ("shardwise.worker.cmd_train", "train a sharded model and write sharded checkpoints"),
-    "worker": ("shardwise.worker.cmd_worker", "run one rank of a ShardedModel pod (torchrun variables + plan)"),
+    "worker": ("shardwise.worker.cmd_worker", "run one ShardedModel pod's ranks (pod contract + rendezvous variables)"),
     "dev": ("shardwise.e2e.dev_cmd", "start, inspect and stop the local Kubernetes control plane"),
     "demo": ("shardwise.e2e.demo_cmd", "run the operator and a sharded SmolLM2 on a local cluster"),
     "kind": ("shardwise.e2e.kind_cmd", "build the images and a kind cluster from package registries"),

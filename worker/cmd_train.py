@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step, over all replicas")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--micro-batches", type=int, default=0,
-                   help="pipeline micro-batches per replica (default: the pipeline degree)")
+                   help="pipeline micro-batches per replica (default: the pipeline degree, or the per-replica batch when that is smaller)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: float32 on cpu; on cuda the model's own dtype (bfloat16 for a quantized GGUF)")

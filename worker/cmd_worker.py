@@ -1,24 +1,27 @@
 """`shardwise worker`: what one ShardedModel pod runs (one pipeline stage of one replica).
 
-    shardwise worker --plan /etc/shardwise/plan.json --model <uri> --port <serving port>
-    env: SHARDWISE_REPLICA, SHARDWISE_STAGE   which placement of the plan this pod is
-         MASTER_ADDR, MASTER_PORT             rendezvous (the replica's stage-0 pod)
+    shardwise worker --contract /etc/shardwise/plan.json
+    env: SHARDWISE_REPLICA, SHARDWISE_STAGE   which placement of the plan this pod is (--replica/--stage)
+         MASTER_ADDR, MASTER_PORT             rendezvous (the world's stage-0 pod)
          POD_IP                               a loopback POD_IP is the address to bind (--host overrides)
-         SHARDWISE_MODEL_NAME                 optional: the model name the API reports
 
-The pod process reads the plan, then starts one process per TP rank (plan.tensor of them),
+The contract (crds/contract.py, written by the operator into the model's ConfigMap) is everything
+the pods of a model share: the plan, the model's path and dtype, the workload, the serving port and
+name, the training and checkpoint options, the termination-log path. The environment says which pod
+this is. A missing or invalid contract is one line on stderr and exit status 2.
+
+The pod process reads the contract, then starts one process per TP rank (plan.tensor of them),
 ranked by crds/layout.py RankLayout (a replica is its own world), and supervises them: if
 one dies the pod exits non-zero so the operator sees it. On stage 0, global rank 0 serves the
-OpenAI API, /healthz (200 once every rank of the replica has loaded) and /metrics on --port. On
-other stages the pod process serves /healthz (200 once its own ranks have loaded) and /metrics
-(its ranks' weight bytes) on --port.
+OpenAI API, /healthz (200 once every rank of the replica has loaded) and /metrics on the contract's
+port. On other stages the pod process serves /healthz (200 once its own ranks have loaded) and
+/metrics (its ranks' weight bytes) on that port.
 
-With SHARDWISE_WORKLOAD=training the ranks train instead (worker/train.py, options from the
-SHARDWISE_TRAIN_* and SHARDWISE_CHECKPOINT_* variables): one world over every replica (RankLayout
-with the replicas counted). Every pod serves /healthz (200 once its ranks
-have joined and resumed) and /progress (the job's progress.json from the shared checkpoint
-directory); when every step is done the pod writes the result to $SHARDWISE_TERMINATION_LOG and
-exits 0.
+With workload training the ranks train instead (worker/train.py, options from the contract): one
+world over every replica (RankLayout with the replicas counted). Every pod serves
+/healthz (200 once its ranks have joined and resumed) and /progress (the job's progress.json from the
+shared checkpoint directory); when every step is done the pod writes the result to the contract's
+termination log and exits 0.
 """
 from __future__ import annotations
 
@@ -30,19 +33,14 @@ import sys
 import threading
 import time
 
-WORKLOAD_ENV = "SHARDWISE_WORKLOAD"   # "training": the pod trains instead of serving
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--plan", required=True, help="ShardPlan JSON (the operator mounts /etc/shardwise/plan.json)")
-    parser.add_argument("--model", required=True, help="model path, file:// URI or built-in name")
-    parser.add_argument("--port", type=int, default=8000, help="HTTP port (API on stage 0, health elsewhere)")
+    parser.add_argument("--contract", required=True, metavar="PATH",
+                        help="pod contract JSON (the operator mounts /etc/shardwise/plan.json)")
     parser.add_argument("--host", default=None,
                         help="address to bind (default: $POD_IP when it is a loopback address, else 0.0.0.0)")
     parser.add_argument("--replica", type=int, default=None, help="default: $SHARDWISE_REPLICA")
     parser.add_argument("--stage", type=int, default=None, help="default: $SHARDWISE_STAGE")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     parser.add_argument("--max-seq-len", type=int, default=0)
     parser.add_argument("--max-batch", type=int, default=8)
 
@@ -64,18 +62,16 @@ def _env_int(name: str, flag):
         raise WorkerError(f"${name}={value!r} is not an integer") from None
 
 
-def read_plan(path: str):
-    from shardwise.crds.plan import ShardPlan
+def read_contract(path: str):
+    """The pod contract, validated (no torch needed); a WorkerError of one line when it is missing
+    or invalid."""
+    from shardwise.crds.contract import ContractError, load_contract
 
     from .errors import WorkerError
     try:
-        with open(path) as f:
-            return ShardPlan.model_validate(json.load(f))
-    except FileNotFoundError:
-        raise WorkerError(f"plan {path} not found") from None
-    except ValueError as e:
-        first = str(e).splitlines()[0:3]
-        raise WorkerError(f"plan {path} is not a valid ShardPlan: {' '.join(first)}") from None
+        return load_contract(path)
+    except ContractError as e:
+        raise WorkerError(str(e)) from None
 
 
 def _input_errors() -> tuple[type[Exception], ...]:
@@ -102,7 +98,8 @@ def _run(args) -> int:
     from .errors import WorkerError
     from .runtime import RankSpec, validate
 
-    plan = read_plan(args.plan)
+    contract = read_contract(args.contract)
+    plan = contract.plan
     replica = _env_int("SHARDWISE_REPLICA", args.replica)
     stage = _env_int("SHARDWISE_STAGE", args.stage)
     if replica is None or stage is None:
@@ -118,29 +115,30 @@ def _run(args) -> int:
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    spec = RankSpec(model=args.model, tensor=plan.tensor, pipeline=plan.pipeline,
+    spec = RankSpec(model=contract.model.path, tensor=plan.tensor, pipeline=plan.pipeline,
                     layers=[(p.layer_start, p.layer_end) for p in plan.stages_of(replica)],
-                    device=device, dtype=args.dtype,   # validate() resolves auto
+                    device=device, dtype=contract.model.dtype,   # validate() resolves auto
                     max_batch=args.max_batch, max_seq=args.max_seq_len)
     source = validate(spec)
     if source.config.num_layers != plan.num_layers:
-        raise WorkerError(f"plan splits {plan.num_layers} layers but model {args.model} has "
+        raise WorkerError(f"plan splits {plan.num_layers} layers but model {contract.model.path} has "
                           f"{source.config.num_layers}")
     host = args.host or _bind_address(os.environ.get("POD_IP", ""))
     if os.environ["MASTER_ADDR"].startswith("127.") or os.environ["MASTER_ADDR"] == "localhost":
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    if os.environ.get(WORKLOAD_ENV) == "training":
-        return _run_training(args, plan, replica, stage, device, spec.dtype, host)
+    if contract.workload == "training":
+        return _run_training(contract, replica, stage, device, spec.dtype, host)
     layout = RankLayout(plan.tensor, plan.pipeline)   # an inference replica is its own world
     world, ranks = layout.world_size, layout.stage_ranks(stage)
     _say(f"replica {replica} stage {stage}: layers [{placement.layer_start}, {placement.layer_end}), "
          f"ranks {ranks[0]}..{ranks[-1]} of {world}, {device} {spec.dtype}")
 
     procs, loaded_q = _start_ranks(plan.tensor, _rank_main, lambda local, q: (
-        spec, ranks[local], world, local, host, args.port, args.model, q, dict(os.environ)))
+        spec, ranks[local], world, local, host, contract.serving.port, contract.serving.model_name, q,
+        dict(os.environ)))
     health = None
     if stage != 0:
-        health = _StageHealth(plan.tensor, host, args.port)
+        health = _StageHealth(plan.tensor, host, contract.serving.port)
     return _supervise(procs, loaded_q, health)
 
 
@@ -199,32 +197,31 @@ def _bind_address(pod_ip: str) -> str:
     return pod_ip if pod_ip.startswith("127.") else "0.0.0.0"
 
 
-def _run_training(args, plan, replica: int, stage: int, device: str, dtype: str, host: str) -> int:
+def _run_training(contract, replica: int, stage: int, device: str, dtype: str, host: str) -> int:
     from .cmd_train import check_inputs
-    from .train import options_from_env, pod_rank
-    env = {**os.environ, "SHARDWISE_DEVICE": device, "SHARDWISE_DTYPE": dtype}
-    opts = options_from_env(plan, args.model, env)     # a missing variable fails here, in one line
+    from .train import options_from_contract, pod_rank
+    plan = contract.plan
+    opts = options_from_contract(contract, device=device, dtype=dtype)
     check_inputs(opts)    # the data, the layout, the checkpoints' model: one line before any rank starts
     first = pod_rank(replica, stage, 0, plan)
     _say(f"training replica {replica} stage {stage}: ranks {first}..{first + plan.tensor - 1} of "
          f"{opts.world_size}, {device} {dtype}, {opts.steps} steps, checkpoints in {opts.checkpoint_dir}")
     procs, started_q = _start_ranks(plan.tensor, _train_rank_main, lambda local, q: (
-        plan, args.model, replica, stage, local, env, q))
-    health = _StageHealth(plan.tensor, host, args.port, progress_dir=opts.checkpoint_dir)
+        opts, plan, replica, stage, local, dict(os.environ), q))
+    health = _StageHealth(plan.tensor, host, contract.serving.port, progress_dir=opts.checkpoint_dir)
     # Stopped by a signal before the last step, the pod must not look finished (exit 0 = Succeeded).
     code = _supervise(procs, started_q, health, stopped_code=143)
     if code == 0:
-        _write_result(opts.checkpoint_dir)
+        _write_result(opts.checkpoint_dir, contract.termination_log)
     return code
 
 
-def _write_result(checkpoint_dir: str) -> None:
+def _write_result(checkpoint_dir: str, path: str) -> None:
     """The finished job's progress (steps, loss, last checkpoint) as the pod's termination message,
     where the operator reads it once the pod has Succeeded."""
     from .train import read_progress
-    path = os.environ.get("SHARDWISE_TERMINATION_LOG")
     progress = read_progress(checkpoint_dir)
-    if not path or progress is None:
+    if progress is None:
         return
     try:
         with open(path, "w") as f:
@@ -233,7 +230,7 @@ def _write_result(checkpoint_dir: str) -> None:
         _say(f"cannot write the termination message to {path}: {e}")
 
 
-def _train_rank_main(plan, model, replica, stage, local_rank, env, started_q) -> None:
+def _train_rank_main(opts, plan, replica, stage, local_rank, env, started_q) -> None:
     os.environ.update({k: v for k, v in env.items() if k in ("MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME")})
     from .train import run_training_rank
 
@@ -243,7 +240,7 @@ def _train_rank_main(plan, model, replica, stage, local_rank, env, started_q) ->
                        "load_seconds": time.monotonic() - began, "step": trainer.step})
     began = time.monotonic()
     try:
-        raise SystemExit(run_training_rank(plan, model, replica, stage, local_rank, env, on_started=started))
+        raise SystemExit(run_training_rank(opts, plan, replica, stage, local_rank, on_started=started))
     except _input_errors() as e:
         print(f"shardwise worker: rank {os.environ.get('RANK', local_rank)}: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2)
@@ -263,8 +260,8 @@ def _rank_main(spec, rank, world, local_rank, host, port, model_name, loaded_q, 
         from .loader import open_model
         from .server import App, Server, run_engine
         from .tokenizer import load_tokenizer
-        # The API reports the ShardedModel's name when the operator passes it.
-        app = App(os.environ.get("SHARDWISE_MODEL_NAME") or model_name, load_tokenizer(open_model(spec.model)))
+        # The API reports the ShardedModel's name (the contract's serving.model_name).
+        app = App(model_name, load_tokenizer(open_model(spec.model)))
         server = Server(app, host, port).start()
         stop = stop_on_signals()
         ctx = setup_rank(spec, 0, world, local_rank, "env://", spec.tensor)

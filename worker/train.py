@@ -459,9 +459,6 @@ def _layout_text(d: dict | None) -> str:
 
 # ---------------------------------------------------------------- pods: training from a ShardPlan
 
-WORKLOAD_ENV = "SHARDWISE_WORKLOAD"   # "training" makes a ShardedModel pod train instead of serve
-
-
 def options_from_plan(plan, *, model: str, data: str, steps: int, checkpoint_dir: str,
                       **more) -> TrainOptions:
     """Training options for a ShardedModel's pods: the layout (T, P, replicas as DP) and each
@@ -488,48 +485,22 @@ def last_checkpoint(checkpoint_dir: str) -> dict | None:
     return {"step": step, "time": meta.get("time"), "path": str(path)}
 
 
-# Pod environment -> TrainOptions field (and type). The operator sets these on training pods.
-TRAIN_ENV = {
-    "SHARDWISE_TRAIN_DATA": ("data", str),
-    "SHARDWISE_TRAIN_STEPS": ("steps", int),
-    "SHARDWISE_CHECKPOINT_DIR": ("checkpoint_dir", str),
-    "SHARDWISE_CHECKPOINT_EVERY": ("checkpoint_every", int),
-    "SHARDWISE_CHECKPOINT_KEEP": ("keep", int),
-    "SHARDWISE_TRAIN_SEED": ("seed", int),
-    "SHARDWISE_TRAIN_LR": ("lr", float),
-    "SHARDWISE_TRAIN_WARMUP": ("warmup", int),
-    "SHARDWISE_TRAIN_WEIGHT_DECAY": ("weight_decay", float),
-    "SHARDWISE_TRAIN_BATCH_SIZE": ("batch_size", int),
-    "SHARDWISE_TRAIN_SEQ_LEN": ("seq_len", int),
-    "SHARDWISE_TRAIN_MICRO_BATCHES": ("micro_batches", int),
-    "SHARDWISE_DEVICE": ("device", str),
-    "SHARDWISE_DTYPE": ("dtype", str),
-}
+def options_from_contract(contract, *, device: str, dtype: str) -> TrainOptions:
+    """TrainOptions of a training pod, from its pod contract (crds/contract.py): the one mapping
+    from spec.training and spec.checkpoint to TrainOptions' names. `device` and `dtype` are what
+    the pod resolved (the contract's dtype may be auto)."""
+    t, c = contract.training, contract.checkpoint
+    return options_from_plan(
+        contract.plan, model=contract.model.path, data=t.data, steps=t.steps, checkpoint_dir=c.path,
+        checkpoint_every=c.interval_steps, keep=c.keep, seed=t.seed, lr=t.learning_rate,
+        warmup=t.warmup_steps, weight_decay=t.weight_decay, batch_size=t.batch_size, seq_len=t.seq_length,
+        micro_batches=t.micro_batches or 0, device=device, dtype=dtype, json=True)
 
 
-def options_from_env(plan, model: str, env: dict | None = None) -> TrainOptions:
-    """TrainOptions of a training pod: layout from the plan, the rest from SHARDWISE_* variables
-    (see docs/training.md). Missing required variables are one clear error."""
-    env = dict(os.environ if env is None else env)
-    values = {}
-    for var, (field, kind) in TRAIN_ENV.items():
-        if env.get(var, "") != "":
-            try:
-                values[field] = kind(env[var])
-            except ValueError:
-                raise WorkerError(f"{var}={env[var]!r} is not a valid {kind.__name__}") from None
-    for var in ("SHARDWISE_TRAIN_DATA", "SHARDWISE_TRAIN_STEPS", "SHARDWISE_CHECKPOINT_DIR"):
-        if TRAIN_ENV[var][0] not in values:
-            raise WorkerError(f"training pod: {var} is not set")
-    values["json"] = True
-    return options_from_plan(plan, model=model, **values)
-
-
-def run_training_rank(plan, model: str, replica: int, stage: int, local_rank: int,
-                      env: dict | None = None, on_started: Callable[["Trainer"], None] | None = None) -> int:
-    """A training pod's rank process: options from the plan and SHARDWISE_* variables, global rank
-    from (replica, stage, local GPU). MASTER_ADDR/MASTER_PORT must name replica 0, stage 0."""
-    opts = options_from_env(plan, model, env)
+def run_training_rank(opts: TrainOptions, plan, replica: int, stage: int, local_rank: int,
+                      on_started: Callable[["Trainer"], None] | None = None) -> int:
+    """A training pod's rank process: `opts` from options_from_contract, global rank from
+    (replica, stage, local GPU). MASTER_ADDR/MASTER_PORT must name replica 0, stage 0."""
     if opts.device == "cuda":
         os.environ.setdefault("LOCAL_RANK", str(local_rank))
     return run_training(opts, rank=pod_rank(replica, stage, local_rank, plan), world_size=opts.world_size,
