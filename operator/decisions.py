@@ -25,7 +25,7 @@ from typing import Any, Mapping, Sequence, Union
 from shardwise.crds.models import GroupPhase, ModelFactsStatus, ReplicaGroupStatus
 from shardwise.crds.modelshape import ModelFacts, ModelFactsError
 from shardwise.crds.plan import ShardPlan
-from shardwise.operator import planning, probe, recovery, renderer
+from shardwise.operator import planning, probe, recovery, renderer, status
 from shardwise.operator.state import ModelState
 from shardwise.operator.workloads import finished
 
@@ -445,7 +445,7 @@ def _cannot_plan(d: _Draft, error: planning.PlanFailure) -> None:
             d.event("Warning", "NoFeasiblePlan", f"replica {r}: {message}")
     if invalid:
         d.invalid = message
-        said = _condition(d.state.status, "Planned")
+        said = status.condition(d.state.status.get("conditions"), "Planned") or {}
         if said.get("reason") != "InvalidSpec" or said.get("message") != message:
             d.event("Warning", "InvalidSpec", message)
     d.requeue_in(STEADY_REQUEUE if invalid else NOT_READY_REQUEUE * 2)
@@ -559,7 +559,3 @@ def _outdated_pods(pods: list[dict], attempt: int, spec_hash: str) -> bool:
 def _placement_line(plan: ShardPlan, r: int, attempt: int) -> str:
     stages = ", ".join(f"s{p.stage}->{p.node}" for p in plan.stages_of(r))
     return f"replica {r} attempt {attempt}: {stages}"
-
-
-def _condition(status: Mapping[str, Any], type_: str) -> Mapping[str, Any]:
-    return next((c for c in status.get("conditions") or [] if c.get("type") == type_), {})

@@ -11,6 +11,7 @@ Everything comes from the API server, so a restarted operator sees what the last
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Any, Mapping
 
@@ -71,8 +72,8 @@ class ModelState:
         seen = self.status.get("observedGeneration")
         return seen is not None and seen != self.generation
 
-    @property
-    def spec_hash(self) -> str:
+    @functools.cached_property
+    def spec_hash(self) -> str:   # asked for once per replica: computed once
         return renderer.spec_hash(self.spec, self.default_image)
 
 
