@@ -22,6 +22,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline-parallel", type=int, default=1, metavar="P")
     p.add_argument("--data-parallel", type=int, default=1, metavar="D",
                    help="replicas that each take a share of the batch and average gradients")
+    p.add_argument("--data-shard", type=int, default=0, metavar="S",
+                   help="ZeRO-3: shard parameters, gradients and optimizer state over S of the D replicas "
+                        "(D/S such groups average their gradients); default: all D")
+    p.add_argument("--schedule", default="1F1B", choices=["1F1B", "GPipe", "Interleaved1F1B"],
+                   help="pipeline schedule when --pipeline-parallel > 1")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each block's activations in backward instead of keeping them")
+    p.add_argument("--compression", default="none", choices=["none", "int8", "topk"],
+                   help="compress gradients averaged across the D/S replicate groups (error feedback keeps "
+                        "convergence)")
+    p.add_argument("--compression-density", type=float, default=0.01, metavar="F",
+                   help="topk: fraction of gradient elements sent, in (0, 1]")
     p.add_argument("--steps", type=int, required=True, help="train until this many steps are done")
     p.add_argument("--checkpoint-dir", required=True, help="where checkpoints go; a run resumes from here")
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
@@ -35,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step, over all replicas")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--micro-batches", type=int, default=0,
-                   help="pipeline micro-batches per replica (default: the pipeline degree, or the per-replica batch when that is smaller)")
+                   help="pipeline micro-batches per replica (default: twice the pipeline degree, or the per-replica batch when that is smaller)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: float32 on cpu; on cuda the model's own dtype (bfloat16 for a quantized GGUF)")
@@ -49,6 +61,8 @@ def options(args):
     return TrainOptions(
         model=args.model, data=args.data, checkpoint_dir=args.checkpoint_dir, steps=args.steps,
         tensor=args.tensor_parallel, pipeline=args.pipeline_parallel, data_parallel=args.data_parallel,
+        data_shard=args.data_shard, schedule=args.schedule, activation_checkpointing=args.activation_checkpointing,
+        compression=args.compression, compression_density=args.compression_density,
         checkpoint_every=args.checkpoint_every, keep=args.keep, seed=args.seed, lr=args.lr,
         warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
         batch_size=args.batch_size, seq_len=args.seq_len, micro_batches=args.micro_batches,
@@ -68,10 +82,13 @@ def check_inputs(opts) -> None:
             raise WorkerError(f"--{name.replace('_', '-')} must be at least 1")
     if opts.checkpoint_every < 0 or opts.keep < 1:
         raise WorkerError("--checkpoint-every must be >= 0 and --keep >= 1")
-    if opts.batch_size % opts.data_parallel:
-        raise WorkerError(f"--batch-size {opts.batch_size} is not divisible by --data-parallel {opts.data_parallel}")
+    if opts.data_shard < 0:
+        raise WorkerError("--data-shard must be at least 1 (or 0: all of --data-parallel)")
     source = open_model(opts.model)
     check_layout(source.config, opts.tensor, opts.pipeline)
+    problem = opts.problem(source.config.num_layers)
+    if problem:
+        raise WorkerError(problem)
     TokenDataset.from_file(opts.data, load_tokenizer(source).encode)  # readable, non-empty, tokenizable
     if os.path.exists(opts.checkpoint_dir) and not os.path.isdir(opts.checkpoint_dir):
         raise WorkerError(f"--checkpoint-dir {opts.checkpoint_dir} exists and is not a directory")

@@ -1,19 +1,21 @@
-"""Causal-LM training of the unchanged model under tensor × pipeline × data parallelism.
+"""Causal-LM training of the unchanged model on PyTorch's parallel stack.
 
-One process per rank; global ranks by crds/layout.py RankLayout over all D replicas (the ShardPlan
-layout within a replica, replicas stacked). Each step:
+One process per rank; a DeviceMesh dp_replicate × dp_shard × pp × tp whose rank order is
+crds/layout.py RankLayout's (parallelize.py). Each step:
 
   1. the global batch of the step (data.py: a function of seed and step only) is split across the
-     D replicas, and each replica's share into M micro-batches;
-  2. GPipe schedule inside a replica: all micro-batches forward through the stages (activations
-     sent to the same TP rank of the next stage), then all backward in reverse order (activation
-     gradients sent back); tensor parallelism is the model's own (parallel.py's autograd-aware
-     collectives);
-  3. gradients are averaged across replicas (data parallel), a tied embedding/head pair split
-     across first and last stage has its two gradients summed, the global gradient norm is
-     clipped, and AdamW steps;
-  4. every K steps the state is checkpointed asynchronously (checkpoint.py), in full-tensor
-     coordinates, so any later layout can resume it.
+     D = replicate × shard data-parallel replicas;
+  2. with one stage, forward and backward over the replica's share; with P stages, a
+     torch.distributed.pipelining schedule (stages.py: GPipe, 1F1B or interleaved 1F1B) over
+     micro-batches of it;
+  3. tensor parallel is DTensor's, FSDP2 shards parameters, gradients and AdamW state over
+     dp_shard and averages gradients over the data-parallel axes (reduced in fp32 against fp32
+     master weights; compute in the compute dtype); with gradient compression on, the replicate
+     axis is averaged by compression.py instead, with error feedback;
+  4. a tied embedding/head pair split across first and last stage has its two gradients summed,
+     the global gradient norm is clipped (every element counted once), and AdamW steps;
+  5. every K steps the state is checkpointed asynchronously (checkpoint.py) in full-tensor
+     coordinates (each DTensor shard by its offsets), so any later layout can resume it.
 
 Loss = mean token cross-entropy over the whole global batch, identical in every layout up to
 floating-point summation order.
@@ -23,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import math
 import os
 import sys
 import time
@@ -35,14 +36,20 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
-from shardwise.crds.layout import RankLayout, RankPosition, split_layers
+from shardwise.crds.layout import RankLayout, split_layers
 from shardwise.crds.modelshape import in_memory_dtype
 
 from . import checkpoint as ckpt
-from . import parallel
+from . import parallelize as par
+from . import stages as pipe
 from .data import StepBatches, TokenDataset
 from .errors import WorkerError
+
+# FSDP2 warns when a stage returns a view (the TP-gathered logits): in-place ops on it would skip
+# its hooks, and none is ever done here (the loss only reads the logits).
+warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
 
 # A rank that waits longer than this for its peers in a collective fails instead of hanging.
 _PG_TIMEOUT = datetime.timedelta(minutes=10)
@@ -56,7 +63,12 @@ class TrainOptions:
     steps: int
     tensor: int = 1
     pipeline: int = 1
-    data_parallel: int = 1
+    data_parallel: int = 1             # replicas in all: data_shard × replicate
+    data_shard: int = 0                # ZeRO-3 shard degree; 0: all of data_parallel
+    schedule: str = pipe.DEFAULT_SCHEDULE
+    activation_checkpointing: bool = False
+    compression: str = "none"          # on the replicate axis: none, int8, topk
+    compression_density: float = 0.01  # topk: fraction of gradient elements sent
     checkpoint_every: int = 0          # 0: only at the end
     keep: int = 3
     seed: int = 0
@@ -66,12 +78,20 @@ class TrainOptions:
     grad_clip: float = 1.0
     batch_size: int = 8                # global: sequences per step over all replicas
     seq_len: int = 64
-    micro_batches: int = 0             # per replica; 0: the pipeline degree (GPipe's usual choice)
+    micro_batches: int = 0             # per replica; 0: stages.default_micro_batches
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "float32"             # compute dtype; master weights and optimizer state are fp32
     async_checkpoint: bool = True
     json: bool = False
     stage_layers: list[tuple[int, int]] | None = None   # from a ShardPlan; None: the planner's split
+
+    @property
+    def shard(self) -> int:
+        return self.data_shard or self.data_parallel
+
+    @property
+    def mesh_shape(self) -> par.MeshShape:
+        return par.MeshShape(max(1, self.data_parallel // self.shard), self.shard, self.pipeline, self.tensor)
 
     @property
     def layout(self) -> RankLayout:
@@ -82,51 +102,31 @@ class TrainOptions:
     def world_size(self) -> int:
         return self.layout.world_size
 
+    def micro_batches_per_replica(self) -> int:
+        return self.micro_batches or pipe.default_micro_batches(self.pipeline, self.batch_size // self.data_parallel)
 
-class Groups:
-    """Every process group training needs; all ranks create all of them in the same order."""
-
-    def __init__(self, layout: RankLayout, pos: RankPosition, backend: str):
-        T, P, D = layout.tensor, layout.pipeline, layout.replicas
-        R = layout.rank
-        self.tp = self.dp = self.mp = self.tie = None
-        for r in range(D):
-            for s in range(P):
-                g = dist.new_group([R(r, s, t) for t in range(T)], backend=backend)
-                if (r, s) == (pos.replica, pos.stage):
-                    self.tp = g
-        parallel.use_shm_allreduce(self.tp, _PG_TIMEOUT.total_seconds())     # a TP group shares a host
-        for s in range(P):
-            for t in range(T):
-                g = dist.new_group([R(r, s, t) for r in range(D)], backend=backend)
-                if (s, t) == (pos.stage, pos.tp_rank):
-                    self.dp = g
-        for r in range(D):
-            g = dist.new_group([R(r, s, t) for s in range(P) for t in range(T)], backend=backend)
-            if r == pos.replica:
-                self.mp = g
-        if P > 1:   # first and last stage hold the two copies of a tied embedding/head
-            for r in range(D):
-                for t in range(T):
-                    g = dist.new_group([R(r, 0, t), R(r, P - 1, t)], backend=backend)
-                    if r == pos.replica and t == pos.tp_rank:
-                        self.tie = g
-        # Checkpoint writes run in a background thread: their own gloo group keeps their
-        # collectives from ever interleaving with the training collectives.
-        self.checkpoint = dist.new_group(list(range(layout.world_size)), backend="gloo")
+    def problem(self, layers: int) -> str | None:
+        """Why these options cannot train a model of `layers` layers (one line), or None."""
+        D, S = self.data_parallel, self.shard
+        if D % S:
+            return f"data-parallel shard degree {S} does not divide the {D} data-parallel replicas"
+        if self.batch_size % D:
+            return f"batch size {self.batch_size} does not split evenly into {D} data-parallel replicas"
+        micro = self.micro_batches_per_replica()
+        if (self.batch_size // D) % micro:
+            return (f"per-replica batch {self.batch_size // D} does not split evenly into {micro} "
+                    f"micro-batches")
+        if self.compression != "none" and not 0 < self.compression_density <= 1:
+            return f"compression density must be in (0, 1], got {self.compression_density}"
+        if self.compression != "none" and S == D:
+            return (f"gradient compression works across replicate groups: --data-shard {S} leaves none of "
+                    f"the {D} replicas (use a shard degree below {D})")
+        if self.pipeline > 1:
+            return pipe.check_schedule(self.schedule, self.pipeline, micro, layers)
+        return None
 
 
 # ---------------------------------------------------------------- model state as full-tensor slices
-
-def param_slices(model, prefix: str = "model/") -> dict[str, ckpt.Slice]:
-    """This rank's parameters as slices of the full tensors, named by full (unsharded) names."""
-    config = model.config
-    out = {}
-    for name, p in model.named_parameters():
-        key = _full_name(model, name)
-        out[prefix + key] = _slice(model, name, p.data, config)
-    return out
-
 
 def _full_name(model, name: str) -> str:
     # A tied head on the last stage (pipeline > 1) is a copy of the embedding: store it once.
@@ -135,44 +135,76 @@ def _full_name(model, name: str) -> str:
     return name
 
 
-def _slice(model, name: str, local: torch.Tensor, config) -> ckpt.Slice:
-    shard = getattr(model, "tp_shards", {}).get(name)
-    if shard is None:
-        return ckpt.Slice.whole(local)
-    full_dim = config.vocab_size if shard.padded else local.shape[shard.dim] * shard.world
-    start, stop = shard.bounds(full_dim)
-    real = max(0, min(stop, full_dim) - start)   # vocabulary padding past the end is not stored
-    full = list(local.shape)
-    full[shard.dim] = full_dim
-    offsets = tuple(start if d == shard.dim else 0 for d in range(local.dim()))
-    return ckpt.Slice(local.narrow(shard.dim, 0, real), tuple(full), offsets)
+def _slice(t: torch.Tensor) -> ckpt.Slice:
+    local, full, offsets = par.local_region(t)
+    return ckpt.Slice(local, full, offsets)
+
+
+def param_slices(model, prefix: str = "model/") -> dict[str, ckpt.Slice]:
+    """This rank's parameters as slices of the full tensors, named by full (unsharded) names."""
+    return {prefix + _full_name(model, name): _slice(p) for name, p in model.named_parameters()}
 
 
 def optimizer_slices(model, optimizer) -> dict[str, ckpt.Slice]:
-    config = model.config
     out = {}
     for name, p in model.named_parameters():
         state = optimizer.state[p]
         key = "optim/" + _full_name(model, name)
-        out[key + "/exp_avg"] = _slice(model, name, state["exp_avg"], config)
-        out[key + "/exp_avg_sq"] = _slice(model, name, state["exp_avg_sq"], config)
+        out[key + "/exp_avg"] = _slice(state["exp_avg"])
+        out[key + "/exp_avg_sq"] = _slice(state["exp_avg_sq"])
         out[key + "/step"] = ckpt.Slice.whole(state["step"])
     return out
 
 
-def init_optimizer_state(model, optimizer) -> None:
+def init_optimizer_state(params, optimizer) -> None:
     """Create AdamW's state up front so a checkpoint can be loaded into it in place."""
-    for p in model.parameters():
+    for p in params:
         if p not in optimizer.state or not optimizer.state[p]:
             optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
                                   "exp_avg_sq": torch.zeros_like(p)}
+
+
+# ---------------------------------------------------------------- building this rank's stages
+
+def build_stage(source, start: int, end: int, first: bool, last: bool, mesh, opts: TrainOptions,
+                device: torch.device, compute_dtype: torch.dtype) -> nn.Module:
+    """One pipeline stage of the model: built on the meta device, split (TP), wrapped (activation
+    checkpointing, FSDP2), then materialized with only this rank's shards read from the model."""
+    from .model import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(source.config, start, end, first, last)
+    par.apply_tensor_parallel(model, mesh["tp"])
+    if opts.activation_checkpointing:
+        par.apply_activation_checkpointing(model)
+    compressed = opts.compression != "none" and opts.mesh_shape.replicate > 1
+    dp_mesh = mesh["dp_shard"] if compressed else mesh["dp_replicate", "dp_shard"]
+    # With several micro-batches per step, keep a stage's parameters gathered between them.
+    par.apply_fsdp(model, dp_mesh, compute_dtype, reshard_after_forward=opts.pipeline == 1)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            local, full_shape, offsets = par.local_region(p)
+            full = source.read(name, None)
+            if tuple(full.shape) != full_shape:
+                raise WorkerError(f"{source.path}: tensor for {name} has shape {tuple(full.shape)}, "
+                                  f"expected {full_shape}")
+            for dim, (off, size) in enumerate(zip(offsets, local.shape)):
+                full = full.narrow(dim, off, size)
+            local.copy_(full)
+    return model.train()
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 # ---------------------------------------------------------------- one training step
 
 class Trainer:
     def __init__(self, opts: TrainOptions, rank: int, emit: Callable[[dict], None] | None = None):
-        from .loader import DTYPES, check_layout, load_stage, open_model
+        from .loader import DTYPES, check_layout, open_model
+        from .tokenizer import load_tokenizer
 
         self.opts, self.rank = opts, rank
         self.layout = opts.layout
@@ -181,47 +213,79 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.emit = emit or (lambda rec: None)
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        self.groups = Groups(self.layout, self.pos, backend)
-
-        source = open_model(opts.model)
-        self.source = source
+        source = self.source = open_model(opts.model)
         self.config = source.config
-        # "auto" (the ShardedModel default): the rule the planner sized the job by
-        self.dtype = DTYPES[in_memory_dtype(opts.dtype, source.dtype, self.device.type)]
         check_layout(self.config, opts.tensor, opts.pipeline)
-        ranges = opts.stage_layers or split_layers(self.config.facts(), opts.pipeline).ranges
-        s, P = self.pos.stage, opts.pipeline
-        self.first, self.last = s == 0, s == P - 1
-        self.model = load_stage(source, ranges[s][0], ranges[s][1], self.first, self.last,
-                                self.pos.tp_rank, opts.tensor, self.groups.tp, self.device, self.dtype)
-        self.model.train()
-        for p in self.model.parameters():
-            p.requires_grad_(True)
-        self.params = list(dict.fromkeys(self.model.parameters()))   # a tied pair once
+        problem = opts.problem(self.config.num_layers)
+        if problem:
+            raise WorkerError(problem)
+        # "auto" (the ShardedModel default): the rule the planner sized the job by
+        self.compute_dtype = DTYPES[in_memory_dtype(opts.dtype, source.dtype, self.device.type)]
+        self.mesh = opts.mesh_shape.build(self.device.type)
+        self._build_stages()
+        self.params = list(dict.fromkeys(p for m in self.modules for p in m.parameters()))   # a tied pair once
         self.optimizer = torch.optim.AdamW(self.params, lr=opts.lr, betas=(0.9, 0.95), eps=1e-8,
                                            weight_decay=opts.weight_decay, foreach=False)
-        init_optimizer_state(self.model, self.optimizer)
+        init_optimizer_state(self.params, self.optimizer)
+        self._setup_groups()
+        self.compressor = None
+        if opts.compression != "none" and opts.mesh_shape.replicate > 1:
+            from .compression import GradientCompressor
+            self.compressor = GradientCompressor(opts.compression, self.mesh.get_group("dp_replicate"),
+                                                 density=opts.compression_density)
 
-        from .tokenizer import load_tokenizer
         tokenizer = load_tokenizer(source)
         self.data = TokenDataset.from_file(opts.data, tokenizer.encode)
         self.batches = StepBatches(self.data, opts.seq_len, opts.batch_size, opts.seed)
-        per_replica = opts.batch_size // opts.data_parallel
-        self.micro = opts.micro_batches or min(opts.pipeline, per_replica)
-        if opts.batch_size % opts.data_parallel or per_replica % self.micro:
-            raise WorkerError(f"--batch-size {opts.batch_size} must split evenly into {opts.data_parallel} "
-                              f"replicas x {self.micro} micro-batches")
         self.manager = ckpt.CheckpointManager(
-            opts.checkpoint_dir, rank=rank, group=self.groups.checkpoint,
+            opts.checkpoint_dir, rank=rank, group=self.checkpoint_group,
             model_meta=ckpt.structure_of(self.config.to_dict()), keep=opts.keep,
             asynchronous=opts.async_checkpoint, log=lambda m: self.emit({"event": "log", "message": m}),
             files=model_files(source, tokenizer))
         self.step = 0
 
+    def _build_stages(self) -> None:
+        opts, P = self.opts, self.opts.pipeline
+        schedule = opts.schedule if P > 1 else "1F1B"
+        n = P * pipe.virtual_stages(schedule)
+        self.indices = pipe.stage_indices(self.pos.stage, P, schedule)
+        use_plan = opts.stage_layers is not None and len(opts.stage_layers) == n
+        ranges = opts.stage_layers if use_plan else split_layers(self.config.facts(), n).ranges
+        self.holds_first, self.holds_last = 0 in self.indices, n - 1 in self.indices
+        self.modules = [build_stage(self.source, *ranges[i], i == 0, i == n - 1, self.mesh, opts,
+                                    self.device, self.compute_dtype) for i in self.indices]
+        self.schedule = None
+        if P > 1:
+            self.schedule = pipe.build_schedule(self.modules, self.indices, P, schedule,
+                                                opts.micro_batches_per_replica(), self.device,
+                                                self.mesh.get_group("pp"), _loss)
+
+    def _setup_groups(self) -> None:
+        """Groups beyond the mesh's; every rank creates all of them in the same order."""
+        layout, R = self.layout, self.layout.rank
+        self.tie_group = None
+        if self.opts.pipeline > 1:   # first and last stage hold the two copies of a tied embedding/head
+            for r in range(layout.replicas):
+                for t in range(layout.tensor):
+                    g = dist.new_group([R(r, 0, t), R(r, layout.pipeline - 1, t)], backend="gloo"
+                                       if self.device.type == "cpu" else None)
+                    if (r, t) == (self.pos.replica, self.pos.tp_rank):
+                        self.tie_group = g
+        # Checkpoint writes run in a background thread: their own gloo group keeps their
+        # collectives from ever interleaving with the training collectives.
+        self.checkpoint_group = dist.new_group(list(range(layout.world_size)), backend="gloo")
+        tied = self.config.tie_word_embeddings and self.opts.pipeline > 1
+        holders = layout.world_size // layout.pipeline
+        self.norm_params = [(p, holders) for m in self.modules for name, p in m.named_parameters()
+                            if not (tied and name == "output.weight")]   # the tied copy counted once
+
     # -- state
     def state_slices(self) -> dict[str, ckpt.Slice]:
-        return {**param_slices(self.model), **optimizer_slices(self.model, self.optimizer)}
+        out = {}
+        for m in self.modules:
+            out.update(param_slices(m))
+            out.update(optimizer_slices(m, self.optimizer))
+        return out
 
     def resume(self) -> dict | None:
         meta = self.manager.load_latest(self.state_slices(), agree=self._agree)
@@ -239,101 +303,74 @@ class Trainer:
     def _agree(self, code: int) -> int:
         """The smallest status code over all ranks (so every rank takes the same decision)."""
         t = torch.tensor([code], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.groups.checkpoint)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.checkpoint_group)
         return int(t.item())
 
     def save(self) -> None:
         extra = {"data": self.batches.position(self.step), "rng": ckpt.rng_to_text(torch.get_rng_state()),
-                 "model_config": self.config.to_dict(),
-                 "layout": {"tensor": self.opts.tensor, "pipeline": self.opts.pipeline,
-                            "data_parallel": self.opts.data_parallel}}
+                 "model_config": self.config.to_dict(), "layout": layout_record(self.opts)}
         self.manager.save(self.step, self.state_slices(), extra)
 
-    # -- pipeline plumbing
-    def _peer(self, stage: int) -> int:
-        return self.layout.rank(self.pos.replica, stage, self.pos.tp_rank)
-
+    # -- the step
     def train_step(self) -> dict:
         step = self.step + 1
-        opts, s = self.opts, self.pos.stage
+        opts = self.opts
         batch = self.batches.batch(step, self.pos.replica, opts.data_parallel).to(self.device)
         inputs, targets = batch[:, :-1], batch[:, 1:]
-        mbs = list(zip(inputs.chunk(self.micro), targets.chunk(self.micro)))
-        hidden = self.config.hidden_size
-        for p in self.params:
-            p.grad = None
+        self.optimizer.zero_grad(set_to_none=True)
         lr = opts.lr * min(1.0, step / opts.warmup) if opts.warmup else opts.lr
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-
-        saved, loss_sum = [], torch.zeros((), dtype=torch.float32, device=self.device)
-        for x, y in mbs:                                    # forward, all micro-batches
-            if self.first:
-                inp = x
-            else:
-                inp = torch.empty((x.shape[0], x.shape[1], hidden), dtype=self.dtype, device=self.device)
-                dist.recv(inp, self._peer(s - 1))
-                inp.requires_grad_(True)
-            out = self.model(inp)
-            if self.last:
-                loss = F.cross_entropy(out.float().reshape(-1, out.shape[-1]), y.reshape(-1)) / self.micro
-                loss_sum += loss.detach()
-                saved.append((inp, loss))
-            else:
-                dist.send(out.detach().contiguous(), self._peer(s + 1))
-                saved.append((inp, out))
-        for inp, out in reversed(saved):                 # backward, in reverse order
-            if self.last:
-                out.backward()
-            else:
-                grad = torch.empty_like(out)
-                dist.recv(grad, self._peer(s + 1))
-                out.backward(grad)
-            if not self.first:
-                dist.send(inp.grad.contiguous(), self._peer(s - 1))
-
-        self._sync_grads()
-        norm = self._clip()
+        local_loss = self._forward_backward(inputs, targets)
+        sent = self._sync_grads()
+        norm = par.clip_grad_norm_(self.norm_params, opts.grad_clip, self.device)
         self.optimizer.step()
         self.step = step
         # Mean loss over the global batch: the last stage's TP rank 0 of each replica contributes.
-        report = loss_sum if (self.last and self.pos.tp_rank == 0) else torch.zeros_like(loss_sum)
+        report = local_loss if (self.holds_last and self.pos.tp_rank == 0) else torch.zeros_like(local_loss)
         dist.all_reduce(report)
-        return {"step": step, "loss": report.item() / opts.data_parallel, "lr": lr, "grad_norm": norm}
+        return {"step": step, "loss": report.item() / opts.data_parallel, "lr": lr, "grad_norm": norm,
+                "replicate_bytes": sent}
 
-    def _sync_grads(self) -> None:
+    def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """This replica's share through the stages; the mean loss on the last stage (else 0)."""
+        if self.schedule is None:
+            loss = _loss(self.modules[0](inputs), targets)
+            loss.backward()
+            return loss.detach().float()
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.holds_first else ()
+        if self.holds_last:
+            self.schedule.step(*args, target=targets, losses=losses)
+            return torch.stack([x.detach().float() for x in losses]).mean()
+        self.schedule.step(*args)
+        return torch.zeros((), dtype=torch.float32, device=self.device)
+
+    def _sync_grads(self) -> int:
+        """What FSDP does not: the replicate axis when compressed, the tied pair across stages.
+        Returns the bytes this rank sent on the replicate axis this step."""
         grads = [p.grad for p in self.params if p.grad is not None]
-        if self.opts.data_parallel > 1 and grads:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=self.groups.dp)
-            flat /= self.opts.data_parallel
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
-        if self.groups.tie is not None and self.config.tie_word_embeddings:
-            tied = self.model.tok_embeddings.weight if self.first else self.model.output.weight
-            dist.all_reduce(tied.grad, group=self.groups.tie)
+        local = [g.to_local() if isinstance(g, par.DTensor) else g for g in grads]
+        sent = 0
+        if self.compressor is not None:
+            before = self.compressor.bytes_sent
+            self.compressor.all_reduce_mean_(local)
+            sent = self.compressor.bytes_sent - before
+        elif self.opts.mesh_shape.replicate > 1:   # HSDP's all-reduce of fp32 gradient shards
+            sent = sum(t.numel() * 4 for t in local)
+        if self.tie_group is not None and self.config.tie_word_embeddings:
+            for m in self.modules:
+                tied = m.tok_embeddings if m.tok_embeddings is not None else m.output
+                if tied is not None and tied.weight.grad is not None:
+                    g = tied.weight.grad
+                    dist.all_reduce(g.to_local() if isinstance(g, par.DTensor) else g, group=self.tie_group)
+        return sent
 
-    def _clip(self) -> float:
-        """Global gradient norm over the whole model (each element counted once), clipped."""
-        shards = self.model.tp_shards
-        sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for name, p in self.model.named_parameters():
-            if p.grad is None:
-                continue
-            if name == "output.weight" and self.config.tie_word_embeddings:
-                continue   # the tied copy: its gradient is the embedding's, counted on stage 0
-            if name in shards or self.pos.tp_rank == 0:   # replicated: count on one TP rank
-                sq += p.grad.double().pow(2).sum()
-        dist.all_reduce(sq, group=self.groups.mp)
-        norm = math.sqrt(sq.item())
-        if self.opts.grad_clip and norm > self.opts.grad_clip:
-            scale = self.opts.grad_clip / (norm + 1e-6)
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-        return norm
+
+def layout_record(opts: TrainOptions) -> dict:
+    """The layout as a checkpoint's meta.json records it."""
+    return {"tensor": opts.tensor, "pipeline": opts.pipeline, "data_parallel": opts.data_parallel,
+            "data_shard": opts.shard, "schedule": opts.schedule}
 
 
 def model_files(source, tokenizer) -> dict[str, bytes]:
@@ -401,10 +438,10 @@ def run_training(opts: TrainOptions, rank: int | None = None, world_size: int | 
         if meta is not None:
             emit({"event": "resume", "step": trainer.step, "from_layout": meta.get("layout"),
                   "message": f"resumed from checkpoint step {trainer.step} "
-                             f"(saved under {_layout_text(meta.get('layout'))}, now {_layout_text(dataclasses.asdict(opts))})"})
+                             f"(saved under {_layout_text(meta.get('layout'))}, now {_layout_text(layout_record(opts))})"})
         else:
             emit({"event": "start", "step": 0, "message": f"training from {opts.model} "
-                  f"({_layout_text(dataclasses.asdict(opts))}, {len(trainer.data)} tokens)"})
+                  f"({_layout_text(layout_record(opts))}, {len(trainer.data)} tokens)"})
         if on_started is not None:
             on_started(trainer)
         if lead:
@@ -436,7 +473,6 @@ def run_training(opts: TrainOptions, rank: int | None = None, world_size: int | 
         return 0
     finally:
         if dist.is_initialized():
-            parallel.close_shm_allreduces()
             dist.destroy_process_group()
 
 
@@ -454,7 +490,9 @@ def _write_progress(opts: TrainOptions, trainer: Trainer, rec: dict) -> None:
 def _layout_text(d: dict | None) -> str:
     if not d:
         return "unknown layout"
-    return f"TP={d.get('tensor')} PP={d.get('pipeline')} DP={d.get('data_parallel')}"
+    text = f"TP={d.get('tensor')} PP={d.get('pipeline')} DP={d.get('data_parallel')}"
+    shard = d.get("data_shard")
+    return text + (f" (FSDP={shard})" if shard and shard > 1 else "")
 
 
 # ---------------------------------------------------------------- pods: training from a ShardPlan
@@ -468,7 +506,7 @@ def options_from_plan(plan, *, model: str, data: str, steps: int, checkpoint_dir
     layers = [(p.layer_start, p.layer_end) for p in stages] or None
     return TrainOptions(model=model, data=data, steps=steps, checkpoint_dir=checkpoint_dir,
                         tensor=plan.tensor, pipeline=plan.pipeline, data_parallel=max(1, plan.replicas),
-                        stage_layers=layers, **more)
+                        data_shard=plan.data_shard, stage_layers=layers, **more)
 
 
 def pod_rank(replica: int, stage: int, local_rank: int, plan) -> int:
@@ -494,7 +532,11 @@ def options_from_contract(contract, *, device: str, dtype: str) -> TrainOptions:
         contract.plan, model=contract.model.path, data=t.data, steps=t.steps, checkpoint_dir=c.path,
         checkpoint_every=c.interval_steps, keep=c.keep, seed=t.seed, lr=t.learning_rate,
         warmup=t.warmup_steps, weight_decay=t.weight_decay, batch_size=t.batch_size, seq_len=t.seq_length,
-        micro_batches=t.micro_batches or 0, device=device, dtype=dtype, json=True)
+        micro_batches=t.micro_batches or 0, schedule=t.schedule.value,
+        activation_checkpointing=t.activation_checkpointing,
+        compression=t.gradient_compression.method if t.gradient_compression else "none",
+        compression_density=t.gradient_compression.density if t.gradient_compression else 0.01,
+        device=device, dtype=dtype, json=True)
 
 
 def run_training_rank(opts: TrainOptions, plan, replica: int, stage: int, local_rank: int,

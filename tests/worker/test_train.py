@@ -241,7 +241,7 @@ def test_bad_input_is_one_clear_line(work, reference, tmp_path):
     for change, error, message in [
         ({"data": str(tmp_path / "missing.txt")}, DataError, "missing.txt cannot be read"),
         ({"data": str(tmp_path)}, DataError, "is a directory"),
-        ({"batch_size": 3, "data_parallel": 2}, WorkerError, "--batch-size 3 is not divisible by --data-parallel 2"),
+        ({"batch_size": 3, "data_parallel": 2}, WorkerError, "batch size 3 does not split evenly into 2 data-parallel replicas"),
         ({"pipeline": 5}, WorkerError, "pipeline parallel degree 5 is more stages than the model's 4 layers"),
         ({"model": str(tmp_path / "nope")}, WorkerError, "not found"),
     ]:

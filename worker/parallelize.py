@@ -1,0 +1,165 @@
+"""Training parallelism applied from outside to the unchanged model (model.py), on a DeviceMesh.
+
+The mesh has four named dimensions, outermost first:
+
+    dp_replicate × dp_shard × pp × tp
+
+Row-major over that order, a rank is (replica·P + stage)·T + tp with replica = r·S + s: exactly
+crds/layout.py RankLayout's formula, so a training pod's ranks (one pod per replica and stage, its
+GPUs the TP ranks) need no second rule. Each dimension is PyTorch's own machinery:
+
+- tp: DTensor tensor parallel through a declarative plan (`TP_PLAN`): Megatron's column/row split
+  of attention and MLP, the embedding and the LM head split along the vocabulary. Attention then
+  holds heads/T heads per rank (set here: the model reshapes by its own head counts).
+- dp_shard: FSDP2 `fully_shard` per block and once at the root (ZeRO-3: parameters, gradients and
+  optimizer state sharded; each block's parameters all-gathered just before use). With a mixed
+  precision policy, the sharded parameters are the fp32 master weights, compute runs in the compute
+  dtype (bf16 on GPU) and gradients are reduced in fp32.
+- dp_replicate: HSDP (FSDP's 2-D mesh: reduce-scatter within a shard group, all-reduce across the
+  replicas), or, when gradient compression is on, plain FSDP over dp_shard with the replicate-axis
+  average done by compression.GradientCompressor after backward.
+- pp: stages.py (torch.distributed.pipelining schedules).
+
+Activation checkpointing recomputes each block's forward in backward (torch.utils.checkpoint),
+wrapping the block's forward in place so parameter names stay those of the model and of every
+checkpoint.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.utils.checkpoint import checkpoint
+
+from shardwise.crds.layout import RankLayout
+
+MESH_DIMS = ("dp_replicate", "dp_shard", "pp", "tp")
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """Degrees of the four mesh dimensions; data-parallel replicas = replicate × shard."""
+    replicate: int = 1
+    shard: int = 1
+    pipeline: int = 1
+    tensor: int = 1
+
+    @property
+    def data_parallel(self) -> int:
+        return self.replicate * self.shard
+
+    @property
+    def world_size(self) -> int:
+        return self.data_parallel * self.pipeline * self.tensor
+
+    @property
+    def layout(self) -> RankLayout:
+        return RankLayout(self.tensor, self.pipeline, self.data_parallel)
+
+    def build(self, device_type: str) -> DeviceMesh:
+        return init_device_mesh(device_type, (self.replicate, self.shard, self.pipeline, self.tensor),
+                                mesh_dim_names=MESH_DIMS)
+
+
+# Per block, Megatron's layout: the inputs of a sub-layer stay replicated, its first matmuls are
+# split by output (heads, MLP columns), the last by input, and one all-reduce joins the halves.
+BLOCK_TP_PLAN = {
+    "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+    "attention.wo": RowwiseParallel(),
+    "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+    "feed_forward.w2": RowwiseParallel(),
+}
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Split `model` (a stage of model.Transformer) over `tp_mesh` with DTensor plans."""
+    tp = tp_mesh.size()
+    if tp == 1:
+        return
+    tied = model.config.tie_word_embeddings and model.tok_embeddings is not None and model.output is not None
+    plan = {}
+    if model.tok_embeddings is not None:   # vocabulary rows split; the partial lookups summed
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if model.output is not None:           # vocabulary columns of the logits, gathered
+        plan["output"] = ColwiseParallel(output_layouts=Replicate())
+    if tied:
+        model.output.weight = nn.Parameter(model.output.weight.detach())   # untie: each split once
+    parallelize_module(model, tp_mesh, plan)
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, BLOCK_TP_PLAN)
+        block.attention.n_heads //= tp       # this rank's heads: the model reshapes by these
+        block.attention.n_kv_heads //= tp
+    if tied:   # the same vocabulary split on both sides: one parameter again
+        model.output.weight = model.tok_embeddings.weight
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each block's activations in backward instead of keeping them."""
+    for block in model.layers.values():
+        block.forward = partial(checkpoint, block.forward, use_reentrant=False)
+
+
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, compute_dtype: torch.dtype,
+               reshard_after_forward: bool = True) -> None:
+    """ZeRO-3 over `dp_mesh` (1-D: FSDP; 2-D replicate × shard: HSDP); fp32 master weights and
+    gradient reduction, compute in `compute_dtype`."""
+    policy = MixedPrecisionPolicy(param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
+                                  reduce_dtype=torch.float32)
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+
+
+# ------------------------------------------------------------------ full-tensor view of a shard
+
+def local_region(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    """(this rank's local tensor, the full shape, the local tensor's offsets in it)."""
+    if not isinstance(t, DTensor):
+        return t, tuple(t.shape), (0,) * t.dim()
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    local = t.to_local().detach()   # the same storage; detached so that it can be loaded in place
+    _, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return local, tuple(t.shape), tuple(offsets)
+
+
+def copies(t: torch.Tensor, holders: int) -> int:
+    """How many of the `holders` ranks that hold parameter `t` hold the same elements as this one."""
+    if not isinstance(t, DTensor):
+        return holders
+    # FSDP over a tensor-parallel dimension is a _StridedShard, which is not is_shard(): count
+    # every dimension that is not a replica.
+    pieces = math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements) if not p.is_replicate())
+    return max(1, holders // pieces)
+
+
+def clip_grad_norm_(params: list[tuple[nn.Parameter, int]], max_norm: float, device) -> float:
+    """The gradient norm over the whole model, every element counted once, and clip it.
+
+    `params` are (parameter, ranks holding it) pairs; each rank sums the squares of its local
+    gradient divided by the number of ranks with identical elements, and one all-reduce over the
+    world adds the rest (other stages, other shards)."""
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    for p, holders in params:
+        if p.grad is not None:
+            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            sq += local.double().pow(2).sum() / copies(p.grad, holders)
+    dist.all_reduce(sq)
+    norm = math.sqrt(sq.item())
+    if max_norm and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for p, _ in params:
+            if p.grad is not None:
+                p.grad.mul_(scale)
+    return norm
+
+
+__all__ = ["MESH_DIMS", "MeshShape", "apply_tensor_parallel", "apply_activation_checkpointing",
+           "apply_fsdp", "local_region", "copies", "clip_grad_norm_", "Shard", "Replicate"]
