@@ -202,6 +202,37 @@ class Checkpoint(ApiModel):
     keep: int = Field(3, ge=1, le=1000, description="Complete checkpoints kept; older ones are deleted.")
 
 
+class PipelineSchedule(str, Enum):
+    """How a replica's pipeline stages interleave micro-batches (torch.distributed.pipelining)."""
+
+    ONE_F_ONE_B = "1F1B"                   # one forward, one backward: few activations in flight
+    GPIPE = "GPipe"                        # all forwards, then all backwards
+    INTERLEAVED_1F1B = "Interleaved1F1B"   # 1F1B over several virtual stages per rank: a smaller bubble
+
+
+class DataParallel(ApiModel):
+    """How the data-parallel replicas hold the model: ZeRO-3 (FSDP2) over `shard` of them, `replicate`
+    copies of that averaged (HSDP). shard x replicate = spec.parallelism.replicas."""
+
+    shard: Optional[int] = Field(None, ge=1, le=10000, description=(
+        "Replicas that shard parameters, gradients and optimizer state among themselves (ZeRO-3). "
+        "Must divide parallelism.replicas. Omitted: replicas / replicate, or with replicate omitted "
+        "too, the smallest degree whose layout fits the GPUs' memory (the planner chooses)."))
+    replicate: Optional[int] = Field(None, ge=1, le=10000, description=(
+        "Copies of the sharded model whose gradients are averaged (HSDP). Must divide "
+        "parallelism.replicas. Omitted: replicas / shard."))
+
+
+class GradientCompression(ApiModel):
+    """Compression of the gradients averaged between replicated copies (the replicate axis only)."""
+
+    method: Literal["none", "int8", "topk"] = Field("none", description=(
+        "none; int8: gradients quantized to 8 bits for the all-reduce; topk: only the largest "
+        "`density` of the gradient elements are sent, the rest carried to the next step (error feedback)."))
+    density: float = Field(0.01, gt=0, le=1, description=(
+        "Fraction of gradient elements topk sends, in (0, 1]."))
+
+
 class Training(ApiModel):
     """What a `workload: training` model trains on, and how. The layout (tensor x pipeline x
     replicas as data parallel) comes from the plan; checkpoints go to spec.checkpoint."""
@@ -223,8 +254,17 @@ class Training(ApiModel):
     seed: int = Field(0, ge=0, description="Data order and initial randomness: the batch of a step "
                                            "depends on the seed and the step only, in any layout.")
     micro_batches: Optional[int] = Field(None, ge=1, description=(
-        "Pipeline micro-batches per replica; default: the pipeline degree, or the per-replica batch "
-        "when that is smaller."))
+        "Pipeline micro-batches per replica; default: 2 x the pipeline stages (1 without a "
+        "pipeline), or the per-replica batch when that is smaller. Interleaved1F1B needs a "
+        "multiple of the stages."))
+    data_parallel: Optional[DataParallel] = Field(None, description=(
+        "ZeRO-3 sharding across the data-parallel replicas; omitted: the planner chooses."))
+    schedule: PipelineSchedule = Field(PipelineSchedule.ONE_F_ONE_B, description=(
+        "Pipeline schedule: 1F1B, GPipe or Interleaved1F1B."))
+    activation_checkpointing: bool = Field(False, description=(
+        "Recompute each decoder block's activations in the backward pass instead of keeping them."))
+    gradient_compression: Optional[GradientCompression] = Field(None, description=(
+        "Compress the gradients averaged between replicated copies (dataParallel.replicate > 1)."))
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Training":
@@ -263,6 +303,27 @@ class Resources(ApiModel):
         return {k: str(v) for k, v in value.items()} if isinstance(value, dict) else value
 
 
+_DP = "self.training.dataParallel"
+# spec.training against spec.parallelism. The API server's message is static (a messageExpression
+# with string(int) is refused by the CRD cost estimator; format() needs Kubernetes 1.29+), so
+# ShardedModelSpec._training_checks says the same words and adds the values in parentheses.
+# Replicas 0 pauses a training job: shard x replicate may stay in the spec meanwhile.
+DP_PRODUCT = "training.dataParallel: shard x replicate must equal parallelism.replicas"
+DP_DIVIDES = "training.dataParallel.{axis} must divide parallelism.replicas"
+INTERLEAVED_MICRO_BATCHES = "training.microBatches must be a multiple of parallelism.pipeline for schedule Interleaved1F1B"
+_TRAINING_LAYOUT_RULES = (
+    (f"!has(self.training) || !has({_DP}) || !has({_DP}.shard) || !has({_DP}.replicate) || "
+     f"self.parallelism.replicas == 0 || {_DP}.shard * {_DP}.replicate == self.parallelism.replicas",
+     DP_PRODUCT, ".training.dataParallel"),
+    *((f"!has(self.training) || !has({_DP}) || !has({_DP}.{axis}) || self.parallelism.replicas % {_DP}.{axis} == 0",
+       DP_DIVIDES.format(axis=axis), f".training.dataParallel.{axis}") for axis in ("shard", "replicate")),
+    ("!has(self.training) || !has(self.training.schedule) || self.training.schedule != 'Interleaved1F1B' || "
+     "!has(self.training.microBatches) || !has(self.parallelism.pipeline) || "
+     "self.training.microBatches % self.parallelism.pipeline == 0",
+     INTERLEAVED_MICRO_BATCHES, ".training.microBatches"),
+)
+
+
 class ShardedModelSpec(ApiModel):
     model_config = ConfigDict(json_schema_extra=_cel(
         ("!has(self.parallelism.tensor) || !has(self.model.heads) || self.model.heads % self.parallelism.tensor == 0",
@@ -284,6 +345,7 @@ class ShardedModelSpec(ApiModel):
          ".checkpoint"),
         ("!has(self.training) || self.workload == 'training'",
          "spec.training is only for workload: training", ".training"),
+        *_TRAINING_LAYOUT_RULES,
     ))
 
     model: ModelSource
@@ -319,7 +381,24 @@ class ShardedModelSpec(ApiModel):
                                  "pod writes its shards to")
         elif self.training is not None:
             raise ValueError("spec.training is only for workload: training")
+        if self.training is not None:
+            self._training_checks(self.training, self.parallelism)
         return self
+
+    @staticmethod
+    def _training_checks(t: Training, par: Parallelism) -> None:
+        """_TRAINING_LAYOUT_RULES in Python: the same words, and the values that break the rule."""
+        dp, n = t.data_parallel, par.replicas
+        if dp and dp.shard and dp.replicate and n and dp.shard * dp.replicate != n:
+            raise ValueError(f"{DP_PRODUCT} (shard {dp.shard} x replicate {dp.replicate} = "
+                             f"{dp.shard * dp.replicate}, replicas {n})")
+        for axis, degree in (("shard", dp and dp.shard), ("replicate", dp and dp.replicate)):
+            if degree and n % degree:
+                raise ValueError(f"{DP_DIVIDES.format(axis=axis)} ({axis} {degree}, replicas {n})")
+        if (t.schedule == PipelineSchedule.INTERLEAVED_1F1B and t.micro_batches and par.pipeline
+                and t.micro_batches % par.pipeline):
+            raise ValueError(f"{INTERLEAVED_MICRO_BATCHES} (microBatches {t.micro_batches}, "
+                             f"pipeline {par.pipeline})")
 
 
 # ---------------------------------------------------------------- status

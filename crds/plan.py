@@ -6,7 +6,9 @@ worker (which layers and which slice of each weight a rank owns). It travels to 
 
 Ranks: crds/layout.py RankLayout. Inside one replica (one torch.distributed world per replica)
 consecutive ranks are one stage's TP group; training makes one world of all replicas and averages
-gradients across them (data parallel). The layer ranges come from crds/layout.py split_layers.
+gradients across them (data parallel): ZeRO-3 shards the model's training state over `data_shard`
+replicas, and `data_replicate` such groups hold copies (HSDP). The layer ranges come from
+crds/layout.py split_layers.
 """
 from __future__ import annotations
 
@@ -58,11 +60,19 @@ class ShardPlan(_Model):
     notes: list[str] = Field(default_factory=list)
     memory_per_gpu: int = Field(0, ge=0, description="bytes of GPU memory each rank is expected to use (planner estimate)")
     topology_keys: list[str] = Field(default_factory=list, description="label keys of StagePlacement.domains, tightest first")
+    data_shard: int = Field(1, ge=1, description=(
+        "training: the ZeRO-3 shard degree - data-parallel replicas that shard parameters, gradients "
+        "and optimizer state among themselves (replicas = data_shard x data_replicate); 1 for serving"))
 
     @property
     def world_size(self) -> int:
         """Ranks of one replica's world (what an inference pod joins)."""
         return RankLayout(self.tensor, self.pipeline).world_size
+
+    @property
+    def data_replicate(self) -> int:
+        """Training: copies of the ZeRO-3-sharded model whose gradients are averaged (HSDP), >= 1."""
+        return max(1, self.replicas // self.data_shard)
 
     def stages_of(self, replica: int) -> list[StagePlacement]:
         return sorted((p for p in self.placements if p.replica == replica), key=lambda p: p.stage)

@@ -16,7 +16,8 @@ from shardwise.crds import models
 CRD_FILE = Path(__file__).with_name(f"{models.PLURAL}.{models.GROUP}.yaml")
 
 # JSON Schema keywords a structural schema may keep; the rest (title, $defs, ...) are dropped.
-_KEEP = {"type", "description", "default", "enum", "format", "minimum", "maximum", "minLength",
+_KEEP = {"type", "description", "default", "enum", "format", "minimum", "maximum", "exclusiveMinimum",
+         "exclusiveMaximum", "minLength",
          "maxLength", "pattern", "minItems", "maxItems", "items", "properties", "required",
          "additionalProperties", "nullable", "x-kubernetes-validations", "x-kubernetes-list-type",
          "x-kubernetes-list-map-keys", "x-kubernetes-int-or-string",
@@ -45,6 +46,11 @@ def structural(schema: dict[str, Any], defs: dict[str, Any] | None = None) -> di
         node["type"] = "string"
     if node.get("default", 0) is None:
         del node["default"]
+    for bound, flag in (("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")):
+        # JSON Schema's `exclusiveMinimum: 0` (pydantic's gt=0) is OpenAPI v3.0's
+        # `minimum: 0, exclusiveMinimum: true`
+        if isinstance(node.get(flag), (int, float)) and not isinstance(node[flag], bool):
+            node[bound], node[flag] = node[flag], True
     out = {k: v for k, v in node.items() if k in _KEEP}
     if "properties" in out:
         out["properties"] = {k: structural(v, defs) for k, v in out["properties"].items()}

@@ -231,8 +231,10 @@ def _job_restart_reason(d: _Draft) -> str:
     if plan is None or not pods or (d.groups and ended):
         return ""   # nothing runs (stopped already, or not started yet): nothing to restart
     if not planning.layout_matches(plan, d.spec):
-        return (f"layout changed from TP={plan.tensor} PP={plan.pipeline} to "
-                f"TP={d.spec.parallelism.tensor or 'auto'} PP={d.spec.parallelism.pipeline or 'auto'}")
+        asked = planning.asked_shard(d.spec)
+        zero = (f" ZeRO-3 shard {plan.data_shard}", f" ZeRO-3 shard {asked}") if asked else ("", "")
+        return (f"layout changed from TP={plan.tensor} PP={plan.pipeline}{zero[0]} to "
+                f"TP={d.spec.parallelism.tensor or 'auto'} PP={d.spec.parallelism.pipeline or 'auto'}{zero[1]}")
     if planned(plan) != set(range(d.desired)):
         return f"replicas changed from {len(planned(plan))} to {d.desired}"
     for r, pods in d.pods.items():

@@ -6,8 +6,11 @@ How it decides
 1. Layout. Tensor degree (TP) must divide the attention and KV heads and fit on one node; when
    omitted, the smallest TP whose single stage fits a GPU is chosen (pipeline 1); when no TP fits
    a whole model, the fewest pipeline stages (PP) that fit, largest TP first. Memory per GPU =
-   weights/TP + KV cache (inference) or gradients and Adam moments (training) + activations +
-   a fixed CUDA overhead, against 90% of the GPU's memory.
+   weights/TP + KV cache + activations (inference), or the ZeRO-3 training state of
+   training_state_bytes + activations (training), + a fixed CUDA overhead, against 90% of the
+   GPU's memory. Training shards its state over S data-parallel replicas: the S the spec fixes,
+   else the smallest divisor of the replicas at which enough GPUs hold the layout for all the
+   replicas (ShardPlan.data_shard).
 2. Slots. A node with F free GPUs offers F // TP slots; one slot holds one stage (one pod), so a
    TP group never spans nodes.
 3. Placement. Each replica takes PP slots. Its cost is the topology boundaries crossed between
@@ -28,14 +31,15 @@ in_memory_dtype: a quantized GGUF is dequantized, so it takes bfloat16's room, n
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from shardwise.crds.layout import split_layers
-from shardwise.crds.models import ShardedModelSpec
+from shardwise.crds.models import PipelineSchedule, ShardedModelSpec
 from shardwise.crds.modelshape import ModelFacts
 from shardwise.crds.plan import ReplicaPlan, ShardPlan, StagePlacement
 from shardwise.operator.inventory import NodeInfo, usable
@@ -45,6 +49,11 @@ CUDA_OVERHEAD = 1 * GiB          # context, cuBLAS workspace, NCCL buffers per G
 USABLE_FRACTION = 0.90           # of a GPU's memory the planner fills
 ACTIVATION_FRACTION = 0.10       # inference activations as a share of the rank's weights
 TRAINING_ACTIVATION_FRACTION = 0.25
+# ZeRO-3 (FSDP2) with mixed precision, bytes per parameter, sharded over tensor x shard ranks:
+MASTER_BYTES = 4                 # fp32 master weights (on float32 the weights themselves)
+GRADIENT_BYTES = 4               # fp32 gradients (reduced in fp32)
+ADAM_BYTES = 8                   # the two fp32 AdamW moments
+BLOCKS_IN_FLIGHT = 2             # unsharded: the block FSDP gathered and the next one, prefetched
 INF = float("inf")
 
 
@@ -63,6 +72,7 @@ class Layout:
     memory: int                   # bytes per GPU, worst stage
     ranges: tuple[tuple[int, int], ...]
     stage_params: tuple[int, ...]
+    shard: int = 1                # training: ZeRO-3 shard degree the memory is sized at
 
 
 # ------------------------------------------------------------------ layers and memory
@@ -78,27 +88,94 @@ def weight_bytes(facts: ModelFacts, params: int, tensor: int) -> float:
     return params * facts.bytes_per_param / tensor
 
 
-def stage_memory(facts: ModelFacts, spec: ShardedModelSpec, tensor: int, params: int, layers: int) -> int:
-    """Bytes one GPU of a stage needs: its slice of the weights plus headroom."""
+def training_state_bytes(facts: ModelFacts, params: int, tensor: int, shard: int, block: int) -> float:
+    """Bytes of training state one GPU of a stage holding `params` parameters keeps under ZeRO-3.
+
+    Sharded over its `tensor` ranks and the `shard` data-parallel replicas: fp32 master weights,
+    fp32 gradients and both fp32 AdamW moments, 16 bytes a parameter. Unsharded, in the compute
+    dtype (bytes_per_param): the blocks in flight - FSDP all-gathers one block (a decoder layer,
+    or the embedding or LM head, `block` parameters) while prefetching the next, and frees them
+    after use. On float32 the master weights are the weights: no other copy is kept or counted.
+    """
+    sharded = (MASTER_BYTES + GRADIENT_BYTES + ADAM_BYTES) * params / (tensor * shard)
+    gathered = BLOCKS_IN_FLIGHT * block * facts.bytes_per_param / tensor
+    return sharded + gathered
+
+
+def largest_unit(facts: ModelFacts, embedding: bool, head: bool) -> int:
+    """Parameters of a stage's largest FSDP unit: a decoder layer, the embedding, the LM head."""
+    return max(facts.layer_params, facts.embedding_params if embedding else 0, facts.head_params if head else 0)
+
+
+def stage_memory(facts: ModelFacts, spec: ShardedModelSpec, tensor: int, params: int, layers: int,
+                 shard: int = 1, block: int = 0) -> int:
+    """Bytes one GPU of a stage needs: its slice of the weights (training: of the ZeRO-3 state over
+    `shard` replicas, `block` the largest unit it gathers) plus headroom."""
     weights = weight_bytes(facts, params, tensor)
     if spec.workload == "training":
-        # gradients and both AdamW moments, in the weight dtype as the worker keeps them
-        # (worker/train.py: no fp32 master copy), sharded like the weights
-        state = 3 * params * facts.bytes_per_param / tensor
-        need = weights + state + TRAINING_ACTIVATION_FRACTION * weights
+        state = training_state_bytes(facts, params, tensor, shard, block or facts.layer_params)
+        need = state + TRAINING_ACTIVATION_FRACTION * weights
     else:
         kv = spec.serving.kv_cache_tokens * layers * facts.kv_bytes_per_token_per_layer(activation_bytes(facts))
         need = weights + kv / tensor + ACTIVATION_FRACTION * weights
     return int(need + CUDA_OVERHEAD)
 
 
-def make_layout(facts: ModelFacts, spec: ShardedModelSpec, tensor: int, pipeline: int) -> Layout:
+def asked_shard(spec: ShardedModelSpec) -> int | None:
+    """The ZeRO-3 shard degree spec.training.dataParallel fixes (shard, or replicas / replicate)."""
+    dp = spec.training.data_parallel if spec.workload == "training" and spec.training else None
+    replicas = spec.parallelism.replicas
+    if dp is None or replicas == 0 or not (dp.shard or dp.replicate):
+        return None
+    shard = dp.shard or replicas // dp.replicate
+    replicate = dp.replicate or replicas // shard
+    if shard * replicate != replicas:   # the API refuses it; a spec built in code may not be checked
+        raise LayoutError(f"training.dataParallel (shard {dp.shard}, replicate {dp.replicate}) does not "
+                          f"split parallelism.replicas {replicas}")
+    return shard
+
+
+def shard_degrees(spec: ShardedModelSpec) -> list[int]:
+    """ZeRO-3 shard degrees a layout may be sized at, least sharded first: the spec's, else every
+    divisor of the replicas (more sharding, more communication). [1] when not training."""
+    replicas = spec.parallelism.replicas
+    fixed = asked_shard(spec)
+    if fixed or spec.workload != "training" or replicas < 2:
+        return [fixed or 1]
+    return _divisors(replicas)
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
+def _worst_stage(facts: ModelFacts, spec: ShardedModelSpec, tensor: int, ranges: Sequence[tuple[int, int]],
+                 params: Sequence[int], shard: int) -> int:
+    last = len(ranges) - 1
+    return max(stage_memory(facts, spec, tensor, p, e - s, shard, largest_unit(facts, i == 0, i == last))
+               for i, (p, (s, e)) in enumerate(zip(params, ranges)))
+
+
+def make_layout(facts: ModelFacts, spec: ShardedModelSpec, tensor: int, pipeline: int,
+                roomy: Callable[[int], bool] | None = None) -> Layout:
+    """The layout's layer split and worst-stage memory. Training: at the least-sharded ZeRO-3
+    degree whose memory `roomy` accepts (memory falls as the degree grows: a binary search), the
+    most sharded when none is, the least when there is no `roomy` to ask."""
     try:
         ranges, params = split_layers(facts, pipeline)
     except ValueError as e:  # more stages than layers: no capacity makes that fit
         raise LayoutError(str(e)) from None
-    memory = max(stage_memory(facts, spec, tensor, p, e - s) for p, (s, e) in zip(params, ranges))
-    return Layout(tensor, pipeline, memory, ranges, params)
+    degrees = shard_degrees(spec)
+    lo, hi = 0, len(degrees) - 1 if roomy else 0
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if roomy(_worst_stage(facts, spec, tensor, ranges, params, degrees[mid])):
+            hi = mid
+        else:
+            lo = mid + 1
+    memory = _worst_stage(facts, spec, tensor, ranges, params, degrees[lo])
+    return Layout(tensor, pipeline, memory, ranges, params, degrees[lo])
 
 
 def fits(memory: int, node: NodeInfo) -> bool:
@@ -114,19 +191,25 @@ def candidate_layouts(spec: ShardedModelSpec, facts: ModelFacts, nodes: Sequence
     def fits_some(layout: Layout) -> bool:
         return any(n.free >= layout.tensor and fits(layout.memory, n) for n in nodes)
 
+    def roomy(tensor: int, pipeline: int) -> Callable[[int], bool]:
+        """Training's shard degree: enough free GPUs hold `memory` for every replica's stages."""
+        need = max(1, spec.parallelism.replicas) * pipeline
+        return lambda memory: sum(n.free // tensor for n in nodes if fits(memory, n)) >= need
+
     if spec.parallelism.tensor:
         tensors = [spec.parallelism.tensor]
     else:
         tensors = [t for t in range(1, max(1, largest_block) + 1)
                    if facts.heads % t == 0 and facts.kv_heads % t == 0]
     if spec.parallelism.pipeline:
-        return [make_layout(facts, spec, t, spec.parallelism.pipeline) for t in tensors]
+        return [make_layout(facts, spec, t, spec.parallelism.pipeline, roomy(t, spec.parallelism.pipeline)) for t in tensors]
     single, multi = [], []
     for t in tensors:
-        # fewest stages whose worst stage fits the largest GPU (memory falls roughly as 1/stages)
+        # fewest stages whose worst stage fits the largest GPU (memory falls roughly as 1/stages);
+        # ZeRO-3 sharding costs no GPUs, so a training layout shards more before it adds stages
         pp = 1
         while True:
-            layout = make_layout(facts, spec, t, pp)
+            layout = make_layout(facts, spec, t, pp, roomy(t, pp))
             if largest_memory == 0 or fits_some(layout) or pp >= facts.layers:
                 break
             pp += 1
@@ -487,13 +570,42 @@ def plan(spec: ShardedModelSpec, facts: ModelFacts, nodes: Sequence[NodeInfo],
 
 
 def _check_layout(spec: ShardedModelSpec, facts: ModelFacts) -> None:
-    """The degrees the spec names must fit the model's heads and layers, whatever the capacity."""
+    """The degrees the spec names must fit the model's heads and layers, whatever the capacity:
+    one line naming the spec's field and what would work."""
     if spec.parallelism.tensor:
         for name, count in (("attention heads", facts.heads), ("KV heads", facts.kv_heads)):
             if count % spec.parallelism.tensor:
-                raise LayoutError(f"tensor {spec.parallelism.tensor} does not divide the model's {count} {name}")
+                fitting = ", ".join(map(str, _divisors(math.gcd(facts.heads, facts.kv_heads))))
+                raise LayoutError(f"parallelism.tensor {spec.parallelism.tensor} does not divide the model's "
+                                  f"{count} {name}; use one of {fitting}")
     if spec.parallelism.pipeline and spec.parallelism.pipeline > facts.layers:
-        raise LayoutError(f"pipeline {spec.parallelism.pipeline} exceeds the model's {facts.layers} layers")
+        raise LayoutError(f"parallelism.pipeline {spec.parallelism.pipeline} exceeds the model's "
+                          f"{facts.layers} layers; use 1 to {facts.layers}")
+    asked_shard(spec)   # a dataParallel that does not split the replicas (a spec the API did not check)
+
+
+INTERLEAVED_VIRTUAL_STAGES = 2   # stages each pipeline rank holds under Interleaved1F1B (worker/stages.py)
+
+
+def _fit_schedule(spec: ShardedModelSpec, facts: ModelFacts, layouts: list[Layout]) -> list[Layout]:
+    """Interleaved1F1B cuts the model into 2 stages per pipeline rank, so 2 x pipeline <= layers,
+    and runs a multiple of the pipeline degree as micro-batches (training.microBatches, when
+    given): only such layouts (pipeline 1 runs as 1F1B)."""
+    t = spec.training if spec.workload == "training" else None
+    if t is None or t.schedule != PipelineSchedule.INTERLEAVED_1F1B or not layouts:
+        return layouts
+    fitting = [layout for layout in layouts if layout.pipeline == 1 or (
+        INTERLEAVED_VIRTUAL_STAGES * layout.pipeline <= facts.layers
+        and (not t.micro_batches or t.micro_batches % layout.pipeline == 0))]
+    p = layouts[0].pipeline
+    if not fitting and INTERLEAVED_VIRTUAL_STAGES * p > facts.layers:
+        raise LayoutError(f"training.schedule Interleaved1F1B needs {INTERLEAVED_VIRTUAL_STAGES * p} stages for "
+                          f"{p} pipeline ranks, more than the model's {facts.layers} layers; use 1F1B or GPipe")
+    if not fitting:
+        raise LayoutError(f"training.microBatches {t.micro_batches} is not a multiple of the {p} pipeline stages "
+                          f"the model needs; schedule Interleaved1F1B needs that: set microBatches to a "
+                          f"multiple of {p}, or parallelism.pipeline")
+    return fitting
 
 
 def _layouts(spec: ShardedModelSpec, facts: ModelFacts, pool, kept: dict[int, list[StagePlacement]],
@@ -511,7 +623,7 @@ def _layouts(spec: ShardedModelSpec, facts: ModelFacts, pool, kept: dict[int, li
         raise LayoutError(f"no tensor degree up to the largest free block of "
                           f"{max(n.free for n in pool.nodes)} GPUs divides the model's "
                           f"{facts.heads} attention and {facts.kv_heads} KV heads")
-    return layouts
+    return _fit_schedule(spec, facts, layouts)
 
 
 def _kept_replicas(keep: Sequence[StagePlacement], wanted: int, by_name: dict[str, NodeInfo],
@@ -538,7 +650,7 @@ def _kept_replicas(keep: Sequence[StagePlacement], wanted: int, by_name: dict[st
 def _assemble(spec: ShardedModelSpec, facts: ModelFacts, attempt: _Attempt,
               kept: dict[int, list[StagePlacement]], wanted: int, shrunk: bool, notes: list[str],
               by_name: dict[str, NodeInfo], keys: Sequence[str], nodes: Sequence[NodeInfo]) -> ShardPlan:
-    layout = attempt.layout
+    layout = _sharded(spec, facts, attempt.layout, len(kept) + len(attempt.replicas))
     tree = attempt.tree or _Tree([], keys, {}, layout.pipeline)
     free_indices = [r for r in range(wanted + len(kept)) if r not in kept][: len(attempt.replicas)]
     placements: list[StagePlacement] = []
@@ -556,11 +668,36 @@ def _assemble(spec: ShardedModelSpec, facts: ModelFacts, attempt: _Attempt,
                 embedding=stage == 0, head=stage == layout.pipeline - 1, params=layout.stage_params[stage],
                 domains={k: node.labels[k] for k in keys if k in node.labels}))
         groups.append(_explain(r, stage_nodes, layout, tree, keys, kept=r in kept))
-    why_layout = _explain_layout(spec, facts, layout, nodes)
+    why_layout = [_explain_layout(spec, facts, layout, nodes), *_explain_shard(spec, layout, len(groups))]
     return ShardPlan(tensor=layout.tensor, pipeline=layout.pipeline, replicas=len(groups),
                      num_layers=facts.layers, placements=placements, groups=groups,
-                     cost=sum(g.cost for g in groups), shrunk=shrunk, notes=[why_layout, *notes],
-                     memory_per_gpu=layout.memory, topology_keys=list(keys))
+                     cost=sum(g.cost for g in groups), shrunk=shrunk, notes=[*why_layout, *notes],
+                     memory_per_gpu=layout.memory, topology_keys=list(keys), data_shard=layout.shard)
+
+
+def _sharded(spec: ShardedModelSpec, facts: ModelFacts, layout: Layout, replicas: int) -> Layout:
+    """The layout at a shard degree dividing the replicas planned: a plan shrunk to replicas its
+    degree does not divide takes the least-sharded divisor at least as sharded, else all of them."""
+    if replicas % layout.shard == 0:   # always so for serving (shard 1) and for a plan not shrunk
+        return layout
+    shard = next((d for d in _divisors(replicas) if d >= layout.shard), replicas)
+    memory = _worst_stage(facts, spec, layout.tensor, layout.ranges, layout.stage_params, shard)
+    return dataclasses.replace(layout, shard=shard, memory=memory)
+
+
+def _explain_shard(spec: ShardedModelSpec, layout: Layout, replicas: int) -> list[str]:
+    if spec.workload != "training" or replicas == 0:
+        return []
+    asked = asked_shard(spec)
+    how = "asked" if asked == layout.shard else "chosen" if asked is None else f"asked {asked}, shrunk"
+    copies = replicas // layout.shard
+    out = [f"ZeRO-3 over {layout.shard} replica(s) ({how}) × {copies} replicated: "
+           f"{layout.memory / GiB:.1f} GiB per GPU"]
+    compression = spec.training.gradient_compression if spec.training else None
+    if compression is not None and compression.method != "none" and copies == 1:
+        out.append(f"training.gradientCompression {compression.method} has nothing to compress: it acts "
+                   f"between replicated copies, and every replica shards (replicate 1)")
+    return out
 
 
 def _explain(replica: int, stage_nodes: list[NodeInfo], layout: Layout, tree: _Tree,

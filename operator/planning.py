@@ -87,9 +87,19 @@ def plan_groups(spec: ShardedModelSpec, facts: ModelFacts, namespace: str, model
 
 
 def layout_matches(plan: ShardPlan, spec: ShardedModelSpec) -> bool:
-    """The plan has the layout the spec asks for (an omitted degree matches any)."""
-    t, p = spec.parallelism.tensor, spec.parallelism.pipeline
-    return (t is None or t == plan.tensor) and (p is None or p == plan.pipeline)
+    """The plan has the layout the spec asks for (an omitted degree matches any), the ZeRO-3 shard
+    degree of a training job included."""
+    t, p, s = spec.parallelism.tensor, spec.parallelism.pipeline, asked_shard(spec)
+    return (t is None or t == plan.tensor) and (p is None or p == plan.pipeline) and (s is None or s == plan.data_shard)
+
+
+def asked_shard(spec: ShardedModelSpec) -> int | None:
+    """The ZeRO-3 shard degree the spec fixes, or None (also for one that does not split the
+    replicas: the planner says so when it plans)."""
+    try:
+        return planner.asked_shard(spec)
+    except planner.LayoutError:
+        return None
 
 
 def _subtract(infos: list[inventory.NodeInfo], placements: Iterable[StagePlacement]) -> list[inventory.NodeInfo]:

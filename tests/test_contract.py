@@ -2,6 +2,7 @@
 ConfigMap and the worker's own reading function (no torch needed)."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -60,6 +61,43 @@ def test_a_training_contract_carries_the_specs_options_with_pod_paths(tmp_path):
     assert contract.workload == "training" and contract.plan == planned
     assert contract.training == model.spec.training.model_copy(update={"data": "/data/corpora/wiki.txt"})
     assert contract.checkpoint == model.spec.checkpoint and contract.checkpoint.path == "/checkpoints"
+
+
+def test_zero3_schedule_and_compression_reach_the_pods_plan_json(tmp_path):
+    """spec.training's layout fields and the plan's ZeRO-3 shard degree, through the ConfigMap and
+    back: what the worker builds its device mesh and schedule from."""
+    model = _model(workload="training", parallelism={"tensor": 1, "pipeline": 2, "replicas": 4},
+                   training={"data": "/data/wiki.txt", "steps": 50, "microBatches": 4,
+                             "dataParallel": {"shard": 2}, "schedule": "Interleaved1F1B",
+                             "activationCheckpointing": True,
+                             "gradientCompression": {"method": "topk", "density": 0.05}},
+                   checkpoint={"claim": "ckpt"})
+    planned = plan(model.spec, SMOL, [NodeInfo(f"n{i}", {ZONE: "z", RACK: "r"}, gpus=4, used=0,
+                                               gpu_memory=24 * GiB) for i in range(2)])
+    assert (planned.data_shard, planned.data_replicate) == (2, 2)
+    configmap = renderer.render_configmap(model, planned)
+    raw = json.loads(configmap["data"]["plan.json"])
+    assert raw["plan"]["data_shard"] == 2
+    assert raw["training"]["data_parallel"] == {"shard": 2, "replicate": None}
+    assert (raw["training"]["schedule"], raw["training"]["activation_checkpointing"]) == ("Interleaved1F1B", True)
+    assert raw["training"]["gradient_compression"] == {"method": "topk", "density": 0.05}
+
+    (tmp_path / "plan.json").write_text(configmap["data"]["plan.json"])
+    contract = read_contract(str(tmp_path / "plan.json"))
+    assert contract.plan == planned and contract.plan.data_shard == 2 and contract.plan.data_replicate == 2
+    assert contract.training == model.spec.training
+    t = contract.training
+    assert (t.data_parallel.shard, t.schedule, t.activation_checkpointing) == (2, "Interleaved1F1B", True)
+    assert (t.gradient_compression.method, t.gradient_compression.density) == ("topk", 0.05)
+    assert renderer.plan_from_configmap(configmap).data_shard == 2
+
+
+def test_a_plan_written_before_data_shard_reads_as_unsharded():
+    planned = plan(_model().spec, SMOL, _nodes())
+    old = json.loads(planned.model_dump_json())
+    del old["data_shard"]
+    read = renderer.plan_from_configmap({"data": {"plan.json": json.dumps(old)}})
+    assert read is not None and (read.data_shard, read.data_replicate) == (1, read.replicas)
 
 
 @pytest.mark.parametrize("text, words", [

@@ -475,3 +475,16 @@ def test_every_group_phase_survives_a_status_round_trip(phase):
     c.body["status"]["groups"] = [{"replica": 0, "attempt": 1, "phase": phase.value}]
     state = parse_state(c.body, [], None, "img:1")
     assert state.groups[0].phase is phase and state.groups[0].to_api()["phase"] == phase.value
+
+
+def test_a_new_zero3_shard_degree_restarts_the_job_on_a_new_plan():
+    c = Cluster(training(replicas=4), rack("n0 n1", "a"))
+    c.ready()
+    assert json.loads(c.configmap["data"]["plan.json"])["plan"]["data_shard"] == 1   # GPUs large enough
+    c.edit(training={"data": "/data/text.txt", "steps": 100, "dataParallel": {"shard": 2}})
+    c.reconcile()
+    told = [e.message for e in c.events if e.reason == "Restarting"]
+    assert told and told[-1].startswith("layout changed from TP=4 PP=1 ZeRO-3 shard 1 to TP=4 PP=1 ZeRO-3 shard 2")
+    contract = json.loads(c.configmap["data"]["plan.json"])
+    assert contract["plan"]["data_shard"] == 2 and contract["training"]["data_parallel"]["shard"] == 2
+    assert {c.group(r)["attempt"] for r in range(4)} == {2} and len(c.replica_pods()) == 4

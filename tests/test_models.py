@@ -73,6 +73,74 @@ def test_training_spec_reads_with_defaults_and_writes_back():
     assert ShardedModel.model_validate(sm.to_api()) == sm
 
 
+def training(replicas: int = 1, pipeline: int | None = None, **fields) -> dict:
+    return minimal(workload="training", checkpoint={"claim": "c"},
+                   parallelism={"replicas": replicas, **({"pipeline": pipeline} if pipeline else {})},
+                   training={"data": "/d.txt", "steps": 5, **fields})
+
+
+def test_training_layout_fields_default_and_write_back_in_camel_case():
+    t = load_manifest(training()).spec.training
+    assert (t.data_parallel, t.schedule, t.activation_checkpointing, t.gradient_compression) == (
+        None, models.PipelineSchedule.ONE_F_ONE_B, False, None)
+    assert t.schedule == "1F1B"   # a str enum: the worker may compare it with the YAML's text
+    sm = load_manifest(training(4, pipeline=2, dataParallel={"shard": 2, "replicate": 2}, schedule="Interleaved1F1B",
+                                microBatches=4, activationCheckpointing=True,
+                                gradientCompression={"method": "topk", "density": 0.05}))
+    out = sm.to_api()["spec"]["training"]
+    assert out["dataParallel"] == {"shard": 2, "replicate": 2} and out["schedule"] == "Interleaved1F1B"
+    assert out["activationCheckpointing"] is True and out["gradientCompression"] == {"method": "topk", "density": 0.05}
+    assert ShardedModel.model_validate(sm.to_api()) == sm
+    assert load_manifest(training(2, gradientCompression={})).spec.training.gradient_compression.model_dump() == {
+        "method": "none", "density": 0.01}
+
+
+@pytest.mark.parametrize("replicas, fields", [
+    (4, {"dataParallel": {"shard": 4}}), (4, {"dataParallel": {"replicate": 2}}), (6, {"dataParallel": {"shard": 3, "replicate": 2}}),
+    (0, {"dataParallel": {"shard": 2, "replicate": 2}}),      # scaled to 0: a paused job keeps its layout
+    (2, {"schedule": "Interleaved1F1B", "microBatches": 5}),   # pipeline left to the planner: it judges
+])
+def test_training_layouts_that_are_accepted(replicas, fields):
+    load_manifest(training(replicas, **fields))
+
+
+@pytest.mark.parametrize("replicas, pipeline, fields, message", [
+    (3, None, {"dataParallel": {"shard": 2, "replicate": 2}},
+     "training.dataParallel: shard x replicate must equal parallelism.replicas (shard 2 x replicate 2 = 4, replicas 3)"),
+    (4, None, {"dataParallel": {"shard": 3}},
+     "training.dataParallel.shard must divide parallelism.replicas (shard 3, replicas 4)"),
+    (6, None, {"dataParallel": {"replicate": 4}},
+     "training.dataParallel.replicate must divide parallelism.replicas (replicate 4, replicas 6)"),
+    (1, 4, {"schedule": "Interleaved1F1B", "microBatches": 6},
+     "training.microBatches must be a multiple of parallelism.pipeline for schedule Interleaved1F1B (microBatches 6, pipeline 4)"),
+    (2, None, {"dataParallel": {"shard": 0}}, "spec.training.dataParallel.shard: Input should be greater than or equal to 1"),
+    (2, None, {"gradientCompression": {"density": 0}},
+     "spec.training.gradientCompression.density: Input should be greater than 0"),
+    (2, None, {"gradientCompression": {"method": "topk", "density": 1.01}},
+     "spec.training.gradientCompression.density: Input should be less than or equal to 1"),
+    (2, None, {"gradientCompression": {"method": "fp8"}},
+     "spec.training.gradientCompression.method: Input should be 'none', 'int8' or 'topk'"),
+    (2, None, {"schedule": "ZeroBubble"}, "spec.training.schedule: Input should be '1F1B', 'GPipe' or 'Interleaved1F1B'"),
+])
+def test_training_layout_refusals_name_the_field_in_one_line(replicas, pipeline, fields, message):
+    with pytest.raises(ValueError) as e:
+        load_manifest(training(replicas, pipeline, **fields))
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_training_layout_rules_are_cel_rules_with_the_same_words():
+    spec = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    rules = {r["fieldPath"]: r for r in spec["x-kubernetes-validations"] if r.get("fieldPath", "").startswith(".training.")}
+    assert rules[".training.dataParallel"]["message"] == models.DP_PRODUCT
+    assert rules[".training.dataParallel.shard"]["message"] == "training.dataParallel.shard must divide parallelism.replicas"
+    assert rules[".training.microBatches"]["message"] == models.INTERLEAVED_MICRO_BATCHES
+    training_schema = spec["properties"]["training"]["properties"]
+    density = training_schema["gradientCompression"]["properties"]["density"]
+    assert (density["minimum"], density["exclusiveMinimum"], density["maximum"]) == (0, True, 1)
+    assert training_schema["schedule"]["enum"] == ["1F1B", "GPipe", "Interleaved1F1B"]
+    assert training_schema["schedule"]["default"] == "1F1B"
+
+
 def test_model_helpers():
     sm = load_manifest(minimal(model={"uri": "pvc://weights/llama/3"}))
     assert sm.spec.model.pvc() == ("weights", "llama/3")

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import pytest
 import yaml
 
-from shardwise.crds.models import load_manifest
+from shardwise.crds.models import DP_DIVIDES, DP_PRODUCT, INTERLEAVED_MICRO_BATCHES, load_manifest
 from shardwise.crds.schema import CRD_FILE
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.timeout(300)]
@@ -66,6 +66,13 @@ def manifest(name: str, **spec: Any) -> dict[str, Any]:
 
 _DELETE = object()
 
+
+def training_manifest(replicas: int, pipeline: int | None = None, **training: Any) -> dict[str, Any]:
+    """A training ShardedModel over `replicas` data-parallel replicas with these training fields."""
+    parallelism = {"replicas": replicas, **({"pipeline": pipeline} if pipeline else {})}
+    return manifest("a", workload="training", checkpoint={"claim": "ckpt"}, parallelism=parallelism,
+                    training={"data": "/d.txt", "steps": 5, **training})
+
 # (manifest, field the refusal names, words of the refusal)
 BAD = {
     "tensor-zero": (manifest("a", parallelism__tensor=0), "spec.parallelism.tensor", "greater than or equal to 1"),
@@ -102,6 +109,26 @@ BAD = {
     "training-data-pvc": (manifest("a", workload="training", checkpoint={"claim": "ckpt"},
                                    training={"data": "pvc://data", "steps": 5}),
                           "spec.training.data", "pvc://<claim>/<path>"),
+    # ZeRO-3 x HSDP, pipeline schedule, gradient compression; `shardwise plan -f` says the same
+    # words and adds the values (test_training_layout_refusals_say_the_same_offline)
+    "shard-x-replicate": (training_manifest(3, dataParallel={"shard": 2, "replicate": 2}),
+                          "spec.training.dataParallel", DP_PRODUCT),
+    "shard-divides": (training_manifest(4, dataParallel={"shard": 3}), "spec.training.dataParallel.shard",
+                      DP_DIVIDES.format(axis="shard")),
+    "replicate-divides": (training_manifest(6, dataParallel={"replicate": 4}), "spec.training.dataParallel.replicate",
+                          DP_DIVIDES.format(axis="replicate")),
+    "shard-zero": (training_manifest(2, dataParallel={"shard": 0}), "spec.training.dataParallel.shard",
+                   "greater than or equal to 1"),
+    "density-zero": (training_manifest(2, gradientCompression={"method": "topk", "density": 0}),
+                     "spec.training.gradientCompression.density", "should be greater than 0"),
+    "density-above-one": (training_manifest(2, gradientCompression={"method": "topk", "density": 1.5}),
+                          "spec.training.gradientCompression.density", "less than or equal to 1"),
+    "compression-method": (training_manifest(2, gradientCompression={"method": "fp4"}),
+                           "spec.training.gradientCompression.method", 'supported values: "none", "int8", "topk"'),
+    "schedule-enum": (training_manifest(2, schedule="ZeroBubble"), "spec.training.schedule",
+                      'supported values: "1F1B", "GPipe", "Interleaved1F1B"'),
+    "interleaved-micro-batches": (training_manifest(1, pipeline=4, schedule="Interleaved1F1B", microBatches=6),
+                                  "spec.training.microBatches", INTERLEAVED_MICRO_BATCHES),
 }
 
 
@@ -143,3 +170,23 @@ def test_scale_subresource_and_printer_columns(kubectl):
     header = kubectl("get", "sm").splitlines()[0].split()
     assert header == ["NAME", "TENSOR", "PIPELINE", "REPLICAS", "READY", "PHASE", "AGE"]
     assert "replicas" in refusal(kubectl, "scale", "sm/scaled", "--replicas=-1")
+
+
+def test_training_layout_fields_are_accepted_with_defaults_and_kept_by_scaling(kubectl):
+    body = training_manifest(4, pipeline=4, dataParallel={"shard": 2, "replicate": 2}, schedule="Interleaved1F1B",
+                             microBatches=8, gradientCompression={"method": "topk", "density": 0.05})
+    body["metadata"]["name"] = "hsdp"
+    training = yaml.safe_load(kubectl("create", "-o", "yaml", "-f", "-", input=yaml.safe_dump(body)))["spec"]["training"]
+    assert training["dataParallel"] == {"shard": 2, "replicate": 2} and training["schedule"] == "Interleaved1F1B"
+    assert training["activationCheckpointing"] is False
+    assert training["gradientCompression"] == {"method": "topk", "density": 0.05}
+    defaults = training_manifest(2, gradientCompression={})
+    defaults["metadata"]["name"] = "defaults"
+    training = yaml.safe_load(kubectl("create", "-o", "yaml", "-f", "-", input=yaml.safe_dump(defaults)))["spec"]["training"]
+    assert (training["schedule"], training["activationCheckpointing"]) == ("1F1B", False)
+    assert training["gradientCompression"] == {"method": "none", "density": 0.01}
+    # shard x replicate fixes the replicas: the scale subresource is held to the same rule, but 0 pauses
+    message = refusal(kubectl, "scale", "sm/hsdp", "--replicas=3")
+    assert "spec.training.dataParallel" in message and DP_PRODUCT in message, message
+    kubectl("scale", "sm/hsdp", "--replicas=0")
+    assert kubectl("get", "sm", "hsdp", "-o", "jsonpath={.spec.parallelism.replicas}") == "0"
