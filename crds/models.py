@@ -254,9 +254,9 @@ class Training(ApiModel):
     seed: int = Field(0, ge=0, description="Data order and initial randomness: the batch of a step "
                                            "depends on the seed and the step only, in any layout.")
     micro_batches: Optional[int] = Field(None, ge=1, description=(
-        "Pipeline micro-batches per replica; default: 2 x the pipeline stages (1 without a "
-        "pipeline), or the per-replica batch when that is smaller. Interleaved1F1B needs a "
-        "multiple of the stages."))
+        "Pipeline micro-batches per replica; default: the largest divisor of the per-replica batch "
+        "up to 2 x the pipeline stages (1 without a pipeline). Interleaved1F1B needs a multiple "
+        "of the stages."))
     data_parallel: Optional[DataParallel] = Field(None, description=(
         "ZeRO-3 sharding across the data-parallel replicas; omitted: the planner chooses."))
     schedule: PipelineSchedule = Field(PipelineSchedule.ONE_F_ONE_B, description=(

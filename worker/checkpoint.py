@@ -4,11 +4,11 @@ Format. Every tensor is stored under its *full* name ("model/layers.3.attn.wq.we
 *full* shape; each rank writes only the slice it holds, described by its offsets into the full
 tensor. DCP's own metadata then records, per tensor, which stored chunk covers which region, so a
 reader with any other layout asks for the region it needs and DCP reads exactly the overlapping
-parts of the stored chunks (resharding). We describe slices with plain offsets rather than DTensor
-because the worker's tensor parallelism is written with plain tensors and explicit collectives:
-no DeviceMesh has to exist to save or load, the same reader serves inference ranks (which load
-without any process group), and uneven or oddly-placed slices need no special case. Replicated
-slices (norms, a replicated embedding, optimizer steps) are written once: DCP's planner drops
+parts of the stored chunks (resharding). A slice is plain offsets into the full tensor: training
+takes them from each DTensor shard (FSDP2 over DTensor TP included: parallelize.local_region, the
+offsets DCP itself would compute), inference loaders compute them for their own slices, and no
+DeviceMesh has to exist to read a checkpoint (inference ranks load without any process group).
+Replicated slices (norms under TP, optimizer steps) are written once: DCP's planner drops
 duplicates that have the same name and offsets.
 
 Commit protocol. A checkpoint is written into `.tmp-step-NNNNNNNN/`; when every rank's data and

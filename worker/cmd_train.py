@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step, over all replicas")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--micro-batches", type=int, default=0,
-                   help="pipeline micro-batches per replica (default: twice the pipeline degree, or the per-replica batch when that is smaller)")
+                   help="pipeline micro-batches per replica (default: the largest divisor of the per-replica batch up to twice the pipeline degree)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: float32 on cpu; on cuda the model's own dtype (bfloat16 for a quantized GGUF)")
@@ -89,6 +89,11 @@ def check_inputs(opts) -> None:
     problem = opts.problem(source.config.num_layers)
     if problem:
         raise WorkerError(problem)
+    if opts.compression != "none" and opts.shard == opts.data_parallel:
+        # (A pod just runs uncompressed: the operator may have shrunk the job to one group.)
+        raise WorkerError(f"gradient compression works across replicate groups: --data-shard {opts.shard} "
+                          f"leaves none of the {opts.data_parallel} replicas (use a shard degree below "
+                          f"{opts.data_parallel})")
     TokenDataset.from_file(opts.data, load_tokenizer(source).encode)  # readable, non-empty, tokenizable
     if os.path.exists(opts.checkpoint_dir) and not os.path.isdir(opts.checkpoint_dir):
         raise WorkerError(f"--checkpoint-dir {opts.checkpoint_dir} exists and is not a directory")

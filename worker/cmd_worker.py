@@ -280,6 +280,24 @@ def _rank_main(spec, rank, world, local_rank, host, port, model_name, loaded_q, 
         raise SystemExit(1)
 
 
+def _training_metrics(progress_dir: str | None) -> list[str]:
+    """A training job's step, loss and gradient bytes sent between replicate groups (by rank 0,
+    since the pod started), from its progress.json; none before the first step."""
+    if progress_dir is None:
+        return []
+    from .train import read_progress
+    progress = read_progress(progress_dir) or {}
+    if "step" not in progress:
+        return []
+    lines = ["# TYPE shardwise_train_step gauge", f"shardwise_train_step {progress['step']}"]
+    if progress.get("loss") is not None:
+        lines += ["# TYPE shardwise_train_loss gauge", f"shardwise_train_loss {progress['loss']}"]
+    method = progress.get("compression", "none")
+    lines += ["# TYPE shardwise_train_replicate_bytes_total counter",
+              f'shardwise_train_replicate_bytes_total{{compression="{method}"}} {progress.get("replicate_bytes", 0)}']
+    return lines
+
+
 class _StageHealth:
     """/healthz and /metrics of a pod that does not serve the API (pipeline stage > 0, training);
     /progress of a training job when `progress_dir` (its checkpoint directory) is given."""
@@ -305,6 +323,7 @@ class _StageHealth:
                               f'{s["weight_bytes"]}' for r, s in sorted(health.stats.items())]
                     lines += ["# TYPE shardwise_ready gauge",
                               f"shardwise_ready {int(len(health.stats) == health.expected)}"]
+                    lines += _training_metrics(progress_dir)
                     self._send(200, ("\n".join(lines) + "\n").encode(), "text/plain; version=0.0.4")
                 elif self.path == "/progress" and progress_dir is not None:
                     from .train import read_progress

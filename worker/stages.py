@@ -9,7 +9,7 @@ at the price of more point-to-point messages. PyTorch's schedules run the micro-
     Interleaved1F1B   1F1B over the virtual stages
 
 Bubble fraction of a step (P stages, m micro-batches, V virtual stages per rank):
-(P - 1) / (V·m + P - 1); the default m = 2·P keeps it at about a third for GPipe and 1F1B.
+(P - 1) / (V·m + P - 1); the default m = 2·P (where the batch splits so) keeps it under a third.
 """
 from __future__ import annotations
 
@@ -33,9 +33,15 @@ def stage_indices(pp_rank: int, pipeline: int, schedule: str) -> list[int]:
     return [pp_rank + v * pipeline for v in range(virtual_stages(schedule))]
 
 
-def default_micro_batches(pipeline: int, per_replica_batch: int) -> int:
-    """Two micro-batches per stage, or as many as the replica's batch has rows."""
-    return 1 if pipeline == 1 else max(1, min(2 * pipeline, per_replica_batch))
+def default_micro_batches(pipeline: int, per_replica_batch: int, schedule: str = DEFAULT_SCHEDULE) -> int:
+    """Two micro-batches per stage where the replica's batch splits so: the largest divisor of the
+    batch up to 2·P (for interleaved 1F1B, the largest such multiple of P, if any)."""
+    if pipeline == 1:
+        return 1
+    fits = [m for m in range(1, min(2 * pipeline, per_replica_batch) + 1) if per_replica_batch % m == 0]
+    if schedule == "Interleaved1F1B":
+        fits = [m for m in fits if m % pipeline == 0] or fits
+    return max(fits)
 
 
 def bubble_fraction(pipeline: int, micro_batches: int, schedule: str) -> float:

@@ -103,7 +103,8 @@ class TrainOptions:
         return self.layout.world_size
 
     def micro_batches_per_replica(self) -> int:
-        return self.micro_batches or pipe.default_micro_batches(self.pipeline, self.batch_size // self.data_parallel)
+        return self.micro_batches or pipe.default_micro_batches(self.pipeline, self.batch_size // self.data_parallel,
+                                                                self.schedule)
 
     def problem(self, layers: int) -> str | None:
         """Why these options cannot train a model of `layers` layers (one line), or None."""
@@ -112,17 +113,16 @@ class TrainOptions:
             return f"data-parallel shard degree {S} does not divide the {D} data-parallel replicas"
         if self.batch_size % D:
             return f"batch size {self.batch_size} does not split evenly into {D} data-parallel replicas"
+        if self.compression != "none" and not 0 < self.compression_density <= 1:
+            return f"compression density must be in (0, 1], got {self.compression_density}"
         micro = self.micro_batches_per_replica()
+        if self.pipeline > 1:
+            problem = pipe.check_schedule(self.schedule, self.pipeline, micro, layers)
+            if problem:
+                return problem
         if (self.batch_size // D) % micro:
             return (f"per-replica batch {self.batch_size // D} does not split evenly into {micro} "
                     f"micro-batches")
-        if self.compression != "none" and not 0 < self.compression_density <= 1:
-            return f"compression density must be in (0, 1], got {self.compression_density}"
-        if self.compression != "none" and S == D:
-            return (f"gradient compression works across replicate groups: --data-shard {S} leaves none of "
-                    f"the {D} replicas (use a shard degree below {D})")
-        if self.pipeline > 1:
-            return pipe.check_schedule(self.schedule, self.pipeline, micro, layers)
         return None
 
 
@@ -243,6 +243,7 @@ class Trainer:
             asynchronous=opts.async_checkpoint, log=lambda m: self.emit({"event": "log", "message": m}),
             files=model_files(source, tokenizer))
         self.step = 0
+        self.replicate_bytes = 0      # sent by this rank on the replicate axis since it started
 
     def _build_stages(self) -> None:
         opts, P = self.opts, self.opts.pipeline
@@ -323,6 +324,7 @@ class Trainer:
             group["lr"] = lr
         local_loss = self._forward_backward(inputs, targets)
         sent = self._sync_grads()
+        self.replicate_bytes += sent
         norm = par.clip_grad_norm_(self.norm_params, opts.grad_clip, self.device)
         self.optimizer.step()
         self.step = step
@@ -480,6 +482,7 @@ def _write_progress(opts: TrainOptions, trainer: Trainer, rec: dict) -> None:
     last = trainer.manager.last_committed
     progress = {"step": trainer.step, "steps": opts.steps, "loss": rec.get("loss"),
                 "done": bool(rec.get("done")), "time": time.time(),
+                "replicate_bytes": trainer.replicate_bytes, "compression": opts.compression,
                 "last_checkpoint": None if last is None else {"step": last[0], "time": last[1],
                                                               "name": ckpt.step_dir_name(last[0])}}
     tmp = Path(opts.checkpoint_dir) / ".progress.json.tmp"

@@ -323,12 +323,15 @@ def test_training_pods_from_a_plan_reproduce_the_reference(work, reference, tmp_
         pods.append(subprocess.Popen(
             [sys.executable, "-m", "shardwise", "worker", "--contract", contract, "--device", "cpu"],
             env=pod_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    seen = []
+    seen, sent = [], []
     deadline = time.monotonic() + 300
     while any(p.poll() is None for p in pods) and time.monotonic() < deadline:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{ports[3]}/progress", timeout=2) as resp:
                 seen.append(json.loads(resp.read())["step"])
+            with urllib.request.urlopen(f"http://127.0.0.1:{ports[3]}/metrics", timeout=2) as resp:
+                sent += [float(line.split()[-1]) for line in resp.read().decode().splitlines()
+                         if line.startswith('shardwise_train_replicate_bytes_total{compression="none"}')]
         except OSError:
             pass
         time.sleep(0.2)
@@ -338,6 +341,7 @@ def test_training_pods_from_a_plan_reproduce_the_reference(work, reference, tmp_
     assert sorted(got) == list(range(1, steps + 1))
     _assert_same_losses(got, losses, got)
     assert seen and max(seen) >= 1     # progress was readable from another pod while it trained
+    assert sent and max(sent) > 0      # the gradient bytes averaged between the two replicas, as a metric
     for r, s in [(0, 0), (0, 1), (1, 0), (1, 1)]:
         result = json.loads((tmp_path / f"termination-{r}-{s}").read_text())
         assert result["done"] and result["step"] == steps

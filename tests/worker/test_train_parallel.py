@@ -63,6 +63,7 @@ LAYOUTS = {
     "PP2-1F1B": ["--pipeline-parallel", "2", "--schedule", "1F1B"],
     "PP2-Interleaved1F1B": ["--pipeline-parallel", "2", "--schedule", "Interleaved1F1B"],
     "HSDP2x2": ["--data-parallel", "4", "--data-shard", "2"],
+    "FSDP2-recompute": ["--data-parallel", "2", "--activation-checkpointing"],
     "PP2xFSDP2xTP2": ["--pipeline-parallel", "2", "--data-parallel", "2", "--tensor-parallel", "2"],
 }
 
@@ -72,6 +73,16 @@ def test_every_layout_trains_like_one_process(work, single, tmp_path, name):
     got, _ = _train(work, tmp_path / "ck", *LAYOUTS[name])
     assert sorted(got) == list(range(1, STEPS + 1))
     _assert_parity(got, single, range(1, STEPS + 1))
+
+
+def test_int8_compression_sends_a_quarter_of_the_bytes_and_keeps_the_loss(work, single, tmp_path):
+    """Two replicate groups (DP=2, shard 1): the gradient average between them, plain vs INT8."""
+    plain, _ = _train(work, tmp_path / "plain", "--data-parallel", "2", "--data-shard", "1")
+    int8, _ = _train(work, tmp_path / "int8", "--data-parallel", "2", "--data-shard", "1", "--compression", "int8")
+    _assert_parity(plain, single, range(1, STEPS + 1))
+    ratio = int8[STEPS]["replicate_bytes"] / plain[STEPS]["replicate_bytes"]
+    assert 0.24 < ratio < 0.27, ratio
+    assert int8[STEPS]["loss"] == pytest.approx(plain[STEPS]["loss"], rel=0.01)
 
 
 def test_zero3_checkpoint_resumes_under_other_layouts_with_the_same_losses(work, single, tmp_path):
