@@ -415,7 +415,7 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.feed_forward = FeedForward(config)
         # The tensor-parallel all-reduce of the attention and MLP outputs, set by parallel.py.
-        # Module calls get it from hooks (autograd-aware, for training); decode below calls the
+        # Module calls get it from forward hooks; decode below calls the
         # submodules' methods directly, so it applies it itself.
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 

@@ -1,12 +1,13 @@
-"""Tensor parallelism applied to the unchanged model (model.py).
+"""Inference's tensor parallelism, applied to the unchanged model (model.py).
 
 Per block (Megatron layout, one all-reduce per sub-layer):
     attention:    wq, wk, wv column-parallel (heads split across ranks), wo row-parallel
     feed_forward: w1, w3 column-parallel, w2 row-parallel
-The input of each sub-layer goes through `copy_to_tp` (identity forward, all-reduce of the
-gradient backward) and its output through `reduce_from_tp` (all-reduce forward, identity backward),
-so the same code serves inference and training. A group set up with `use_shm_allreduce` does its
-small CPU all-reduces through shared memory (shm_allreduce.py), the others through torch.distributed.
+The output of each sub-layer is all-reduced by a forward hook. A group set up with
+`use_shm_allreduce` does its small CPU all-reduces through shared memory (shm_allreduce.py), the
+others through torch.distributed. Plain tensors and explicit collectives, not DTensor: the
+shared-memory all-reduce and the fused decode path (model.py) work on plain tensors. Training
+splits the same layout with DTensor plans (parallelize.py), which autograd and FSDP understand.
 
 The embedding and LM head are split along the vocabulary (padded to a multiple of the degree):
 each rank looks up the ids it owns and the partial embeddings are summed; each rank computes its
@@ -101,38 +102,6 @@ def all_gather_last(x: torch.Tensor, group, world: int) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return all_reduce(x.contiguous(), group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_reduce(grad.contiguous(), ctx.group), None
-
-
-class _GatherFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, world, rank):
-        ctx.rank, ctx.size = rank, x.shape[-1]
-        return all_gather_last(x, group, world)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad[..., ctx.rank * ctx.size:(ctx.rank + 1) * ctx.size].contiguous(), None, None, None
-
-
 def _narrow_param(p: nn.Parameter, shard: Shard) -> nn.Parameter:
     """The rank's slice of p; on the meta device only the shape changes."""
     full = p.shape[shard.dim]
@@ -168,7 +137,7 @@ class VocabParallelEmbedding(nn.Module):
         local = local.masked_fill(outside, 0)
         out = F.embedding(local, self.weight) if self.weight_t is None else self.weight_t.t()[local]
         out = out.masked_fill(outside[..., None], 0)
-        return _ReduceFromTP.apply(out, self.group)
+        return all_reduce(out, self.group)
 
 
 class VocabParallelHead(nn.Module):
@@ -185,9 +154,8 @@ class VocabParallelHead(nn.Module):
         return self.weight_t
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        h = _CopyToTP.apply(h, self.group)
         local = F.linear(h, self.weight) if self.weight_t is None else h @ self.weight_t
-        logits = _GatherFromTP.apply(local, self.group, self.world, self.rank)
+        logits = all_gather_last(local, self.group, self.world)
         return logits[..., :self.vocab_size]
 
 
@@ -224,8 +192,7 @@ def apply_tensor_parallel(model: nn.Module, rank: int, world: int, group=None) -
         att.n_heads //= world
         att.n_kv_heads //= world
         for sub in (att, ffn):
-            sub.register_forward_pre_hook(lambda _m, args: (_CopyToTP.apply(args[0], group),) + args[1:])
-            sub.register_forward_hook(lambda _m, _args, out: _ReduceFromTP.apply(out, group))
+            sub.register_forward_hook(lambda _m, _args, out: all_reduce(out.contiguous(), group))
         block.reduce = lambda out: all_reduce(out.contiguous(), group)     # TransformerBlock.decode
 
     vocab = config.vocab_size
