@@ -193,13 +193,48 @@ class Placement(ApiModel):
         return keys
 
 
+# spec.checkpoint: the local tier needs the shared one, and a mount path of its own.
+LOCAL_NEEDS_CLAIM = ("checkpoint.local needs checkpoint.claim: the shared tier a job resumes from when a "
+                     "node and its local tier are gone")
+LOCAL_PATH_DIFFERS = "checkpoint.local.path must differ from checkpoint.path"
+
+
+class LocalCheckpoint(ApiModel):
+    """The local tier: frequent checkpoints on each node's own disk, fast to write and read back; lost
+    with the node, so the shared tier (checkpoint.claim) stays what a job falls back to."""
+
+    path: str = Field("/local-checkpoints", max_length=4096, pattern=r"^/", description=(
+        "Directory of the local checkpoints inside the pod; must differ from checkpoint.path."))
+    host_path: str = Field("/var/lib/shardwise/checkpoints", max_length=4096, pattern=r"^/", description=(
+        "Directory on the node; each pod mounts <hostPath>/<namespace>/<model name> of its node "
+        "(hostPath type DirectoryOrCreate), which outlives the pod: a restarted job's new pods on "
+        "the same node read it back."))
+    interval_steps: int = Field(10, ge=1, description="Training steps between local checkpoints.")
+    keep: int = Field(2, ge=1, le=1000, description="Local checkpoints kept per node; older ones are deleted.")
+
+
 class Checkpoint(ApiModel):
+    model_config = ConfigDict(json_schema_extra=_cel(
+        ("!has(self.local) || has(self.claim)", LOCAL_NEEDS_CLAIM, ".local"),
+        ("!has(self.local) || self.local.path != self.path", LOCAL_PATH_DIFFERS, ".local.path"),
+    ))
+
     claim: Optional[str] = Field(None, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
                                  description="PersistentVolumeClaim mounted at `path` in every pod.")
     path: str = Field("/checkpoints", max_length=4096, pattern=r"^/",
                       description="Directory of the sharded checkpoints inside the pod.")
     interval_steps: int = Field(100, ge=1, description="Training steps between checkpoints.")
     keep: int = Field(3, ge=1, le=1000, description="Complete checkpoints kept; older ones are deleted.")
+    local: Optional[LocalCheckpoint] = Field(None, description=(
+        "A second, node-local tier written more often than the shared one (training); needs claim."))
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "Checkpoint":
+        if self.local is not None and not self.claim:
+            raise ValueError(LOCAL_NEEDS_CLAIM)
+        if self.local is not None and self.local.path == self.path:
+            raise ValueError(f"{LOCAL_PATH_DIFFERS} (both {self.path})")
+        return self
 
 
 class PipelineSchedule(str, Enum):
@@ -265,6 +300,13 @@ class Training(ApiModel):
         "Recompute each decoder block's activations in the backward pass instead of keeping them."))
     gradient_compression: Optional[GradientCompression] = Field(None, description=(
         "Compress the gradients averaged between replicated copies (dataParallel.replicate > 1)."))
+    min_replicas: Optional[int] = Field(None, ge=1, le=10000, description=(
+        "Elastic training: when the healthy GPUs cannot hold parallelism.replicas, run with the most "
+        "replicas that fit, down to this many, and grow back when capacity returns. Omitted: "
+        "parallelism.replicas (the job runs whole or waits). Must not exceed parallelism.replicas."))
+    termination_grace_period_seconds: int = Field(120, ge=1, le=86400, description=(
+        "The training pods' terminationGracePeriodSeconds: on SIGTERM (a restart to grow, a spec "
+        "change, a drain) a rank saves a shared checkpoint and exits within this time."))
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Training":
@@ -311,6 +353,7 @@ _DP = "self.training.dataParallel"
 DP_PRODUCT = "training.dataParallel: shard x replicate must equal parallelism.replicas"
 DP_DIVIDES = "training.dataParallel.{axis} must divide parallelism.replicas"
 INTERLEAVED_MICRO_BATCHES = "training.microBatches must be a multiple of parallelism.pipeline for schedule Interleaved1F1B"
+MIN_REPLICAS = "training.minReplicas must not exceed parallelism.replicas"
 _TRAINING_LAYOUT_RULES = (
     (f"!has(self.training) || !has({_DP}) || !has({_DP}.shard) || !has({_DP}.replicate) || "
      f"self.parallelism.replicas == 0 || {_DP}.shard * {_DP}.replicate == self.parallelism.replicas",
@@ -321,6 +364,8 @@ _TRAINING_LAYOUT_RULES = (
      "!has(self.training.microBatches) || !has(self.parallelism.pipeline) || "
      "self.training.microBatches % self.parallelism.pipeline == 0",
      INTERLEAVED_MICRO_BATCHES, ".training.microBatches"),
+    ("!has(self.training) || !has(self.training.minReplicas) || self.parallelism.replicas == 0 || "
+     "self.training.minReplicas <= self.parallelism.replicas", MIN_REPLICAS, ".training.minReplicas"),
 )
 
 
@@ -385,6 +430,12 @@ class ShardedModelSpec(ApiModel):
             self._training_checks(self.training, self.parallelism)
         return self
 
+    def min_replicas(self) -> int:
+        """The fewest replicas a training job may run with: training.minReplicas, else all of them."""
+        replicas = self.parallelism.replicas
+        floor = self.training.min_replicas if self.workload == "training" and self.training else None
+        return min(floor or replicas, replicas)
+
     @staticmethod
     def _training_checks(t: Training, par: Parallelism) -> None:
         """_TRAINING_LAYOUT_RULES in Python: the same words, and the values that break the rule."""
@@ -399,6 +450,8 @@ class ShardedModelSpec(ApiModel):
                 and t.micro_batches % par.pipeline):
             raise ValueError(f"{INTERLEAVED_MICRO_BATCHES} (microBatches {t.micro_batches}, "
                              f"pipeline {par.pipeline})")
+        if t.min_replicas and n and t.min_replicas > n:
+            raise ValueError(f"{MIN_REPLICAS} (minReplicas {t.min_replicas}, replicas {n})")
 
 
 # ---------------------------------------------------------------- status
@@ -508,7 +561,11 @@ class ShardedModelStatus(ApiModel):
     endpoint: Optional[str] = Field(None, description="URL of the OpenAI-compatible API")
     plan: Optional[PlanSummary] = None
     last_checkpoint: Optional[LastCheckpoint] = Field(None, description=(
-        "training: the newest complete checkpoint, which a restarted job resumes from"))
+        "training: the newest complete checkpoint of the shared tier (checkpoint.claim), which a "
+        "restarted job resumes from when nothing newer is on its nodes"))
+    last_local_checkpoint: Optional[LastCheckpoint] = Field(None, description=(
+        "training: the newest complete checkpoint of the local tier (checkpoint.local), on the nodes' "
+        "own disks; lost with a node"))
     training: Optional[TrainingProgress] = None
     groups: list[ReplicaGroupStatus] = Field(default_factory=list, description="one record per replica group")
     model_facts: Optional[ModelFactsStatus] = Field(None, description="the model's shape as the operator read it")

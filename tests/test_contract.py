@@ -63,6 +63,16 @@ def test_a_training_contract_carries_the_specs_options_with_pod_paths(tmp_path):
     assert contract.checkpoint == model.spec.checkpoint and contract.checkpoint.path == "/checkpoints"
 
 
+def test_the_local_checkpoint_tier_and_min_replicas_reach_the_pods_plan_json():
+    model = _model(workload="training", parallelism={"tensor": 1, "pipeline": 2, "replicas": 2},
+                   training={"data": "/data/wiki.txt", "steps": 50, "minReplicas": 1},
+                   checkpoint={"claim": "ckpt", "local": {"intervalSteps": 5, "keep": 3}})
+    contract = PodContract.from_json(renderer.render_configmap(model, plan(model.spec, SMOL, _nodes()))["data"]["plan.json"])
+    local = contract.checkpoint.local
+    assert (local.path, local.interval_steps, local.keep) == ("/local-checkpoints", 5, 3)
+    assert contract.training.min_replicas == 1
+
+
 def test_zero3_schedule_and_compression_reach_the_pods_plan_json(tmp_path):
     """spec.training's layout fields and the plan's ZeRO-3 shard degree, through the ConfigMap and
     back: what the worker builds its device mesh and schedule from."""

@@ -121,6 +121,8 @@ def test_training_layouts_that_are_accepted(replicas, fields):
     (2, None, {"gradientCompression": {"method": "fp8"}},
      "spec.training.gradientCompression.method: Input should be 'none', 'int8' or 'topk'"),
     (2, None, {"schedule": "ZeroBubble"}, "spec.training.schedule: Input should be '1F1B', 'GPipe' or 'Interleaved1F1B'"),
+    (2, None, {"minReplicas": 3}, "training.minReplicas must not exceed parallelism.replicas (minReplicas 3, replicas 2)"),
+    (2, None, {"minReplicas": 0}, "spec.training.minReplicas: Input should be greater than or equal to 1"),
 ])
 def test_training_layout_refusals_name_the_field_in_one_line(replicas, pipeline, fields, message):
     with pytest.raises(ValueError) as e:
@@ -139,6 +141,48 @@ def test_training_layout_rules_are_cel_rules_with_the_same_words():
     assert (density["minimum"], density["exclusiveMinimum"], density["maximum"]) == (0, True, 1)
     assert training_schema["schedule"]["enum"] == ["1F1B", "GPipe", "Interleaved1F1B"]
     assert training_schema["schedule"]["default"] == "1F1B"
+
+
+def test_min_replicas_defaults_to_all_replicas_and_a_paused_job_keeps_it():
+    assert load_manifest(training(4)).spec.min_replicas() == 4
+    assert load_manifest(training(4, minReplicas=2)).spec.min_replicas() == 2
+    assert load_manifest(training(0, minReplicas=2)).spec.min_replicas() == 0   # paused: scaled to 0
+    assert load_manifest(training(4, minReplicas=2)).spec.training.termination_grace_period_seconds == 120
+
+
+def test_local_checkpoint_tier_defaults_and_writes_back():
+    sm = load_manifest(minimal(workload="training", checkpoint={"claim": "c", "local": {}},
+                               training={"data": "/d.txt", "steps": 5}))
+    local = sm.spec.checkpoint.local
+    assert (local.path, local.host_path, local.interval_steps, local.keep) == (
+        "/local-checkpoints", "/var/lib/shardwise/checkpoints", 10, 2)
+    assert sm.to_api()["spec"]["checkpoint"]["local"]["hostPath"] == "/var/lib/shardwise/checkpoints"
+    assert ShardedModel.model_validate(sm.to_api()) == sm
+
+
+@pytest.mark.parametrize("checkpoint, message", [
+    ({"local": {}}, models.LOCAL_NEEDS_CLAIM),
+    ({"claim": "c", "local": {"path": "/checkpoints"}}, "checkpoint.local.path must differ from checkpoint.path (both /checkpoints)"),
+    ({"claim": "c", "path": "/x", "local": {"path": "/x"}}, "checkpoint.local.path must differ from checkpoint.path (both /x)"),
+    ({"claim": "c", "local": {"path": "relative"}}, "spec.checkpoint.local.path: String should match pattern"),
+    ({"claim": "c", "local": {"hostPath": "var/lib"}}, "spec.checkpoint.local.hostPath: String should match pattern"),
+    ({"claim": "c", "local": {"intervalSteps": 0}}, "spec.checkpoint.local.intervalSteps: Input should be greater than or equal to 1"),
+])
+def test_local_checkpoint_refusals_name_the_field_in_one_line(checkpoint, message):
+    with pytest.raises(ValueError) as e:
+        load_manifest(minimal(checkpoint=checkpoint))
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_elastic_and_local_tier_rules_are_cel_rules_with_the_same_words():
+    spec = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    rules = {r["fieldPath"]: r for r in spec["x-kubernetes-validations"] if "fieldPath" in r}
+    assert rules[".training.minReplicas"]["message"] == models.MIN_REPLICAS
+    checkpoint = {r["fieldPath"]: r["message"] for r in spec["properties"]["checkpoint"]["x-kubernetes-validations"]}
+    assert checkpoint == {".local": models.LOCAL_NEEDS_CLAIM, ".local.path": models.LOCAL_PATH_DIFFERS}
+    local = spec["properties"]["checkpoint"]["properties"]["local"]["properties"]
+    assert (local["path"]["default"], local["intervalSteps"]["default"], local["keep"]["default"]) == (
+        "/local-checkpoints", 10, 2)
 
 
 def test_model_helpers():
