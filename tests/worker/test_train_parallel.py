@@ -15,21 +15,12 @@ from pathlib import Path
 import pytest
 
 from shardwise.worker import checkpoint as ckpt
-from shardwise.worker.tiny import write_tiny_model
 
-from .test_train import _text
+from .test_train import work  # noqa: F401  (the tiny model and its corpus: a fixture)
 
 STEPS = 20
 RTOL = 1e-3
 COMMON = ["--steps", str(STEPS), "--batch-size", "8", "--seq-len", "32", "--lr", "3e-3", "--seed", "11", "--json"]
-
-
-@pytest.fixture(scope="module")
-def work(tmp_path_factory):
-    root = tmp_path_factory.mktemp("parallel")
-    (root / "data.txt").write_text(_text())
-    write_tiny_model(root / "model", _text(), layers=4, hidden=64, heads=4, kv_heads=2)
-    return root
 
 
 def _train(work: Path, ckdir: Path, *layout: str, steps: int = STEPS) -> tuple[dict[int, dict], str]:
