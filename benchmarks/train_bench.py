@@ -46,22 +46,31 @@ def _train(model: Path, data: Path, ckdir: Path, layout: tuple[int, int, int], s
 
 
 def _slices_for(config, folder: Path, tp: int, rank: int, stage: tuple[int, int] | None):
-    """Model + optimizer slices one rank of a layout would load (built without processes)."""
+    """Model + optimizer slices one rank of a layout would load (built without processes): the
+    rank's part of each full tensor by inference's split (parallel.py), in full-tensor coordinates."""
     from shardwise.worker import checkpoint as ckpt
     from shardwise.worker.model import Transformer
     from shardwise.worker.parallel import apply_tensor_parallel
-    from shardwise.worker.train import param_slices
 
     start, end = stage or (0, config.num_layers)
     with torch.device("meta"):
         m = Transformer(config, start, end, start == 0, end == config.num_layers)
     apply_tensor_parallel(m, rank, tp, group=None)
     m.to_empty(device="cpu")
-    out = param_slices(m)
-    for key, s in list(out.items()):   # AdamW moments have the parameter's shape and split
-        name = key[len("model/"):]
-        for moment in ("exp_avg", "exp_avg_sq"):
-            out[f"optim/{name}/{moment}"] = ckpt.Slice(torch.empty_like(s.tensor), s.full_shape, s.offsets)
+    shapes = ckpt.stored_shapes(folder)
+    out = {}
+    for name, p in m.named_parameters():
+        full = shapes[f"model/{name}"]
+        shard = m.tp_shards.get(name)
+        if shard is None:
+            part, offsets = p.data, (0,) * p.dim()
+        else:
+            lo, hi = shard.bounds(full[shard.dim])
+            part = p.data.narrow(shard.dim, 0, max(0, min(hi, full[shard.dim]) - lo))   # no padding rows
+            offsets = tuple(lo if d == shard.dim else 0 for d in range(p.dim()))
+        out[f"model/{name}"] = ckpt.Slice(part, tuple(full), offsets)
+        for moment in ("exp_avg", "exp_avg_sq"):   # AdamW moments have the parameter's shape and split
+            out[f"optim/{name}/{moment}"] = ckpt.Slice(torch.empty_like(part), tuple(full), offsets)
     return out
 
 
