@@ -5,14 +5,17 @@ store, and the Events to post. `reconciler.py` observes, calls this, then acts a
 One pass, in order:
   1. a changed spec reopens the groups that gave up (and a finished job asked for more steps);
   2. the workload's reshaping rule: a training job restarts whole when its layout, replica count or
-     spec changed; a served model marks the groups of an old layout Outdated (replaced one by one);
+     spec changed, or when it runs short (elastic) and a wider plan fits now; a served model marks
+     the groups of an old layout Outdated (replaced one by one);
   3. replicas beyond spec.parallelism.replicas are torn down (a paused training job keeps its records);
   4. each desired replica: rolled (Outdated, or its pods of an old spec), judged from its pods
      (recovery.assess -> recovery.decide; one verdict for a gang), then created, torn down or left;
   5. every group that needs a plan is planned in one planner call, with the model's shape (read by a
      probe pod for a pvc:// model); the new plan is stored in the plan ConfigMap, then the group
      records, then the pods are created: a pass interrupted anywhere leaves state a later pass
-     recognises (pods are named by replica, stage and attempt, and created with create-or-get);
+     recognises (pods are named by replica, stage and attempt, and created with create-or-get).
+     A training job is planned whole at the largest size that fits (elastic.py), once every pod of
+     its previous run is gone (they may be saving a checkpoint);
   6. pods of an older attempt of a live group (an interrupted teardown) are deleted.
 """
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any, Mapping, Sequence, Union
 from shardwise.crds.models import GroupPhase, ModelFactsStatus, ReplicaGroupStatus
 from shardwise.crds.modelshape import ModelFacts, ModelFactsError
 from shardwise.crds.plan import ShardPlan
-from shardwise.operator import planning, probe, recovery, renderer, status
+from shardwise.operator import elastic, planning, probe, recovery, renderer, status
 from shardwise.operator.state import ModelState
 from shardwise.operator.workloads import finished
 
@@ -106,6 +109,7 @@ class Decision:
     recovered: list[float] = dataclasses.field(default_factory=list)   # failure -> Ready again, seconds
     recoveries: list[str] = dataclasses.field(default_factory=list)    # causes of the groups torn down now
     plan_seconds: float | None = None
+    size: int | None = None                # the replicas the model runs with (a training job: maybe fewer)
 
     def new_pods(self) -> list[CreatePods]:
         return [a for a in self.actions if isinstance(a, CreatePods)]
@@ -120,6 +124,7 @@ def decide(state: ModelState, world: World, now: datetime) -> Decision:
     _reopen_after_spec_change(d)
     if d.workload.gang:
         _restart_job_if_reshaped(d)
+        _grow_when_capacity_returns(d)
     else:
         _mark_old_layout_outdated(d)
     _scale_down(d)
@@ -136,7 +141,8 @@ class _Draft:
     def __init__(self, state: ModelState, world: World, now: datetime):
         self.state, self.world, self.now = state, world, now
         self.spec, self.workload, self.policy = state.spec, state.workload, state.policy
-        self.desired = state.desired
+        # A training job runs at its stored plan's size, which may be short of the replicas asked.
+        self.desired = elastic.running_size(state.spec, state.plan) if self.workload.gang else state.desired
         self.groups = {r: g.model_copy() for r, g in state.groups.items()}
         self.pods = {r: list(p) for r, p in state.pods.items()}
         self.stored = state.plan
@@ -178,7 +184,7 @@ class _Draft:
     def decision(self) -> Decision:
         return Decision(self.actions, self.groups, self.plan, self.events, self.requeue, self.invalid,
                         self.workload.gang and finished(self.groups.values()), self.facts,
-                        self.recovered, self.recoveries, self.plan_seconds)
+                        self.recovered, self.recoveries, self.plan_seconds, self.desired)
 
 
 # --- 1-3: spec changes, reshaping, scaling down ---------------------------------------------------
@@ -201,6 +207,18 @@ def _restart_job_if_reshaped(d: _Draft) -> None:
     why = _job_restart_reason(d)
     if not why:
         return
+    _stop_job(d)
+    if d.desired == 0:
+        d.event("Normal", "Paused", f"{why}: the training job is stopped; scaled up again, it resumes from "
+                                    f"the last complete checkpoint")
+    else:
+        d.event("Normal", "Restarting", f"{why}: restarting the training job; it resumes from the last "
+                                        f"complete checkpoint")
+
+
+def _stop_job(d: _Draft) -> None:
+    """Every pod of the job deleted (with its grace period: a rank saves a shared checkpoint on
+    SIGTERM), its groups Pending: planned again once the pods are gone."""
     everyone = sorted(set(d.groups) | set(d.pods))
     for r in everyone:
         d.act(DeleteGroup(r))
@@ -215,12 +233,24 @@ def _restart_job_if_reshaped(d: _Draft) -> None:
         g.phase, g.last_failure, g.retry_at = GroupPhase.PENDING, None, None
     d.plan = None
     d.save()
-    if d.desired == 0:
-        d.event("Normal", "Paused", f"{why}: the training job is stopped; scaled up again, it resumes from "
-                                    f"the last complete checkpoint")
-    else:
-        d.event("Normal", "Restarting", f"{why}: restarting the training job with all {d.desired} replicas; "
-                                        f"it resumes from the last complete checkpoint")
+
+
+def _grow_when_capacity_returns(d: _Draft) -> None:
+    """A job running short (elastic) restarts wider once a wider plan fits. Nothing failed: no
+    restart is counted; the new size is the largest that fits when the old pods are gone."""
+    if d.plan is None or not elastic.may_grow(d.spec, d.desired, d.groups.values(), d.now):
+        return
+    try:
+        facts = _model_facts(d)
+        wider = facts and _plan_job(d, facts, above=d.desired)
+    except planning.PlanFailure:
+        return      # still short: go on at this size
+    if not wider:
+        return
+    before, step = d.desired, int((d.state.status.get("training") or {}).get("step") or 0)
+    _stop_job(d)
+    d.event("Normal", "Growing", f"growing from {before} to {len(planned(wider))} replicas at step {step}: "
+                                 f"the job stops (its ranks save a checkpoint) and resumes wider")
 
 
 def _job_restart_reason(d: _Draft) -> str:
@@ -259,7 +289,8 @@ def _mark_old_layout_outdated(d: _Draft) -> None:
 
 
 def _scale_down(d: _Draft) -> None:
-    extra = {r for r in set(d.groups) | set(d.pods) | planned(d.plan) if r >= d.desired and r >= 0}
+    live = {r for r, pods in d.pods.items() if _live(pods)}
+    extra = {r for r in set(d.groups) | live | planned(d.plan) if r >= d.desired and r >= 0}
     if d.workload.gang and d.desired == 0:
         extra = set()   # a paused job keeps its records (attempt numbers go on when it resumes)
     if not extra:
@@ -393,18 +424,23 @@ def _tear_down(d: _Draft, r: int, step: recovery.Step) -> None:
 def _plan(d: _Draft) -> None:
     """Plan every group that needs it in one planner call, then store and create them."""
     for r in d.replan:
-        if d.pods.get(r):
+        if _live(d.pods.get(r, [])):
             d.act(DeleteGroup(r))
             d.pods[r] = []
+    if d.workload.gang and _old_pods(d):
+        return _waiting_for_old_pods(d)
     try:
         facts = _model_facts(d)
         if facts is None:
             return _waiting_for_facts(d)
-        new = _call_planner(d, facts)
+        new = _plan_job(d, facts) if d.workload.gang else _call_planner(d, facts)
     except planning.PlanFailure as e:
         return _cannot_plan(d, e)
     got = sorted(planned(new))
-    d.plan = merge_plan(d.plan, new, set(got))
+    if d.workload.gang:
+        _resize_job(d, new)
+    else:
+        d.plan = merge_plan(d.plan, new, set(got))
     attempts = d.workload.attempts(d.groups[r] for r in got)
     for r in got:
         g = d.groups[r]
@@ -429,11 +465,72 @@ def _call_planner(d: _Draft, facts: ModelFacts) -> ShardPlan:
                                    d.world.gpu_pods, d.replan, d.plan, keep, previous)
     finally:
         d.plan_seconds = time.monotonic() - started
-    got = planned(new)
-    if d.workload.gang and got != set(d.replan):
-        raise planning.ShortOfCapacity(f"only {len(got)} of the {len(d.replan)} replicas of the training job "
-                                       f"fit; it runs with all of them or waits")
     return new
+
+
+def _plan_job(d: _Draft, facts: ModelFacts, above: int = 0) -> ShardPlan | None:
+    """A training job, whole, at the largest size it may run at (elastic.sizes) that fits; only sizes
+    above `above` (None when none of those fits then). ShortOfCapacity when not even minReplicas fits."""
+    first: planning.ShortOfCapacity | None = None
+    started = time.monotonic()
+    try:
+        for n in (n for n in elastic.sizes(d.spec) if n > above):
+            try:
+                new = _plan_at(d, facts, n)
+            except planning.ShortOfCapacity as e:
+                first = first or e
+                continue
+            if first is None:
+                return new
+            note = elastic.shrunk_note(d.spec, n, str(first))
+            return new.model_copy(update={"shrunk": True, "notes": [*new.notes, note]})
+    finally:
+        d.plan_seconds = time.monotonic() - started
+    if above:
+        return None
+    floor = d.spec.min_replicas()
+    more = f" (nor any size down to minReplicas {floor})" if floor < d.spec.parallelism.replicas else ""
+    raise planning.ShortOfCapacity(f"{first}{more}")
+
+
+def _plan_at(d: _Draft, facts: ModelFacts, n: int) -> ShardPlan:
+    """The whole job planned at n replicas (all or nothing)."""
+    replicas = list(range(n))
+    previous = {r: [p.node for p in d.stored.stages_of(r)] for r in replicas} if d.stored else {}
+    new = planning.plan_groups(elastic.at_size(d.spec, n), facts, d.state.namespace, d.state.name,
+                               d.world.nodes, d.world.gpu_pods, replicas, None, [], previous)
+    if planned(new) != set(replicas):
+        raise planning.ShortOfCapacity(f"only {len(planned(new))} of the {n} replicas of the training job fit")
+    return new
+
+
+def _resize_job(d: _Draft, new: ShardPlan) -> None:
+    """The job's records follow the size it was planned at (elastic: maybe fewer or more than before)."""
+    size = len(planned(new))
+    for r in [r for r in d.groups if r >= size]:
+        d.groups.pop(r)
+    for r in range(size):
+        d.group(r)
+    if size < d.spec.parallelism.replicas:
+        d.event("Warning", "Shrunk", elastic.shrunk_reason(new))
+    d.desired, d.replan, d.plan = size, list(range(size)), new
+
+
+def _live(pods: Sequence[Mapping[str, Any]]) -> bool:
+    return any(not p["metadata"].get("deletionTimestamp") for p in pods)
+
+
+def _old_pods(d: _Draft) -> int:
+    """Pods of the job's previous run that still exist (observed: deleted this pass or stopping)."""
+    return sum(len(pods) for pods in d.state.pods.values())
+
+
+def _waiting_for_old_pods(d: _Draft) -> None:
+    why = (f"waiting for the {_old_pods(d)} pod(s) of the previous run to stop (a rank saves a checkpoint "
+           f"on SIGTERM, within {renderer.grace_seconds(d.spec)}s)")
+    for r in d.replan:
+        d.groups[r].phase, d.groups[r].last_failure = GroupPhase.PENDING, why
+    d.requeue_in(2.0)
 
 
 def _cannot_plan(d: _Draft, error: planning.PlanFailure) -> None:

@@ -42,6 +42,18 @@ CHECKPOINT_TIME = Gauge(
     "shardwise_last_checkpoint_timestamp_seconds",
     "Unix time of a training job's newest complete checkpoint (alert on time() minus this: work at risk)",
     ["namespace", "model"], registry=REGISTRY)
+CHECKPOINT_AGE = Gauge(
+    "shardwise_checkpoint_age_seconds",
+    "Age of a training job's newest complete checkpoint per tier (shared: checkpoint.claim, local: "
+    "checkpoint.local), as of the operator's last pass: the work a failure would lose now",
+    ["namespace", "model", "tier"], registry=REGISTRY)
+REPLICAS_ASKED = Gauge(
+    "shardwise_training_replicas_asked", "Replicas a training job asks for (spec.parallelism.replicas)",
+    ["namespace", "model"], registry=REGISTRY)
+REPLICAS_RUNNING = Gauge(
+    "shardwise_training_replicas_running",
+    "Replicas a training job runs with now (fewer than asked while it runs shrunk; 0 while it is not Running)",
+    ["namespace", "model"], registry=REGISTRY)
 API_REQUESTS = Counter(
     "shardwise_api_requests_total", "Requests the operator made to the API server", ["verb", "kind"],
     registry=REGISTRY)
@@ -55,8 +67,13 @@ def serve(port: int, addr: str = "0.0.0.0") -> None:
 def forget(namespace: str, model: str) -> None:
     """Drop a deleted model's series so that dashboards don't show it forever."""
     for gauge in (SHARDS_DESIRED, SHARDS_READY, REPLICAS_READY, PLAN_COST, TRAINING_STEP, CHECKPOINT_STEP,
-                  CHECKPOINT_TIME):
+                  CHECKPOINT_TIME, REPLICAS_ASKED, REPLICAS_RUNNING):
         try:
             gauge.remove(namespace, model)
+        except KeyError:
+            pass
+    for tier in ("shared", "local"):
+        try:
+            CHECKPOINT_AGE.remove(namespace, model, tier)
         except KeyError:
             pass

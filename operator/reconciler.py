@@ -148,15 +148,15 @@ def _report(applier: Applier, state: ModelState, decision: Decision, progress: t
         out.requeue_after = min(out.requeue_after, training.POLL_SECONDS)
     if report.changed(state.status, new):
         applier.patch_status(state.namespace, state.name, new)
-    report.record_metrics(state, decision, new)
+    report.record_metrics(state, decision, new, now)
 
 
 def _job_progress(state: ModelState, decision: Decision, fetch: training.Fetch) -> dict:
     """status.training and status.lastCheckpoint from the job's current pods ({} when none reports)."""
     if state.model is None or not state.workload.gang or decision.plan is None:
         return {}
-    current = [p for r in range(state.desired) for p in state.pods.get(r, [])
+    current = [p for r in range(decision.size or 0) for p in state.pods.get(r, [])
                if r in decision.groups
                and p["metadata"]["labels"].get(renderer.LABEL_ATTEMPT) == str(decision.groups[r].attempt)]
     found = training.job_progress(current, fetch)
-    return training.status_fields(found, state.spec.checkpoint.path) if found else {}
+    return training.status_fields(found, state.spec.checkpoint) if found else {}

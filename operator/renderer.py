@@ -48,6 +48,7 @@ TERMINATION_LOG = "/dev/termination-log"
 MASTER_PORT = 29500
 DEFAULT_PORT = Serving.model_fields["port"].default   # for pods that do not name their http port
 DEFAULT_IMAGE = "ghcr.io/shardwise/worker:0.1.0-cuda"
+SERVING_GRACE_SECONDS = 10    # a served replica drains its requests; training: spec.training's own
 
 
 # --- names ---------------------------------------------------------------------------------------
@@ -113,10 +114,12 @@ def replica_hash(plan: ShardPlan, replica: int) -> str:
 
 def spec_hash(spec: ShardedModelSpec, default_image: str = DEFAULT_IMAGE) -> str:
     """Hash of what a running pod depends on, besides its placement: a change rolls the replicas.
-    Replicas, recovery and placement preferences are left out: changing them rolls nothing. The
+    Replicas (training.minReplicas too), recovery and placement preferences are left out: changing
+    them rolls nothing. The
     typed spec has its defaults filled in, so writing a default out changes nothing either."""
     keep = spec.model_dump(mode="json", by_alias=True,
-                           exclude={"recovery": True, "placement": True, "parallelism": {"replicas"}})
+                           exclude={"recovery": True, "placement": True, "parallelism": {"replicas"},
+                                    "training": {"min_replicas"}})
     keep["image"] = spec.image or default_image
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:10]
 
@@ -254,7 +257,24 @@ def _volumes(model: ShardedModel) -> tuple[list[dict], list[dict]]:
     if spec.checkpoint is not None and spec.checkpoint.claim:
         volumes.append({"name": "checkpoint", "persistentVolumeClaim": {"claimName": spec.checkpoint.claim}})
         mounts.append({"name": "checkpoint", "mountPath": spec.checkpoint.path})
+    if spec.checkpoint is not None and spec.checkpoint.local is not None:
+        volumes.append({"name": "local-checkpoint", "hostPath": {
+            "path": local_checkpoint_dir(model), "type": "DirectoryOrCreate"}})
+        mounts.append({"name": "local-checkpoint", "mountPath": spec.checkpoint.local.path})
     return volumes, mounts
+
+
+def local_checkpoint_dir(model: ShardedModel) -> str:
+    """The node directory of a model's local checkpoint tier: <hostPath>/<namespace>/<model name>.
+    A hostPath, not an emptyDir: a restarted job's pods are new pods, and an emptyDir dies with its
+    pod; the node's directory outlives them (and dies with the node, which the shared tier covers)."""
+    local = model.spec.checkpoint.local
+    return f"{local.host_path.rstrip('/')}/{model.namespace}/{model.name}"
+
+
+def grace_seconds(spec: ShardedModelSpec) -> int:
+    """terminationGracePeriodSeconds: a training rank saves a shared checkpoint on SIGTERM."""
+    return spec.training.termination_grace_period_seconds if spec.training is not None else SERVING_GRACE_SECONDS
 
 
 def _resources(spec: ShardedModelSpec, gpus: int) -> dict:
@@ -305,7 +325,7 @@ def _pod_spec(model: ShardedModel, placement: StagePlacement, attempt: int, defa
                 {"key": "metadata.name", "operator": "In", "values": [placement.node]}]}]}}},
         "containers": [_container(model, placement, attempt, default_image, mounts)],
         "volumes": volumes,
-        "terminationGracePeriodSeconds": 10,
+        "terminationGracePeriodSeconds": grace_seconds(model.spec),
         "enableServiceLinks": False,
         "securityContext": WORKER_POD_SECURITY,
     }

@@ -7,7 +7,7 @@ from datetime import datetime
 from typing import Any, Mapping
 
 from shardwise.crds.models import GroupPhase, PlanSummary
-from shardwise.operator import metrics, recovery, renderer, status as status_mod
+from shardwise.operator import elastic, metrics, recovery, renderer, status as status_mod
 from shardwise.operator.decisions import Decision, Event, planned
 from shardwise.operator.state import ModelState
 
@@ -21,12 +21,15 @@ def build_status(state: ModelState, decision: Decision, job: Mapping[str, Any], 
         return _invalid_spec_status(state, now)
     stamp = recovery.iso(now)
     plan = decision.plan if decision.plan is not None and decision.plan.placements else None
-    desired, workload = state.desired, state.workload
+    # the replicas it runs with: a training job may run fewer than asked (elastic), and is whole then
+    desired, workload = (decision.size if decision.size is not None else state.desired), state.workload
     live = [decision.groups[r] for r in sorted(decision.groups) if r < desired]
     phase = status_mod.model_phase(live, desired, decision.invalid)
     message = status_mod.phase_message(live, desired, decision.invalid, job=workload.gang)
     phase, override = workload.model_phase(phase, decision.finished, desired)
     message = override or message
+    if elastic.shrunk_reason(plan) and not decision.finished:
+        message += f"; {elastic.shrunk_reason(plan)}"
     done = job.get("training") or state.status.get("training")
     if workload.gang and done and done.get("steps"):
         message += f"; step {done.get('step', 0)} of {done['steps']}"
@@ -80,9 +83,20 @@ def _conditions(state: ModelState, decision: Decision, live: list, phase: str, m
         conditions, "PodsScheduled", not unscheduled, "Unschedulable" if unscheduled else "Scheduled",
         "; ".join(unscheduled) or "every pod of the plan is placed or on its way", stamp)
     recovering = [g for g in live if g.phase == GroupPhase.RECOVERING]
-    return status_mod.set_condition(
+    conditions = status_mod.set_condition(
         conditions, "Recovering", bool(recovering), "GroupFailed" if recovering else "Healthy",
         "; ".join(f"replica {g.replica}: {g.last_failure}" for g in recovering) or "no group is recovering", stamp)
+    return _shrunk_condition(conditions, state, plan, stamp)
+
+
+def _shrunk_condition(conditions: list[dict], state: ModelState, plan: Any, stamp: str) -> list[dict]:
+    """Shrunk: True while the plan in effect runs fewer replicas than asked (elastic training, or a
+    served model with recovery.allowShrink), with the planner's reason."""
+    why = elastic.shrunk_reason(plan if plan is not None and plan.placements else None)
+    if not why and status_mod.condition(conditions, "Shrunk") is None:
+        return conditions       # never shrunk: no condition to keep up to date
+    return status_mod.set_condition(conditions, "Shrunk", bool(why), "ShortOfCapacity" if why else "FullSize",
+                                    why or f"running all {state.desired} replicas asked", stamp)
 
 
 def _unscheduled(state: ModelState, decision: Decision) -> list[str]:
@@ -122,7 +136,7 @@ def changed(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
     return any(old.get(k) != v for k, v in new.items())
 
 
-def record_metrics(state: ModelState, decision: Decision, new: Mapping[str, Any]) -> None:
+def record_metrics(state: ModelState, decision: Decision, new: Mapping[str, Any], now: datetime | None = None) -> None:
     ns, name = state.namespace, state.name
     for seconds in decision.recovered:
         metrics.RECOVERY_SECONDS.labels(ns, name).observe(seconds)
@@ -141,3 +155,17 @@ def record_metrics(state: ModelState, decision: Decision, new: Mapping[str, Any]
     if last is not None:
         metrics.CHECKPOINT_STEP.labels(ns, name).set(new["lastCheckpoint"]["step"])
         metrics.CHECKPOINT_TIME.labels(ns, name).set(last.timestamp())
+    if state.model is not None and state.workload.gang:
+        _training_metrics(state, decision, new, now or recovery.now_utc())
+
+
+def _training_metrics(state: ModelState, decision: Decision, new: Mapping[str, Any], now: datetime) -> None:
+    """Replicas running vs asked; the age of the newest checkpoint of each tier (the work a failure
+    would lose now, were the job to resume from it)."""
+    ns, name = state.namespace, state.name
+    metrics.REPLICAS_ASKED.labels(ns, name).set(state.desired)
+    metrics.REPLICAS_RUNNING.labels(ns, name).set(len(planned(decision.plan)) if new.get("phase") == "Running" else 0)
+    for tier, key in (("shared", "lastCheckpoint"), ("local", "lastLocalCheckpoint")):
+        when = recovery.parse_iso((new.get(key) or state.status.get(key) or {}).get("time"))
+        if when is not None:
+            metrics.CHECKPOINT_AGE.labels(ns, name, tier).set(max(0.0, (now - when).total_seconds()))

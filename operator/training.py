@@ -2,7 +2,8 @@
 that becomes status.training and status.lastCheckpoint.
 
 A training pod serves GET /progress (the job's progress.json from the shared checkpoint volume:
-step, steps, loss, last committed checkpoint) while it runs, and leaves the same JSON as its
+step, steps, loss, the newest checkpoint of each tier: last_checkpoint on the shared claim,
+last_local_checkpoint on the node's disk) while it runs, and leaves the same JSON as its
 termination message when it finishes. The operator cannot read the volume itself (only the pods
 mount it), so it asks a pod of the job; an unreachable pod just leaves the last known figures.
 """
@@ -10,9 +11,11 @@ from __future__ import annotations
 
 import json
 import urllib.request
+from pathlib import Path
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterable, Mapping
 
+from shardwise.crds.models import Checkpoint
 from shardwise.operator import recovery
 from shardwise.operator.renderer import DEFAULT_PORT, LABEL_REPLICA, LABEL_STAGE
 
@@ -73,15 +76,26 @@ def _iso(unix: Any) -> str | None:
         return None
 
 
-def status_fields(progress: Mapping[str, Any], checkpoint_path: str) -> dict:
-    """status.training and status.lastCheckpoint from a progress report."""
+def status_fields(progress: Mapping[str, Any], checkpoint: Checkpoint) -> dict:
+    """status.training, status.lastCheckpoint (the shared tier) and status.lastLocalCheckpoint (the
+    local tier) from a progress report (its keys last_checkpoint and last_local_checkpoint)."""
     out: dict[str, Any] = {"training": {k: v for k, v in {
         "step": int(progress.get("step") or 0), "steps": int(progress.get("steps") or 0),
         "loss": progress.get("loss"), "time": _iso(progress.get("time"))}.items() if v is not None}}
-    last = progress.get("last_checkpoint")
-    if isinstance(last, Mapping) and last.get("step") is not None:
-        out["lastCheckpoint"] = {k: v for k, v in {
-            "step": int(last["step"]), "time": _iso(last.get("time")),
-            "path": f"{checkpoint_path.rstrip('/')}/{last['name']}" if last.get("name") else None,
-        }.items() if v is not None}
+    tiers = [("lastCheckpoint", "last_checkpoint", checkpoint.path)]
+    if checkpoint.local is not None:
+        tiers.append(("lastLocalCheckpoint", "last_local_checkpoint", checkpoint.local.path))
+    for field, key, path in tiers:
+        found = _checkpoint(progress.get(key), path)
+        if found:
+            out[field] = found
     return out
+
+
+def _checkpoint(last: Any, directory: str) -> dict | None:
+    """{step, time, path inside the pods} of one tier's newest checkpoint as a progress report says it."""
+    if not isinstance(last, Mapping) or last.get("step") is None:
+        return None
+    name = last.get("name") or (Path(str(last["path"])).name if last.get("path") else None)
+    return {k: v for k, v in {"step": int(last["step"]), "time": _iso(last.get("time")),
+                              "path": f"{directory.rstrip('/')}/{name}" if name else None}.items() if v is not None}

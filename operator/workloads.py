@@ -6,8 +6,10 @@ when every replica serves.
 
 A training job is one world over all its replicas (data parallel averages gradients across them), so
 its replicas are a gang: one verdict for all (the first failure tears every replica down), one
-attempt number, planned all or none; a new layout, replica count or spec restarts the whole job,
-which resumes from its latest complete checkpoint; 0 replicas pauses it; it ends Succeeded.
+attempt number, planned all or none (at one size: fewer replicas than asked, down to
+training.minReplicas, when capacity is short - elastic.py - growing back when it returns); a new
+layout, replica count or spec restarts the whole job, which resumes from its latest complete
+checkpoint; 0 replicas pauses it; it ends Succeeded.
 
 `decisions.decide()` asks the workload instead of branching on `spec.workload`.
 """

@@ -445,7 +445,9 @@ def test_scaling_a_training_job_restarts_it_whole_and_zero_pauses_it():
     c.ready()
     c.edit(parallelism={"tensor": 4, "pipeline": 1, "replicas": 2})
     c.reconcile()
-    assert "Restarting" in c.reasons() and {c.group(r)["attempt"] for r in (0, 1)} == {2}
+    assert "Restarting" in c.reasons() and not c.replica_pods()
+    c.reconcile()   # the old pods are gone: the job is planned again, whole
+    assert {c.group(r)["attempt"] for r in (0, 1)} == {2}
     c.run_all()
     c.reconcile()
     c.edit(parallelism={"tensor": 4, "pipeline": 1, "replicas": 0})
@@ -485,6 +487,108 @@ def test_a_new_zero3_shard_degree_restarts_the_job_on_a_new_plan():
     c.reconcile()
     told = [e.message for e in c.events if e.reason == "Restarting"]
     assert told and told[-1].startswith("layout changed from TP=4 PP=1 ZeRO-3 shard 1 to TP=4 PP=1 ZeRO-3 shard 2")
+    c.reconcile()
     contract = json.loads(c.configmap["data"]["plan.json"])
     assert contract["plan"]["data_shard"] == 2 and contract["training"]["data_parallel"]["shard"] == 2
     assert {c.group(r)["attempt"] for r in range(4)} == {2} and len(c.replica_pods()) == 4
+
+
+# --- training: elastic (minReplicas), grow back ------------------------------------------------------
+
+def elastic_job(replicas=2, min_replicas=1, **training_fields) -> dict:
+    spec = training(replicas=replicas)
+    spec["training"] = {**spec["training"], "minReplicas": min_replicas, **training_fields}
+    return spec
+
+
+def shrunk_to_one() -> Cluster:
+    """A 2-replica job (minReplicas 1) on two nodes of 4 GPUs, no spare: n1 lost, it runs on n0 alone."""
+    c = Cluster(elastic_job(), rack("n0", "a", gpus=4) + rack("n1", "b", gpus=4))
+    c.ready()
+    c.node_down("n1")
+    c.reconcile()                   # torn down whole, one restart
+    c.reconcile(seconds=5)          # backoff over, old pods gone: planned at the size that fits
+    c.run_all()
+    c.reconcile()
+    return c
+
+
+def test_an_elastic_job_short_of_capacity_runs_with_fewer_replicas_and_says_why():
+    c = shrunk_to_one()
+    assert c.status["phase"] == "Running" and c.status["replicas"] == 1 and c.status["plan"]["shrunk"]
+    assert [g["replica"] for g in c.status["groups"]] == [0] and c.nodes_of(0) == ["n0"]
+    shrunk = c.condition("Shrunk")
+    assert shrunk["status"] == "True" and shrunk["reason"] == "ShortOfCapacity"
+    assert shrunk["message"].startswith("running 1 of 2 replicas (minReplicas 1): "), shrunk["message"]
+    assert "running 1 of 2 replicas" in c.status["message"] and "Shrunk" in c.reasons()
+    contract = json.loads(c.configmap["data"]["plan.json"])
+    assert contract["plan"]["replicas"] == 1 and contract["training"]["batch_size"] == 8   # the global batch
+    assert c.status["restarts"] == 1
+
+
+def test_an_elastic_job_below_min_replicas_waits_pending():
+    c = Cluster(elastic_job(replicas=3, min_replicas=2), rack("n0", "a", gpus=4))
+    c.reconcile()
+    assert not c.replica_pods() and c.status["phase"] == "Pending"
+    assert "nor any size down to minReplicas 2" in c.status["message"]
+
+
+def test_a_shrunk_job_grows_back_when_capacity_returns_without_counting_a_restart():
+    c = shrunk_to_one()
+    c.body["status"]["training"] = {"step": 40, "steps": 100}
+    c.nodes["n1"] = node("n1", "b", gpus=4)          # back, Ready
+    c.reconcile(seconds=5)
+    assert "Growing" not in c.reasons(), "a job runs a while at a size before it grows"
+    c.reconcile(seconds=decisions.elastic.GROW_AFTER_SECONDS)
+    grew = [e.message for e in c.events if e.reason == "Growing"]
+    assert grew == [grew[0]] and grew[0].startswith("growing from 1 to 2 replicas at step 40"), grew
+    assert not c.replica_pods(), "the old pods are stopped first (they save a checkpoint)"
+    attempt = c.group(0)["attempt"]
+    c.reconcile()                                     # they are gone: planned at the full size
+    c.run_all()
+    c.reconcile()
+    assert c.status["phase"] == "Running" and c.status["replicas"] == 2 and not c.status["plan"]["shrunk"]
+    assert {c.group(r)["attempt"] for r in (0, 1)} == {attempt + 1}
+    assert c.status["restarts"] == 1, "growing is no failure: only the node loss counts"
+    assert c.condition("Shrunk")["status"] == "False"
+    for _ in range(5):                                # no flapping: a whole job stays as it is
+        assert c.reconcile(seconds=60).actions == []
+    assert [e.reason for e in c.events].count("Growing") == 1 and "Restarting" not in c.reasons()
+
+
+def test_a_shrunk_job_does_not_grow_while_capacity_is_still_short():
+    c = shrunk_to_one()
+    for _ in range(4):
+        assert c.reconcile(seconds=60).actions == []
+    assert "Growing" not in c.reasons() and c.status["replicas"] == 1 and c.status["phase"] == "Running"
+
+
+def test_a_shrunk_job_keeps_the_asked_shard_degree_dividing_its_replicas():
+    # 4 replicas asked, ZeRO-3 over 2: with room for 3, it runs 2 (a multiple of the shard degree).
+    c = Cluster(elastic_job(replicas=4, min_replicas=1, dataParallel={"shard": 2}),
+                rack("n0", "a", gpus=8) + rack("n1", "b", gpus=4))
+    c.nodes["n1"] = node("n1", "b", gpus=4, ready=False)
+    c.nodes["n2"] = node("n2", "b", gpus=4)
+    c.reconcile()
+    plan = json.loads(c.configmap["data"]["plan.json"])["plan"]
+    assert (plan["replicas"], plan["data_shard"]) == (2, 2) and plan["shrunk"]
+
+
+def test_a_job_without_min_replicas_still_runs_whole_or_waits():
+    c = Cluster(training(replicas=3), rack("n0", "a"))
+    c.reconcile()
+    assert c.status["phase"] == "Pending" and "minReplicas" not in c.status["message"]
+
+
+def test_metrics_say_checkpoint_age_per_tier_and_replicas_running_vs_asked():
+    from shardwise.operator import metrics
+    c = shrunk_to_one()
+    state_status = {**c.status, "lastCheckpoint": {"step": 40, "time": "2026-01-01T12:00:00.000Z"},
+                    "lastLocalCheckpoint": {"step": 50, "time": "2026-01-01T12:00:30.000Z"}}
+    state = parse_state({**c.body, "status": state_status}, list(c.pods.values()), c.configmap, "img:1")
+    now = datetime(2026, 1, 1, 12, 1, 0, tzinfo=timezone.utc)
+    report.record_metrics(state, c.decision, state_status, now)
+    value = lambda name, **labels: metrics.REGISTRY.get_sample_value(name, {"namespace": "ns", "model": "m", **labels})
+    assert value("shardwise_checkpoint_age_seconds", tier="shared") == 60.0
+    assert value("shardwise_checkpoint_age_seconds", tier="local") == 30.0
+    assert (value("shardwise_training_replicas_running"), value("shardwise_training_replicas_asked")) == (1.0, 2.0)

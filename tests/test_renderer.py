@@ -170,10 +170,10 @@ def test_plain_path_uri_is_passed_through_without_a_volume():
 
 
 def _training_model(**spec):
-    return _model(workload="training", dtype="float32", checkpoint={"claim": "ckpt", "path": "/ckpt/run1",
-                                                                  "intervalSteps": 25, "keep": 2},
-                 training={"data": "pvc://corpora/text/wiki.txt", "steps": 300, "learningRate": 0.001,
-                           "batchSize": 16}, **spec)
+    return _model(**{"workload": "training", "dtype": "float32",
+                     "checkpoint": {"claim": "ckpt", "path": "/ckpt/run1", "intervalSteps": 25, "keep": 2},
+                     "training": {"data": "pvc://corpora/text/wiki.txt", "steps": 300, "learningRate": 0.001,
+                                  "batchSize": 16}, **spec})
 
 
 def test_training_pods_form_one_world_over_all_replicas_and_get_the_job_settings():
@@ -218,3 +218,25 @@ def test_inference_pods_keep_one_world_per_replica():
     other = renderer.render_pod(_model(), plan, plan.placement(0, 0), attempt=0)
     assert {e["name"]: e.get("value") for e in other["spec"]["containers"][0]["env"]}["MASTER_ADDR"].startswith(
         "llama-r0-s0.")
+
+
+def test_a_training_pod_gets_its_grace_period_and_the_local_tier_from_its_node():
+    model = _training_model(checkpoint={"claim": "ckpt", "local": {"hostPath": "/mnt/nvme/ckpt/"}})
+    plan = _plan()
+    spec = renderer.render_pod(model, plan, plan.placement(0, 0), attempt=1)["spec"]
+    assert spec["terminationGracePeriodSeconds"] == 120
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["name"]: m for m in spec["containers"][0]["volumeMounts"]}
+    assert volumes["local-checkpoint"]["hostPath"] == {"path": "/mnt/nvme/ckpt/prod/llama", "type": "DirectoryOrCreate"}
+    assert mounts["local-checkpoint"]["mountPath"] == "/local-checkpoints"
+    assert "local-checkpoint" not in {v["name"] for v in renderer.render_pod(
+        _training_model(), plan, plan.placement(0, 0), attempt=1)["spec"]["volumes"]}
+    served = renderer.render_pod(_model(), plan, plan.placement(0, 0), attempt=0)["spec"]
+    assert served["terminationGracePeriodSeconds"] == renderer.SERVING_GRACE_SECONDS
+
+
+def test_changing_min_replicas_changes_no_pod():
+    a = _training_model(training={"data": "/d.txt", "steps": 5, "minReplicas": 1})
+    b = _training_model(training={"data": "/d.txt", "steps": 5, "minReplicas": 2})
+    c = _training_model(training={"data": "/d.txt", "steps": 5, "terminationGracePeriodSeconds": 60})
+    assert renderer.spec_hash(a.spec) == renderer.spec_hash(b.spec) != renderer.spec_hash(c.spec)
