@@ -20,8 +20,12 @@ What a container sees, since there is no image and no mount namespace:
   env values and the files of ConfigMap volumes (`/etc/shardwise/plan.json` ->
   `<state>/pods/ns_pod/volumes/plan/plan.json`; the worker's pod contract in that file names the
   model, data and checkpoint paths inside the pod);
-  a hostPath volume, and a PersistentVolumeClaim bound to a hostPath or local PersistentVolume, is
-  that folder of this machine (shared by every pod that mounts it, as a ReadWriteMany volume is);
+  a pod's own hostPath volume is a folder of its node, <state>/nodes/<node>/hostpath/<path> (made
+  for any type but File/Socket/CharDevice/BlockDevice), so node-local storage is local to the node:
+  pods on other nodes do not see it, a pod on the same node later does, and deleting the Node
+  deletes that folder (its disk is gone; a node marked down keeps it, as a rebooted one would);
+  a PersistentVolumeClaim bound to a hostPath or local PersistentVolume is that folder of this
+  machine (shared by every pod on every node that mounts it, as a ReadWriteMany volume is);
 - the terminationMessagePath (default /dev/termination-log) is rewritten the same way to a file of
   the container's own (in a ConfigMap's files: of the pod's first container declaring that path);
   what the process writes there (or, with FallbackToLogsOnError, the tail of
@@ -122,6 +126,7 @@ class Runtime:
         self.ips = IPPool(str(state_dir))
         self.lock = threading.RLock()
         self.managed: dict[str, dict] = {}  # node name -> Node object
+        self.known: set[str] = set()         # every local node seen, down ones included
         self.pods: dict[str, dict] = {}  # uid -> last seen pod (all pods, for name resolution)
         self.runners: dict[str, PodRunner] = {}
         self.stopping = threading.Event()
@@ -146,14 +151,18 @@ class Runtime:
                 alive = {n["metadata"]["name"]: n for n in items
                          if n["metadata"].get("labels", {}).get(NODE_DOWN_LABEL) != "true"
                          and not n["metadata"].get("deletionTimestamp")}
+                present = {n["metadata"]["name"] for n in items if not n["metadata"].get("deletionTimestamp")}
                 with self.lock:
                     gone = set(self.managed) - set(alive)
                     came = set(alive) - set(self.managed)
-                    self.managed = alive
+                    deleted = self.known - present
+                    self.managed, self.known = alive, present | set(alive)
                 for name in gone:
                     log.info("node %s is down or deleted: stopping its pods", name)
                     last_status.pop(name, None)
                     self.drop_node(name)
+                for name in deleted:
+                    self.wipe_node(name)
                 for name in alive:
                     t = time.monotonic()
                     if t - last_lease.get(name, 0) >= RENEW_EVERY:
@@ -214,6 +223,25 @@ class Runtime:
             victims = [r for r in self.runners.values() if r.node == name]
         for runner in victims:
             runner.stop(grace=0, report=False)
+
+    def node_folder(self, name: str) -> Path:
+        """The node's own disk: where its pods' hostPath volumes are."""
+        return self.dir.parent / "nodes" / name
+
+    def host_path(self, node: str, volume: dict) -> Path:
+        """A hostPath volume of a pod on `node`: <state>/nodes/<node>/hostpath/<path>."""
+        source = volume["hostPath"]
+        folder = self.node_folder(node) / "hostpath" / source["path"].lstrip("/")
+        if source.get("type") not in ("File", "Socket", "CharDevice", "BlockDevice"):
+            folder.mkdir(parents=True, exist_ok=True)
+        return folder
+
+    def wipe_node(self, name: str) -> None:
+        """A deleted node's disk is gone: its hostPath folders with it."""
+        folder = self.node_folder(name)
+        if folder.exists():
+            log.info("node %s is deleted: removing its disk %s", name, folder)
+            shutil.rmtree(folder, ignore_errors=True)
 
     def resync_node(self, name: str) -> None:
         with self.lock:
@@ -748,7 +776,7 @@ class PodRunner(threading.Thread):
         for vol in pod["spec"].get("volumes") or []:
             target = self.dir / "volumes" / vol["name"]
             if "hostPath" in vol:
-                folders[vol["name"]] = Path(vol["hostPath"]["path"])
+                folders[vol["name"]] = self.rt.host_path(self.node, vol)
                 continue
             if "persistentVolumeClaim" in vol:
                 folders[vol["name"]] = self._claim_folder(vol["persistentVolumeClaim"]["claimName"])

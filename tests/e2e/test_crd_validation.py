@@ -14,7 +14,8 @@ from typing import Any, Callable
 import pytest
 import yaml
 
-from shardwise.crds.models import DP_DIVIDES, DP_PRODUCT, INTERLEAVED_MICRO_BATCHES, load_manifest
+from shardwise.crds.models import (DP_DIVIDES, DP_PRODUCT, INTERLEAVED_MICRO_BATCHES, LOCAL_NEEDS_CLAIM,
+                                   LOCAL_PATH_DIFFERS, MIN_REPLICAS, load_manifest)
 from shardwise.crds.schema import CRD_FILE
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.timeout(300)]
@@ -129,6 +130,15 @@ BAD = {
                       'supported values: "1F1B", "GPipe", "Interleaved1F1B"'),
     "interleaved-micro-batches": (training_manifest(1, pipeline=4, schedule="Interleaved1F1B", microBatches=6),
                                   "spec.training.microBatches", INTERLEAVED_MICRO_BATCHES),
+    # elastic training and the local checkpoint tier
+    "min-replicas-above-replicas": (training_manifest(2, minReplicas=3), "spec.training.minReplicas", MIN_REPLICAS),
+    "min-replicas-zero": (training_manifest(2, minReplicas=0), "spec.training.minReplicas",
+                          "greater than or equal to 1"),
+    "local-tier-without-claim": (manifest("a", checkpoint={"local": {}}), "spec.checkpoint.local", LOCAL_NEEDS_CLAIM),
+    "local-tier-same-path": (manifest("a", checkpoint={"claim": "ckpt", "local": {"path": "/checkpoints"}}),
+                             "spec.checkpoint.local.path", LOCAL_PATH_DIFFERS),
+    "local-tier-relative-host-path": (manifest("a", checkpoint={"claim": "ckpt", "local": {"hostPath": "var/x"}}),
+                                      "spec.checkpoint.local.hostPath", "should match"),
 }
 
 

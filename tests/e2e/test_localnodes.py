@@ -209,3 +209,35 @@ def test_a_claim_is_its_bound_volume_folder_and_exits_leave_termination_messages
     assert failed["exitCode"] == 3
     # the log's tail: what the reader found in the shared folder, then its error
     assert failed["message"].splitlines()[-2:] == ["written", "error: nothing to do"]
+
+
+def test_a_hostpath_volume_is_a_folder_of_its_node_gone_with_the_node(kubectl, namespace, cluster, tmp_path):
+    """A pod's own hostPath volume is node-local: a later pod on the same node reads what the first
+    wrote, a pod on another node sees an empty folder, and a deleted node's folder is gone."""
+    nodes = [cluster.add_local_node(f"{namespace[-6:]}-disk-{i}", gpus=1) for i in range(2)]
+    try:
+        def job(name: str, node: str, script: str) -> dict:
+            return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+                    "spec": {"nodeName": node, "restartPolicy": "Never",
+                             "volumes": [{"name": "disk", "hostPath": {"path": "/var/lib/shardwise-test",
+                                                                       "type": "DirectoryOrCreate"}}],
+                             "containers": [{"name": "main", "image": "not-pulled", "command": ["sh", "-c", script],
+                                             "volumeMounts": [{"name": "disk", "mountPath": "/disk"}]}]}}
+
+        def run(name: str, node: str, script: str) -> str:
+            kubectl("apply", "-f", "-", input=json.dumps(job(name, node, script)))
+            wait_until(lambda: pod(kubectl, name)["status"].get("phase") == "Succeeded", 60, f"{name} to finish")
+            return name
+        run("writer", nodes[0], 'echo on-node-0 > /disk/note')
+        run("same-node", nodes[0], 'cp /disk/note /disk/read-back')
+        run("other-node", nodes[1], 'test ! -e /disk/note && touch /disk/empty')
+        disks = [cluster.state_dir / "nodes" / n / "hostpath" / "var/lib/shardwise-test" for n in nodes]
+        assert (disks[0] / "read-back").read_text() == "on-node-0\n"
+        assert (disks[1] / "empty").exists() and not (disks[1] / "note").exists()
+        assert not (tmp_path / "var").exists()
+        cluster.delete_node(nodes[0])
+        wait_until(lambda: not disks[0].exists(), 30, "the deleted node's disk to be gone")
+        assert (disks[1] / "empty").exists()
+    finally:
+        for n in nodes:
+            cluster.delete_node(n)
