@@ -427,8 +427,9 @@ def _plan(d: _Draft) -> None:
         if _live(d.pods.get(r, [])):
             d.act(DeleteGroup(r))
             d.pods[r] = []
-    if d.workload.gang and _old_pods(d):
-        return _waiting_for_old_pods(d)
+    stopping = _previous_run_stopping(d) if d.workload.gang else 0
+    if stopping:
+        return _waiting_for_old_pods(d, stopping)
     try:
         facts = _model_facts(d)
         if facts is None:
@@ -520,14 +521,20 @@ def _live(pods: Sequence[Mapping[str, Any]]) -> bool:
     return any(not p["metadata"].get("deletionTimestamp") for p in pods)
 
 
-def _old_pods(d: _Draft) -> int:
-    """Pods of the job's previous run that still exist (observed: deleted this pass or stopping)."""
-    return sum(len(pods) for pods in d.state.pods.values())
+def _previous_run_stopping(d: _Draft) -> int:
+    """Pods of the job's previous run that still exist (observed: deleted this pass, or stopping) on
+    Ready nodes. Those on a lost node are force-deleted (their kubelet will not answer): not waited for."""
+    stranded = tuple(p["metadata"]["name"] for pods in d.state.pods.values() for p in pods
+                     if (p.get("spec") or {}).get("nodeName")
+                     and not recovery.node_ready(d.world.nodes.get(p["spec"]["nodeName"])))
+    if stranded:
+        d.act(DeletePods(stranded, force=True))
+    return sum(len(pods) for pods in d.state.pods.values()) - len(stranded)
 
 
-def _waiting_for_old_pods(d: _Draft) -> None:
-    why = (f"waiting for the {_old_pods(d)} pod(s) of the previous run to stop (a rank saves a checkpoint "
-           f"on SIGTERM, within {renderer.grace_seconds(d.spec)}s)")
+def _waiting_for_old_pods(d: _Draft, count: int) -> None:
+    why = (f"waiting for the {count} pod(s) of the previous run to stop (a rank saves a "
+           f"checkpoint on SIGTERM, within {renderer.grace_seconds(d.spec)}s)")
     for r in d.replan:
         d.groups[r].phase, d.groups[r].last_failure = GroupPhase.PENDING, why
     d.requeue_in(2.0)

@@ -10,7 +10,7 @@ Phase of the whole model, from its replica groups:
   Failed      nothing can serve: the spec cannot be planned, or every group spent its restarts
   Succeeded   training finished on every replica
 
-Conditions (type: status, reason): Planned, Ready, PodsScheduled, Recovering; each with a one-line
+Conditions (type: status, reason): Planned, Ready, PodsScheduled, Recovering, Shrunk (report.py); each with a one-line
 message. The
 conditions' lastTransitionTime changes only when their status changes, as Kubernetes conventions want.
 """

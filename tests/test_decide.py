@@ -592,3 +592,21 @@ def test_metrics_say_checkpoint_age_per_tier_and_replicas_running_vs_asked():
     assert value("shardwise_checkpoint_age_seconds", tier="shared") == 60.0
     assert value("shardwise_checkpoint_age_seconds", tier="local") == 30.0
     assert (value("shardwise_training_replicas_running"), value("shardwise_training_replicas_asked")) == (1.0, 2.0)
+
+
+def test_a_job_restarting_after_its_peer_failed_first_does_not_wait_for_pods_on_a_lost_node():
+    """The surviving rank fails before the node is NotReady: its peer's pod, deleted with a grace
+    period, would stay Terminating on a dead kubelet; once the node is NotReady it is force-deleted."""
+    c = Cluster(elastic_job(), rack("n0", "a", gpus=4) + rack("n1", "b", gpus=4))
+    c.ready()
+    survivor, peer = c.replica_pods(0)[0], c.replica_pods(1)[0]
+    c.fail(survivor["metadata"]["name"], "a rank exited with code 1")
+    c.reconcile()
+    stuck = {**peer, "metadata": {**peer["metadata"], "deletionTimestamp": "2026-01-01T12:00:05Z"}}
+    c.pods[peer["metadata"]["name"]] = stuck               # Terminating on its dead kubelet
+    c.reconcile(seconds=5)
+    assert "waiting for the 1 pod(s) of the previous run" in c.status["message"]
+    c.node_down("n1")
+    d = c.reconcile()
+    assert decisions.DeletePods((peer["metadata"]["name"],), force=True) in d.actions
+    assert c.status["replicas"] == 1 and [p["metadata"]["name"] for p in c.replica_pods()] == ["m-r0-s0-a2"]
