@@ -21,6 +21,14 @@ Asynchronous save. `save()` copies this rank's slices to CPU (the only part trai
 then a background thread runs the DCP write on a dedicated gloo group (so its collectives never
 interleave with the training collectives) and commits. The next `save()` first waits for the
 previous write to finish.
+
+Local tier (LocalCheckpointManager). Between shared checkpoints, each rank may also save its own
+state alone, to node-local storage: `<local root>/rank-<R>/step-NNNNNNNN/` holds `state.pt` (this
+rank's slice tensors, torch.save), `meta.json` (step, data position, RNG, the slices' offsets and
+full shapes, and a fingerprint: layout, global rank, world size, model structure) and `COMPLETE`,
+written by the same commit protocol (temporary folder, fsync, marker with file sizes, rename). No
+collective is involved, so it is fast; it can only be read back by the same rank of the same
+layout, which the fingerprint checks.
 """
 from __future__ import annotations
 
@@ -47,6 +55,8 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemT
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 FORMAT = "shardwise-checkpoint/1"
+LOCAL_FORMAT = "shardwise-local-checkpoint/1"
+LOCAL_STATE = "state.pt"
 MARKER = "COMPLETE"
 META = "meta.json"
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
@@ -199,6 +209,11 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
 def _write_durable(path: Path, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)
@@ -223,14 +238,14 @@ def committed(root: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def verify(path: Path) -> dict:
+def verify(path: Path, fmt: str = FORMAT) -> dict:
     """Check a committed checkpoint's files against its COMPLETE marker; return its meta.json."""
     try:
         marker = json.loads((path / MARKER).read_text())
         meta = json.loads((path / META).read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint {path}: marker or meta.json unreadable ({e})") from None
-    if meta.get("format") != FORMAT:
+    if meta.get("format") != fmt:
         raise CheckpointError(f"checkpoint {path}: unknown format {meta.get('format')!r}")
     for name, size in marker.get("files", {}).items():
         f = path / name
@@ -279,6 +294,17 @@ def _commit_delay(step: int) -> float:
         return 0.0
     at, _, seconds = value.rpartition(":")
     return float(seconds) if not at or int(at) == step else 0.0
+
+
+def newest_shared(root: str | Path) -> tuple[int, dict] | None:
+    """(step, meta) of the newest committed checkpoint under `root` that passes verification
+    (quietly: a resume warns when it skips one), or None."""
+    for step, path in reversed(committed(root)):
+        try:
+            return step, verify(path)
+        except CheckpointError:
+            continue
+    return None
 
 
 def rng_to_text(state: torch.Tensor) -> str:
@@ -403,6 +429,130 @@ class CheckpointManager:
 
     def check_model(self, meta: dict, path: Path) -> None:
         check_same_model(meta.get("model", {}), self.model_meta, path)
+
+
+class LocalCheckpointManager:
+    """The local tier of one rank: its own slices, no collective, in `<root>/rank-<R>/`.
+
+    `fingerprint` identifies what can read a local checkpoint back (layout, global rank, world
+    size, model structure): `matching_steps()` lists only this rank's complete checkpoints with
+    exactly this fingerprint. Writes run in a background thread like the shared tier's (the copy
+    to CPU is what training waits for); a failed local write is a warning, not a failure of the
+    job (the shared tier is the durable one).
+    """
+
+    def __init__(self, root: str | Path, *, rank: int, fingerprint: dict, keep: int = 2,
+                 asynchronous: bool = True, log: Callable[[str], None] | None = None):
+        self.root = Path(root)
+        self.dir = self.root / f"rank-{rank}"
+        self.rank = rank
+        self.fingerprint = fingerprint
+        self.keep = keep
+        self.asynchronous = asynchronous
+        self.log = log or (lambda msg: None)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_blocking_s = 0.0
+        self.last_write_s = 0.0
+        self.last_committed: tuple[int, float] | None = None
+        check_writable(self.dir)
+        clean_partial(self.dir)
+
+    # -- save
+    def save(self, step: int, slices: dict[str, Slice], extra: dict) -> None:
+        t0 = time.perf_counter()
+        self.wait()
+        cpu = {k: s.tensor.detach().to("cpu", copy=True) for k, s in slices.items()}
+        meta = {"format": LOCAL_FORMAT, "step": step, "time": time.time(), "fingerprint": self.fingerprint,
+                "slices": {k: {"full_shape": list(s.full_shape), "offsets": list(s.offsets),
+                               "shape": list(s.tensor.shape)} for k, s in slices.items()}, **extra}
+        if self.asynchronous:
+            self._thread = threading.Thread(target=self._write, args=(step, cpu, meta, t0),
+                                            name=f"local-checkpoint-{step}", daemon=True)
+            self._thread.start()
+        else:
+            self._write(step, cpu, meta, t0)
+        self.last_blocking_s = time.perf_counter() - t0
+
+    def _write(self, step: int, tensors: dict[str, torch.Tensor], meta: dict, t0: float) -> None:
+        tmp = self.dir / f".tmp-{step_dir_name(step)}"
+        try:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+            torch.save(tensors, tmp / LOCAL_STATE)
+            _fsync_file(tmp / LOCAL_STATE)
+            delay = _commit_delay(step)
+            if delay:  # fault injection: widen the window between "written" and "committed"
+                time.sleep(delay)
+            commit(tmp, self.dir / step_dir_name(step), meta)
+            prune(self.dir, self.keep)
+            self.last_committed = (step, meta["time"])
+            self.last_write_s = time.perf_counter() - t0
+        except BaseException as e:  # reported on the next save()/wait()
+            self._error = e
+
+    def wait(self) -> None:
+        """Block until the local write in flight (if any) is done; a failure is one warning."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            e, self._error = self._error, None
+            warnings.warn(f"local checkpoint in {self.dir} failed: {type(e).__name__}: {e}", stacklevel=2)
+
+    # -- load
+    def matching_steps(self) -> list[int]:
+        """This rank's complete local checkpoints whose fingerprint is exactly ours, oldest first."""
+        steps = []
+        for step, path in committed(self.dir):
+            try:
+                meta = verify(path, LOCAL_FORMAT)
+            except CheckpointError:
+                continue
+            if meta.get("fingerprint") == self.fingerprint and meta.get("step") == step:
+                steps.append(step)
+        return steps
+
+    def load(self, step: int, slices: dict[str, Slice]) -> dict:
+        """Fill `slices` in place from this rank's local checkpoint of `step`; return its meta."""
+        path = self.dir / step_dir_name(step)
+        meta = verify(path, LOCAL_FORMAT)
+        try:
+            stored = torch.load(path / LOCAL_STATE, map_location="cpu", weights_only=True)
+        except Exception as e:  # a damaged file: skip this checkpoint
+            raise CheckpointError(f"local checkpoint {path} cannot be read: {type(e).__name__}: {e}"
+                                  .splitlines()[0]) from None
+        described = meta.get("slices", {})
+        if set(stored) != set(slices) or set(described) != set(slices):
+            raise CheckpointError(f"local checkpoint {path} holds other tensors than this rank's")
+        for name, s in slices.items():
+            t, d = stored[name], described[name]
+            if (tuple(t.shape) != tuple(s.tensor.shape) or tuple(d["full_shape"]) != tuple(s.full_shape)
+                    or tuple(d["offsets"]) != tuple(s.offsets)):
+                raise CheckpointError(f"local checkpoint {path}: {name!r} is another slice than this rank's")
+        with torch.no_grad():
+            for name, s in slices.items():
+                s.tensor.copy_(stored[name])
+        self.last_committed = (step, meta.get("time", 0.0))
+        return meta
+
+
+def check_writable(path: str | Path) -> None:
+    """Create `path` if needed and write, fsync and delete a file in it; OSError if that fails."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    probe = path / f".write-test-{os.getpid()}"
+    try:
+        with open(probe, "w") as f:
+            f.write("ok")
+            f.flush()
+            os.fsync(f.fileno())
+    finally:
+        try:
+            probe.unlink()
+        except OSError:
+            pass
 
 
 def check_same_model(stored: dict, wanted: dict, path: Path | str) -> None:

@@ -5,6 +5,10 @@ CUDA), each running `run_training` as one rank, and watches them as one group: i
 the others are stopped and the command fails; running it again resumes from the latest complete
 checkpoint (in whatever layout is asked this time). Under torchrun (RANK/WORLD_SIZE set) it runs
 just that rank.
+
+SIGINT or SIGTERM to the command is passed on to the ranks, which finish their step, agree on the
+step to stop at, save a shared checkpoint there and exit 128 + the signal; the command waits for
+them (a second signal stops them at once) and exits with that status.
 """
 from __future__ import annotations
 
@@ -39,6 +43,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
                    help="save every K steps (0: only at the end)")
     p.add_argument("--keep", type=int, default=3, help="complete checkpoints to keep")
+    p.add_argument("--local-checkpoint-dir", default=None, metavar="DIR",
+                   help="node-local tier: every --local-checkpoint-every steps each rank saves its own state "
+                        "here (no collective; resumed from only in the same layout, when newer than the "
+                        "newest --checkpoint-dir checkpoint)")
+    p.add_argument("--local-checkpoint-every", type=int, default=0, metavar="K",
+                   help="local-tier interval in steps (steps that save to --checkpoint-dir are skipped)")
+    p.add_argument("--local-keep", type=int, default=2, metavar="K", help="local checkpoints kept per rank")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--warmup", type=int, default=0, help="linear learning-rate warmup steps")
@@ -63,14 +74,16 @@ def options(args):
         tensor=args.tensor_parallel, pipeline=args.pipeline_parallel, data_parallel=args.data_parallel,
         data_shard=args.data_shard, schedule=args.schedule, activation_checkpointing=args.activation_checkpointing,
         compression=args.compression, compression_density=args.compression_density,
-        checkpoint_every=args.checkpoint_every, keep=args.keep, seed=args.seed, lr=args.lr,
+        checkpoint_every=args.checkpoint_every, keep=args.keep, local_checkpoint_dir=args.local_checkpoint_dir,
+        local_every=args.local_checkpoint_every, local_keep=args.local_keep, seed=args.seed, lr=args.lr,
         warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
         batch_size=args.batch_size, seq_len=args.seq_len, micro_batches=args.micro_batches,
         device=args.device, dtype=args.dtype, async_checkpoint=not args.sync_checkpoint, json=args.json)
 
 
-def check_inputs(opts) -> None:
-    """Everything that can be checked before starting processes, each failure one clear line."""
+def check_inputs(opts, local_dir_name: str = "--local-checkpoint-dir") -> None:
+    """Everything that can be checked before starting processes, each failure one clear line.
+    `local_dir_name` is what the message calls the local checkpoint directory (a pod: the spec field)."""
     from . import checkpoint as ckpt
     from .data import TokenDataset
     from .errors import WorkerError
@@ -84,6 +97,16 @@ def check_inputs(opts) -> None:
         raise WorkerError("--checkpoint-every must be >= 0 and --keep >= 1")
     if opts.data_shard < 0:
         raise WorkerError("--data-shard must be at least 1 (or 0: all of --data-parallel)")
+    if opts.local_every < 0 or opts.local_keep < 1:
+        raise WorkerError("--local-checkpoint-every must be >= 0 and --local-keep >= 1")
+    if bool(opts.local_checkpoint_dir) != (opts.local_every > 0):
+        raise WorkerError("--local-checkpoint-dir and --local-checkpoint-every K (K >= 1) go together")
+    if opts.local_checkpoint_dir:
+        try:
+            ckpt.check_writable(opts.local_checkpoint_dir)
+        except OSError as e:
+            raise WorkerError(f"{local_dir_name} {opts.local_checkpoint_dir} is not writable: "
+                              f"{e.strerror or e}") from None
     source = open_model(opts.model)
     check_layout(source.config, opts.tensor, opts.pipeline)
     problem = opts.problem(source.config.num_layers)
@@ -136,46 +159,75 @@ def _rank_main(opts, rank: int, world: int, port: int) -> None:
     os._exit(code)
 
 
+# What a rank returns when a signal stopped the job at an agreed step (128 + SIGINT / SIGTERM).
+STOPPED = (130, 143)
+
+
 def launch(opts, world: int) -> int:
-    """Run `world` local ranks of `opts`; if one fails, stop the others (the group is one unit)."""
+    """Run `world` local ranks of `opts`; if one fails, stop the others (the group is one unit).
+
+    SIGINT/SIGTERM are forwarded to the ranks, which stop together after a shared checkpoint:
+    the launcher waits for all of them and returns their status (130/143). A second signal
+    stops them at once."""
+    import signal
+
     from .runtime import forkserver, free_port
     port = free_port()
     ctx = forkserver("shardwise.worker.train")   # ranks start with the training code imported
     procs = [ctx.Process(target=_rank_main, args=(opts, rank, world, port), name=f"rank{rank}")
              for rank in range(world)]
-    for p in procs:
-        p.start()
-    code = 0
+    signals: list[int] = []
+    previous = {sig: signal.signal(sig, lambda sig, frame: signals.append(sig))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        while True:
-            codes = [p.exitcode for p in procs]
-            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                # A rank killed by a signal takes its peers down within moments (their collectives
-                # fail): give them that moment, then report the killed one, the cause.
-                time.sleep(0.5)
-                failed = [(r, c) for r, c in enumerate(p.exitcode for p in procs) if c not in (None, 0)]
-                rank, code = min(failed, key=lambda rc: (rc[1] >= 0, rc[0]))
-                if code < 0:
-                    print(f"shardwise train: rank {rank} was killed by signal {-code}; stopping the other "
-                          f"ranks (run again to resume from the last complete checkpoint)", file=sys.stderr)
-                    code = 1
-                break
-            if all(c == 0 for c in codes):
-                return 0
-            time.sleep(0.05)
-    except KeyboardInterrupt:
-        code = 130
+        for p in procs:
+            p.start()
+        code = _watch(procs, signals)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    # Whatever is still running now is not stopping by itself: a failed group, a second signal.
     for p in procs:
-        if p.exitcode is None:
-            p.terminate()
-    deadline = time.time() + 10
-    for p in procs:
-        p.join(max(0.1, deadline - time.time()))
         if p.exitcode is None:
             p.kill()
-            p.join()
+    for p in procs:
+        p.join()
     return code
+
+
+def _watch(procs, signals: list[int]) -> int:
+    """Wait for the ranks: 0 when all finished; their stop status (130/143) when a signal stopped
+    them at an agreed step; 1 (or 128 + signal) when one failed or a second signal came."""
+    forwarded = False
+    while True:
+        if len(signals) > 1:           # asked again: do not wait for the checkpoint
+            return 128 + signals[0]
+        if signals and not forwarded:
+            forwarded = True
+            for p in procs:
+                if p.exitcode is None:
+                    os.kill(p.pid, signals[0])
+        codes = [p.exitcode for p in procs]
+        stopping = forwarded or any(c in STOPPED for c in codes)
+        failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0) and c not in STOPPED]
+        if failed:
+            # A rank killed by a signal takes its peers down within moments (their collectives
+            # fail): give them that moment, then report the killed one, the cause.
+            time.sleep(0.5)
+            failed = [(r, c) for r, c in enumerate(p.exitcode for p in procs)
+                      if c not in (None, 0) and c not in STOPPED]
+            rank, code = min(failed, key=lambda rc: (rc[1] >= 0, rc[0]))
+            if code < 0:
+                print(f"shardwise train: rank {rank} was killed by signal {-code}; stopping the other "
+                      f"ranks (run again to resume from the last complete checkpoint)", file=sys.stderr)
+                return 1
+            return code
+        if all(c is not None for c in codes):
+            # Stopped together at an agreed step (or all done, the stop having come at the last step).
+            return next((c for c in codes if c in STOPPED), 0)
+        if not stopping and all(c == 0 for c in codes):
+            return 0
+        time.sleep(0.05)
 
 
 def run(args) -> int:

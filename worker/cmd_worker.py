@@ -21,7 +21,9 @@ With workload training the ranks train instead (worker/train.py, options from th
 world over every replica (RankLayout with the replicas counted). Every pod serves
 /healthz (200 once its ranks have joined and resumed) and /progress (the job's progress.json from the
 shared checkpoint directory); when every step is done the pod writes the result to the contract's
-termination log and exits 0.
+termination log and exits 0. SIGTERM to a training pod (deleted, drained, preempted) is forwarded to
+its ranks, which finish their step, stop at a step every rank agrees on, save a shared checkpoint
+there and exit 143; the pod waits for them (within its grace period) and exits 143 too.
 """
 from __future__ import annotations
 
@@ -154,28 +156,52 @@ def _start_ranks(count: int, target, args_of):
     return procs, queue
 
 
-def _supervise(procs, loaded_q, health, stopped_code: int = 0) -> int:
+# A training rank's status when a signal stopped the job at an agreed step (128 + SIGINT / SIGTERM).
+_STOPPED = (130, 143)
+
+
+def _supervise(procs, loaded_q, health, stopped_code: int = 0, graceful: bool = False) -> int:
     """Wait for the ranks; report their loading; stop them all when one fails or on SIGTERM.
-    0 when every rank exited 0, 1 when one failed, `stopped_code` when a signal stopped them."""
+    0 when every rank exited 0, 1 when one failed, `stopped_code` when a signal stopped them.
+
+    `graceful` (training): a signal is forwarded to the ranks, which stop by themselves at an
+    agreed step after a checkpoint, and the pod waits for all of them (the pod's grace period
+    bounds the wait); a rank that exits with a stop status (130/143) is waited out the same way."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    code = 0
-    while not stop.is_set():
+    code, forwarded = 0, False
+    while True:
         while not loaded_q.empty():
             stats = loaded_q.get()
             _say(f"rank {stats['rank']} loaded {stats['weight_bytes']} weight bytes in {stats['load_seconds']:.1f}s")
             if health is not None:
                 health.loaded(stats)
+        if stop.is_set() and not graceful:
+            break
+        if stop.is_set() and not forwarded:
+            forwarded = True
+            _say("stopping: the ranks finish their step and save a checkpoint")
+            for p in procs:
+                if p.exitcode is None:
+                    os.kill(p.pid, signal.SIGTERM)
         dead = [p for p in procs if p.exitcode is not None]
-        if dead:
+        if graceful and (forwarded or any(p.exitcode in _STOPPED for p in dead)):
+            if len(dead) == len(procs):
+                # stopped (a signal); else a rank failed while the others stopped
+                if not all(p.exitcode == 0 or p.exitcode in _STOPPED for p in procs):
+                    code = next(p.exitcode for p in procs if p.exitcode not in (0, *_STOPPED))
+                elif any(p.exitcode in _STOPPED for p in procs):
+                    stop.set()
+                break
+        elif dead:
             # the first non-zero status, killed by a signal (negative) included
             code = next((p.exitcode for p in dead if p.exitcode), 0)
             if code or len(dead) == len(procs):
                 break
         time.sleep(0.2)
     # A signal stopped the pod before its ranks were all done.
-    stopped = stop.is_set() and not all(p.exitcode == 0 for p in procs)
+    stopped = stop.is_set() and not code and not all(p.exitcode == 0 for p in procs)
     # Rank 0 first: it stops the pipeline in order (STOP travels down the stages) before exiting.
     for p in procs:
         if p.exitcode is None:
@@ -202,7 +228,8 @@ def _run_training(contract, replica: int, stage: int, device: str, dtype: str, h
     from .train import options_from_contract, pod_rank
     plan = contract.plan
     opts = options_from_contract(contract, device=device, dtype=dtype)
-    check_inputs(opts)    # the data, the layout, the checkpoints' model: one line before any rank starts
+    # the data, the layout, the checkpoints' model, the local tier: one line before any rank starts
+    check_inputs(opts, local_dir_name="checkpoint.local.path")
     first = pod_rank(replica, stage, 0, plan)
     _say(f"training replica {replica} stage {stage}: ranks {first}..{first + plan.tensor - 1} of "
          f"{opts.world_size}, {device} {dtype}, {opts.steps} steps, checkpoints in {opts.checkpoint_dir}")
@@ -210,7 +237,7 @@ def _run_training(contract, replica: int, stage: int, device: str, dtype: str, h
         opts, plan, replica, stage, local, dict(os.environ), q))
     health = _StageHealth(plan.tensor, host, contract.serving.port, progress_dir=opts.checkpoint_dir)
     # Stopped by a signal before the last step, the pod must not look finished (exit 0 = Succeeded).
-    code = _supervise(procs, started_q, health, stopped_code=143)
+    code = _supervise(procs, started_q, health, stopped_code=143, graceful=True)
     if code == 0:
         _write_result(opts.checkpoint_dir, contract.termination_log)
     return code

@@ -15,7 +15,12 @@ crds/layout.py RankLayout's (parallelize.py). Each step:
   4. a tied embedding/head pair split across first and last stage has its two gradients summed,
      the global gradient norm is clipped (every element counted once), and AdamW steps;
   5. every K steps the state is checkpointed asynchronously (checkpoint.py) in full-tensor
-     coordinates (each DTensor shard by its offsets), so any later layout can resume it.
+     coordinates (each DTensor shard by its offsets), so any later layout can resume it; in
+     between, optionally every L steps, each rank saves its own state to node-local storage (the
+     local tier: no collective, readable only by the same rank of the same layout);
+  6. the ranks agree every step (one all-reduce MAX of a stop flag) whether a signal asked them to
+     stop: on SIGTERM/SIGINT every rank finishes the step, they save a shared checkpoint
+     synchronously at the same step and exit 128 + the signal.
 
 Loss = mean token cross-entropy over the whole global batch, identical in every layout up to
 floating-point summation order.
@@ -26,7 +31,9 @@ import dataclasses
 import datetime
 import json
 import os
+import signal
 import sys
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -71,6 +78,9 @@ class TrainOptions:
     compression_density: float = 0.01  # topk: fraction of gradient elements sent
     checkpoint_every: int = 0          # 0: only at the end
     keep: int = 3
+    local_checkpoint_dir: str | None = None   # node-local tier: each rank's own state, no collective
+    local_every: int = 0               # 0: no local tier
+    local_keep: int = 2                # local checkpoints kept per rank
     seed: int = 0
     lr: float = 3e-4
     warmup: int = 0
@@ -242,6 +252,16 @@ class Trainer:
             model_meta=ckpt.structure_of(self.config.to_dict()), keep=opts.keep,
             asynchronous=opts.async_checkpoint, log=lambda m: self.emit({"event": "log", "message": m}),
             files=model_files(source, tokenizer))
+        self.local = None
+        if opts.local_checkpoint_dir and opts.local_every > 0:
+            try:
+                self.local = ckpt.LocalCheckpointManager(
+                    opts.local_checkpoint_dir, rank=rank, fingerprint=self.local_fingerprint(),
+                    keep=opts.local_keep, asynchronous=opts.async_checkpoint)
+            except OSError as e:
+                raise WorkerError(f"local checkpoint directory {opts.local_checkpoint_dir} is not writable: "
+                                  f"{e.strerror or e}") from None
+        self.resumed_from: dict | None = None   # {"tier": "local"|"shared", "step": N}
         self.step = 0
         self.replicate_bytes = 0      # sent by this rank on the replicate axis since it started
 
@@ -253,6 +273,7 @@ class Trainer:
         use_plan = opts.stage_layers is not None and len(opts.stage_layers) == n
         ranges = opts.stage_layers if use_plan else split_layers(self.config.facts(), n).ranges
         self.holds_first, self.holds_last = 0 in self.indices, n - 1 in self.indices
+        self.stage_ranges = [list(ranges[i]) for i in self.indices]
         self.modules = [build_stage(self.source, *ranges[i], i == 0, i == n - 1, self.mesh, opts,
                                     self.device, self.compute_dtype) for i in self.indices]
         self.schedule = None
@@ -275,6 +296,9 @@ class Trainer:
         # Checkpoint writes run in a background thread: their own gloo group keeps their
         # collectives from ever interleaving with the training collectives.
         self.checkpoint_group = dist.new_group(list(range(layout.world_size)), backend="gloo")
+        # The per-step stop agreement runs in the training thread while a shared save may be using
+        # the checkpoint group in the background: a group of its own keeps the two apart.
+        self.control_group = dist.new_group(list(range(layout.world_size)), backend="gloo")
         tied = self.config.tie_word_embeddings and self.opts.pipeline > 1
         holders = layout.world_size // layout.pipeline
         self.norm_params = [(p, holders) for m in self.modules for name, p in m.named_parameters()
@@ -288,11 +312,51 @@ class Trainer:
             out.update(optimizer_slices(m, self.optimizer))
         return out
 
+    def local_fingerprint(self) -> dict:
+        """What a local checkpoint must have been saved by to be loaded by this rank: the same
+        layout (and layer split), the same global rank in a world of the same size, the same model."""
+        return {"layout": layout_record(self.opts), "stages": self.stage_ranges, "rank": self.rank,
+                "world_size": self.layout.world_size, "model": ckpt.structure_of(self.config.to_dict())}
+
     def resume(self) -> dict | None:
-        meta = self.manager.load_latest(self.state_slices(), agree=self._agree)
-        if meta is None:
-            return None
+        """Load the newest state: the local tier's when every rank has a matching local checkpoint
+        newer than the newest complete shared one, else the shared tier's (resharded if need be)."""
+        slices = self.state_slices()
+        shared = ckpt.newest_shared(self.opts.checkpoint_dir)
+        meta = self._resume_local(slices, shared) if self.local is not None else None
+        if meta is not None:
+            if shared is not None:   # progress.json's last_checkpoint stays the shared tier's
+                self.manager.last_committed = (shared[0], shared[1].get("time", 0.0))
+            return self._resumed(meta, "local")
+        meta = self.manager.load_latest(slices, agree=self._agree)
+        return None if meta is None else self._resumed(meta, "shared")
+
+    def _resume_local(self, slices: dict[str, ckpt.Slice], shared: tuple[int, dict] | None) -> dict | None:
+        """Every rank lists its matching local steps; they take the newest step all of them have,
+        if it is newer than the shared tier's (rank 0's view of it), and load it or all fall back."""
+        mine = self.local.matching_steps()
+        everyone: list = [None] * self.layout.world_size
+        dist.all_gather_object(everyone, (mine, None if shared is None else shared[0]), group=self.checkpoint_group)
+        common = set(everyone[0][0]).intersection(*(set(steps) for steps, _ in everyone[1:]))
+        newest_shared = everyone[0][1]
+        OK, SKIP = 1, 0
+        for step in sorted(common, reverse=True):
+            if newest_shared is not None and step <= newest_shared:
+                break
+            code, error, meta = OK, None, None
+            try:
+                meta = self.local.load(step, slices)
+            except ckpt.CheckpointError as e:
+                code, error = SKIP, e
+            if self._agree(code) == OK:
+                return meta
+            warnings.warn(f"{error or f'local checkpoint step {step} is damaged on another rank'}; "
+                          f"falling back to an older checkpoint", stacklevel=2)
+        return None
+
+    def _resumed(self, meta: dict, tier: str) -> dict:
         self.step = int(meta["step"])
+        self.resumed_from = {"tier": tier, "step": self.step}
         if meta.get("rng"):
             torch.set_rng_state(ckpt.rng_from_text(meta["rng"]))
         pos = meta.get("data", {})
@@ -311,6 +375,21 @@ class Trainer:
         extra = {"data": self.batches.position(self.step), "rng": ckpt.rng_to_text(torch.get_rng_state()),
                  "model_config": self.config.to_dict(), "layout": layout_record(self.opts)}
         self.manager.save(self.step, self.state_slices(), extra)
+
+    def save_local(self) -> None:
+        """This rank's state to the local tier (no collective)."""
+        extra = {"data": self.batches.position(self.step), "rng": ckpt.rng_to_text(torch.get_rng_state()),
+                 "layout": layout_record(self.opts)}
+        self.local.save(self.step, self.state_slices(), extra)
+
+    def agree_stop(self, signum: int) -> int:
+        """The largest signal number any rank was asked to stop by (0: none): every rank gets
+        the same answer after the same step, so they all stop together."""
+        if self.layout.world_size == 1:
+            return signum
+        t = torch.tensor([signum], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control_group)
+        return int(t.item())
 
     # -- the step
     def train_step(self) -> dict:
@@ -401,7 +480,9 @@ def run_training(opts: TrainOptions, rank: int | None = None, world_size: int | 
     `shardwise worker` calls. Rank 0 prints progress (JSON lines with --json) and writes
     `<checkpoint_dir>/progress.json`. `on_started(trainer)` is called once this rank has joined
     the world and loaded its slice (resumed from a checkpoint, if there was one). Returns 0 when
-    all steps are done and the last checkpoint is committed.
+    all steps are done and the last checkpoint is committed; 128 + the signal number when SIGTERM
+    or SIGINT (to any rank) stopped the job before that, after a shared checkpoint of the step
+    every rank stopped at is committed.
     """
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
@@ -429,16 +510,25 @@ def run_training(opts: TrainOptions, rank: int | None = None, world_size: int | 
                 print(rec["message"], file=sys.stderr, flush=True)
         elif "loss" in rec:
             extra = f"  checkpoint {rec['checkpoint']}" if rec.get("checkpoint") else ""
+            extra += " (local)" if rec.get("checkpoint_tier") == "local" else ""
             print(f"step {rec['step']:>6}  loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  "
                   f"grad-norm {rec['grad_norm']:.3f}  {rec['tokens_per_s']:.0f} tok/s{extra}", file=out, flush=True)
         elif rec.get("event") in ("resume", "start", "done", "log"):
             print(rec.get("message", json.dumps(rec)), file=out, flush=True)
 
+    stop = _StopSignals()
     try:
+        stop.install()
         trainer = Trainer(opts, rank, emit)
         meta = trainer.resume()
-        if meta is not None:
-            emit({"event": "resume", "step": trainer.step, "from_layout": meta.get("layout"),
+        if meta is not None and trainer.resumed_from["tier"] == "local":
+            shared = trainer.manager.last_committed
+            emit({"event": "resume", "step": trainer.step, "tier": "local", "from_layout": meta.get("layout"),
+                  "message": f"resumed from local checkpoint step {trainer.step} ({_layout_text(meta.get('layout'))}, "
+                             f"each rank's own files in {opts.local_checkpoint_dir}; newest shared checkpoint: "
+                             f"{'none' if shared is None else f'step {shared[0]}'})"})
+        elif meta is not None:
+            emit({"event": "resume", "step": trainer.step, "tier": "shared", "from_layout": meta.get("layout"),
                   "message": f"resumed from checkpoint step {trainer.step} "
                              f"(saved under {_layout_text(meta.get('layout'))}, now {_layout_text(layout_record(opts))})"})
         else:
@@ -454,17 +544,41 @@ def run_training(opts: TrainOptions, rank: int | None = None, world_size: int | 
             t0 = time.perf_counter()
             rec = trainer.train_step()
             last_loss = rec["loss"]
-            every = opts.checkpoint_every
-            saving = (every and trainer.step % every == 0) or trainer.step == opts.steps
-            if saving:
+            # Every rank has finished the same step: stop here if a signal reached any of them.
+            stopping = trainer.agree_stop(stop.signum)
+            stopping = stopping if trainer.step < opts.steps else 0
+            every, local_every = opts.checkpoint_every, opts.local_every
+            if (every and trainer.step % every == 0) or trainer.step == opts.steps or stopping:
+                t_save = time.perf_counter()
                 trainer.save()
+                if stopping:   # durable before the job goes: the next attempt may be on other nodes
+                    trainer.manager.wait()
                 rec["checkpoint"] = ckpt.step_dir_name(trainer.step)
-                rec["checkpoint_blocking_s"] = round(trainer.manager.last_blocking_s, 4)
+                rec["checkpoint_tier"] = "shared"
+                rec["checkpoint_blocking_s"] = round(time.perf_counter() - t_save if stopping
+                                                     else trainer.manager.last_blocking_s, 4)
+            elif trainer.local is not None and trainer.step % local_every == 0:
+                trainer.save_local()
+                rec["checkpoint"] = ckpt.step_dir_name(trainer.step)
+                rec["checkpoint_tier"] = "local"
+                rec["checkpoint_blocking_s"] = round(trainer.local.last_blocking_s, 4)
             rec["tokens_per_s"] = tokens_per_step / (time.perf_counter() - t0)
             emit(rec)
+            if stopping:
+                if trainer.local is not None:
+                    trainer.local.wait()
+                dist.barrier(group=trainer.control_group)    # rank 0 has committed the checkpoint
+                if lead:
+                    _write_progress(opts, trainer, rec)
+                emit({"event": "log", "step": trainer.step,
+                      "message": f"stopping at step {trainer.step}: checkpoint "
+                                 f"{ckpt.step_dir_name(trainer.step)} saved"})
+                return 128 + stopping
             if lead:
                 _write_progress(opts, trainer, rec)
         trainer.manager.wait()
+        if trainer.local is not None:
+            trainer.local.wait()
         if lead:
             _write_progress(opts, trainer, {"step": trainer.step, "done": True,
                                             "loss": last_loss})
@@ -474,17 +588,49 @@ def run_training(opts: TrainOptions, rank: int | None = None, world_size: int | 
         dist.barrier()
         return 0
     finally:
+        stop.restore()
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
+class _StopSignals:
+    """SIGTERM and SIGINT only ask the training loop to stop after the current step (`signum`
+    becomes the signal's number); the previous handlers come back at the end. Handlers can only
+    be set from the main thread: elsewhere (a test calling run_training in a thread) nothing
+    changes."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.signum = 0
+        self.previous: dict = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in self.SIGNALS:
+            self.previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.signum = self.signum or int(signum)
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        self.previous.clear()
+
+
+def _checkpoint_record(last: tuple[int, float] | None) -> dict | None:
+    return None if last is None else {"step": last[0], "time": last[1], "name": ckpt.step_dir_name(last[0])}
+
+
 def _write_progress(opts: TrainOptions, trainer: Trainer, rec: dict) -> None:
-    last = trainer.manager.last_committed
     progress = {"step": trainer.step, "steps": opts.steps, "loss": rec.get("loss"),
                 "done": bool(rec.get("done")), "time": time.time(),
                 "replicate_bytes": trainer.replicate_bytes, "compression": opts.compression,
-                "last_checkpoint": None if last is None else {"step": last[0], "time": last[1],
-                                                              "name": ckpt.step_dir_name(last[0])}}
+                "last_checkpoint": _checkpoint_record(trainer.manager.last_committed),
+                "last_local_checkpoint": _checkpoint_record(trainer.local.last_committed if trainer.local else None),
+                "resumed_from": trainer.resumed_from}
     tmp = Path(opts.checkpoint_dir) / ".progress.json.tmp"
     tmp.write_text(json.dumps(progress))
     os.replace(tmp, Path(opts.checkpoint_dir) / "progress.json")
@@ -531,6 +677,7 @@ def options_from_contract(contract, *, device: str, dtype: str) -> TrainOptions:
     from spec.training and spec.checkpoint to TrainOptions' names. `device` and `dtype` are what
     the pod resolved (the contract's dtype may be auto)."""
     t, c = contract.training, contract.checkpoint
+    local = c.local   # spec.checkpoint.local: the node-local tier, or None
     return options_from_plan(
         contract.plan, model=contract.model.path, data=t.data, steps=t.steps, checkpoint_dir=c.path,
         checkpoint_every=c.interval_steps, keep=c.keep, seed=t.seed, lr=t.learning_rate,
@@ -539,7 +686,8 @@ def options_from_contract(contract, *, device: str, dtype: str) -> TrainOptions:
         activation_checkpointing=t.activation_checkpointing,
         compression=t.gradient_compression.method if t.gradient_compression else "none",
         compression_density=t.gradient_compression.density if t.gradient_compression else 0.01,
-        device=device, dtype=dtype, json=True)
+        local_checkpoint_dir=local.path if local else None, local_every=local.interval_steps if local else 0,
+        local_keep=local.keep if local else 2, device=device, dtype=dtype, json=True)
 
 
 def run_training_rank(opts: TrainOptions, plan, replica: int, stage: int, local_rank: int,
