@@ -484,6 +484,46 @@ def run_training(opts: TrainOptions, rank: int | None = None, world_size: int | 
     or SIGINT (to any rank) stopped the job before that, after a shared checkpoint of the step
     every rank stopped at is committed.
     """
+    rank = _join_world(opts, rank, world_size)
+    lead = rank == 0
+    # Warnings (a damaged checkpoint skipped, another dataset) as one line each, from rank 0 only.
+    warnings.showwarning = lambda message, *a, **k: (
+        print(f"warning: {message}", file=sys.stderr, flush=True) if lead else None)
+    emit = _emitter(opts, lead, out)
+    stop = _StopSignals()
+    try:
+        stop.install()
+        trainer = Trainer(opts, rank, emit)
+        _announce(trainer, trainer.resume(), emit)
+        if on_started is not None:
+            on_started(trainer)
+        if lead:
+            Path(opts.checkpoint_dir).mkdir(parents=True, exist_ok=True)
+        last_loss = None
+        while trainer.step < opts.steps:
+            t0 = time.perf_counter()
+            rec = trainer.train_step()
+            last_loss = rec["loss"]
+            # Every rank has finished the same step: stop here if a signal reached any of them.
+            stopping = trainer.agree_stop(stop.signum) if trainer.step < opts.steps else 0
+            _checkpoint_after_step(trainer, rec, stopping)
+            rec["tokens_per_s"] = opts.batch_size * opts.seq_len / (time.perf_counter() - t0)
+            emit(rec)
+            if stopping:
+                _stop_here(trainer, rec, emit)
+                return 128 + stopping
+            if lead:
+                _write_progress(opts, trainer, rec)
+        _finish(trainer, last_loss, emit)
+        return 0
+    finally:
+        stop.restore()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _join_world(opts: TrainOptions, rank: int | None, world_size: int | None) -> int:
+    """This process's rank, once it has joined the job's process group."""
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
     if world_size != opts.world_size:
@@ -493,13 +533,12 @@ def run_training(opts: TrainOptions, rank: int | None = None, world_size: int | 
     if not dist.is_initialized():
         # CUDA: NCCL for tensors on the GPU, gloo for the CPU-side agreement and checkpoint groups
         backend = "cpu:gloo,cuda:nccl" if opts.device.startswith("cuda") else "gloo"
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=_PG_TIMEOUT)
-    lead = rank == 0
-    # Warnings (a damaged checkpoint skipped, another dataset) as one line each, from rank 0 only.
-    warnings.showwarning = lambda message, *a, **k: (
-        print(f"warning: {message}", file=sys.stderr, flush=True) if lead else None)
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=_PG_TIMEOUT)
+    return rank
 
+
+def _emitter(opts: TrainOptions, lead: bool, out) -> Callable[[dict], None]:
+    """What rank 0 prints of each record (the other ranks print nothing)."""
     def emit(rec: dict) -> None:
         if not lead:
             return
@@ -515,82 +554,69 @@ def run_training(opts: TrainOptions, rank: int | None = None, world_size: int | 
                   f"grad-norm {rec['grad_norm']:.3f}  {rec['tokens_per_s']:.0f} tok/s{extra}", file=out, flush=True)
         elif rec.get("event") in ("resume", "start", "done", "log"):
             print(rec.get("message", json.dumps(rec)), file=out, flush=True)
+    return emit
 
-    stop = _StopSignals()
-    try:
-        stop.install()
-        trainer = Trainer(opts, rank, emit)
-        meta = trainer.resume()
-        if meta is not None and trainer.resumed_from["tier"] == "local":
-            shared = trainer.manager.last_committed
-            emit({"event": "resume", "step": trainer.step, "tier": "local", "from_layout": meta.get("layout"),
-                  "message": f"resumed from local checkpoint step {trainer.step} ({_layout_text(meta.get('layout'))}, "
-                             f"each rank's own files in {opts.local_checkpoint_dir}; newest shared checkpoint: "
-                             f"{'none' if shared is None else f'step {shared[0]}'})"})
-        elif meta is not None:
-            emit({"event": "resume", "step": trainer.step, "tier": "shared", "from_layout": meta.get("layout"),
-                  "message": f"resumed from checkpoint step {trainer.step} "
-                             f"(saved under {_layout_text(meta.get('layout'))}, now {_layout_text(layout_record(opts))})"})
-        else:
-            emit({"event": "start", "step": 0, "message": f"training from {opts.model} "
-                  f"({_layout_text(layout_record(opts))}, {len(trainer.data)} tokens)"})
-        if on_started is not None:
-            on_started(trainer)
-        if lead:
-            Path(opts.checkpoint_dir).mkdir(parents=True, exist_ok=True)
-        tokens_per_step = opts.batch_size * opts.seq_len
-        last_loss = None
-        while trainer.step < opts.steps:
-            t0 = time.perf_counter()
-            rec = trainer.train_step()
-            last_loss = rec["loss"]
-            # Every rank has finished the same step: stop here if a signal reached any of them.
-            stopping = trainer.agree_stop(stop.signum)
-            stopping = stopping if trainer.step < opts.steps else 0
-            every, local_every = opts.checkpoint_every, opts.local_every
-            if (every and trainer.step % every == 0) or trainer.step == opts.steps or stopping:
-                t_save = time.perf_counter()
-                trainer.save()
-                if stopping:   # durable before the job goes: the next attempt may be on other nodes
-                    trainer.manager.wait()
-                rec["checkpoint"] = ckpt.step_dir_name(trainer.step)
-                rec["checkpoint_tier"] = "shared"
-                rec["checkpoint_blocking_s"] = round(time.perf_counter() - t_save if stopping
-                                                     else trainer.manager.last_blocking_s, 4)
-            elif trainer.local is not None and trainer.step % local_every == 0:
-                trainer.save_local()
-                rec["checkpoint"] = ckpt.step_dir_name(trainer.step)
-                rec["checkpoint_tier"] = "local"
-                rec["checkpoint_blocking_s"] = round(trainer.local.last_blocking_s, 4)
-            rec["tokens_per_s"] = tokens_per_step / (time.perf_counter() - t0)
-            emit(rec)
-            if stopping:
-                if trainer.local is not None:
-                    trainer.local.wait()
-                dist.barrier(group=trainer.control_group)    # rank 0 has committed the checkpoint
-                if lead:
-                    _write_progress(opts, trainer, rec)
-                emit({"event": "log", "step": trainer.step,
-                      "message": f"stopping at step {trainer.step}: checkpoint "
-                                 f"{ckpt.step_dir_name(trainer.step)} saved"})
-                return 128 + stopping
-            if lead:
-                _write_progress(opts, trainer, rec)
-        trainer.manager.wait()
-        if trainer.local is not None:
-            trainer.local.wait()
-        if lead:
-            _write_progress(opts, trainer, {"step": trainer.step, "done": True,
-                                            "loss": last_loss})
-        emit({"event": "done", "step": trainer.step,
-              "message": f"done: {trainer.step} steps, last checkpoint "
-                         f"{ckpt.step_dir_name(trainer.step)} in {opts.checkpoint_dir}"})
-        dist.barrier()
-        return 0
-    finally:
-        stop.restore()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+
+def _announce(trainer: Trainer, meta: dict | None, emit) -> None:
+    """Where the run starts: a fresh start, or the checkpoint (and tier) it resumed from."""
+    opts = trainer.opts
+    if meta is not None and trainer.resumed_from["tier"] == "local":
+        shared = trainer.manager.last_committed
+        emit({"event": "resume", "step": trainer.step, "tier": "local", "from_layout": meta.get("layout"),
+              "message": f"resumed from local checkpoint step {trainer.step} ({_layout_text(meta.get('layout'))}, "
+                         f"each rank's own files in {opts.local_checkpoint_dir}; newest shared checkpoint: "
+                         f"{'none' if shared is None else f'step {shared[0]}'})"})
+    elif meta is not None:
+        emit({"event": "resume", "step": trainer.step, "tier": "shared", "from_layout": meta.get("layout"),
+              "message": f"resumed from checkpoint step {trainer.step} "
+                         f"(saved under {_layout_text(meta.get('layout'))}, now {_layout_text(layout_record(opts))})"})
+    else:
+        emit({"event": "start", "step": 0, "message": f"training from {opts.model} "
+              f"({_layout_text(layout_record(opts))}, {len(trainer.data)} tokens)"})
+
+
+def _checkpoint_after_step(trainer: Trainer, rec: dict, stopping: int) -> None:
+    """The shared tier every checkpoint_every steps, at the last step and when stopping (then
+    synchronously: the next attempt may be on other nodes); else the local tier every local_every."""
+    opts = trainer.opts
+    if (opts.checkpoint_every and trainer.step % opts.checkpoint_every == 0) or trainer.step == opts.steps \
+            or stopping:
+        t_save = time.perf_counter()
+        trainer.save()
+        if stopping:
+            trainer.manager.wait()
+        blocking = time.perf_counter() - t_save if stopping else trainer.manager.last_blocking_s
+        rec.update(checkpoint=ckpt.step_dir_name(trainer.step), checkpoint_tier="shared",
+                   checkpoint_blocking_s=round(blocking, 4))
+    elif trainer.local is not None and trainer.step % opts.local_every == 0:
+        trainer.save_local()
+        rec.update(checkpoint=ckpt.step_dir_name(trainer.step), checkpoint_tier="local",
+                   checkpoint_blocking_s=round(trainer.local.last_blocking_s, 4))
+
+
+def _stop_here(trainer: Trainer, rec: dict, emit) -> None:
+    """Every rank stops at this step, once its checkpoint is committed."""
+    if trainer.local is not None:
+        trainer.local.wait()
+    dist.barrier(group=trainer.control_group)    # rank 0 has committed the checkpoint
+    if trainer.rank == 0:
+        _write_progress(trainer.opts, trainer, rec)
+    emit({"event": "log", "step": trainer.step,
+          "message": f"stopping at step {trainer.step}: checkpoint {ckpt.step_dir_name(trainer.step)} saved"})
+
+
+def _finish(trainer: Trainer, last_loss: float | None, emit) -> None:
+    """All steps done: wait for the last checkpoints, report, and leave together."""
+    opts = trainer.opts
+    trainer.manager.wait()
+    if trainer.local is not None:
+        trainer.local.wait()
+    if trainer.rank == 0:
+        _write_progress(opts, trainer, {"step": trainer.step, "done": True, "loss": last_loss})
+    emit({"event": "done", "step": trainer.step,
+          "message": f"done: {trainer.step} steps, last checkpoint "
+                     f"{ckpt.step_dir_name(trainer.step)} in {opts.checkpoint_dir}"})
+    dist.barrier()
 
 
 class _StopSignals:
