@@ -2,8 +2,8 @@
 
     python benchmarks/elastic_bench.py [--steps 600] [--fail-at 37] [--repair 90] [--quick]
 
-One job (`shardwise train`, a tiny random Llama, 2 data-parallel replicas on local processes) and
-one failure schedule: every rank is killed with SIGKILL when step --fail-at completes (a node
+One job (`shardwise train`, a tiny random Llama, 2 data-parallel replicas on local processes, each
+replica pinned to a CPU core of its own: the capacity a node brings) and one failure schedule: every rank is killed with SIGKILL when step --fail-at completes (a node
 lost), and the lost capacity comes back --repair seconds later.
 
 1. Tiers. Single tier (shared checkpoints every --shared-every steps) against tiered (plus a
@@ -60,8 +60,12 @@ class Job:
         return cmd
 
     def start(self, ckdir: Path, replicas: int, tiered: bool) -> "Run":
-        return Run(subprocess.Popen(self.command(ckdir, replicas, tiered), stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, start_new_session=True))
+        # A replica's capacity is one CPU core here: a job short of a node is short of its compute
+        # (without the pin, one process on two cores outruns two that all-reduce).
+        cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0))[:replicas])
+        cmd = ["taskset", "-c", cores, *self.command(ckdir, replicas, tiered)]
+        return Run(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    start_new_session=True))
 
 
 class Run:
@@ -163,13 +167,15 @@ def elastic(job: Job, work: Path, fail_at: int, repair: float, after: float, bas
 
 
 def _same(records: list[dict], baseline: dict[int, float]) -> str:
-    """Every step's last logged loss against the uninterrupted run's: the largest relative gap."""
+    """Every step's last logged loss against the uninterrupted run's: the largest relative gap,
+    and how far the runs agree to 1e-3 (data-parallel degrees sum in another order, and a small
+    model at a high learning rate amplifies that over hundreds of steps)."""
     last = {r["step"]: r["loss"] for r in records if r["step"] in baseline}
-    gap = {s: abs(v - baseline[s]) / abs(baseline[s]) for s, v in last.items()}
+    gap = {s: abs(v - baseline[s]) / abs(baseline[s]) for s, v in sorted(last.items())}
     worst = max(gap, key=gap.get)
-    return (f"losses vs uninterrupted: max gap {gap[worst]:.1e} over {len(last)} steps "
-            f"(step {worst}: {last[worst]:.4f} vs {baseline[worst]:.4f})")
-
+    within = next((s - 1 for s, g in gap.items() if g > 1e-3), max(gap))
+    return (f"losses vs uninterrupted: within 1e-3 to step {within}, max gap {gap[worst]:.1e} "
+            f"(step {worst} of {len(last)})")
 
 
 def main() -> int:

@@ -317,6 +317,15 @@ def rng_from_text(text: str) -> torch.Tensor:
 
 # ---------------------------------------------------------------- training-side manager
 
+def _join_write(manager) -> BaseException | None:
+    """Wait for a manager's background write (`_thread`), if any; its failure (`_error`), taken."""
+    if manager._thread is not None:
+        manager._thread.join()
+        manager._thread = None
+    error, manager._error = manager._error, None
+    return error
+
+
 class CheckpointManager:
     """Saves (asynchronously) and loads the training state of one rank.
 
@@ -389,11 +398,8 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Block until the write in flight (if any) is committed; re-raise its failure."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            e, self._error = self._error, None
+        e = _join_write(self)
+        if e is not None:
             raise CheckpointError(f"checkpoint write failed: {type(e).__name__}: {e}") from e
 
     # -- load
@@ -494,11 +500,8 @@ class LocalCheckpointManager:
 
     def wait(self) -> None:
         """Block until the local write in flight (if any) is done; a failure is one warning."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            e, self._error = self._error, None
+        e = _join_write(self)
+        if e is not None:
             warnings.warn(f"local checkpoint in {self.dir} failed: {type(e).__name__}: {e}", stacklevel=2)
 
     # -- load

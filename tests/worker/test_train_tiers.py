@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -20,28 +19,14 @@ from pathlib import Path
 import pytest
 
 from shardwise.worker import checkpoint as ckpt
-from shardwise.worker.tiny import write_tiny_model
+
+from .test_train import _ranks, work  # noqa: F401  (work: the tiny model and its corpus, a fixture)
 
 STEPS, SHARED, LOCAL = 12, 6, 2
 COMMON = ["--steps", str(STEPS), "--checkpoint-every", str(SHARED), "--local-checkpoint-every", str(LOCAL),
           "--batch-size", "4", "--seq-len", "32", "--lr", "3e-3", "--seed", "7", "--json"]
 RTOL = 1e-3
 DELAY = "SHARDWISE_CHECKPOINT_COMMIT_DELAY_S"
-
-
-def _text() -> str:
-    rnd = random.Random(0)
-    words = ("the quick brown fox jumps over a lazy dog while seven wizards quietly brew potent "
-             "elixirs under the pale moon").split()
-    return "\n".join(" ".join(rnd.choice(words) for _ in range(12)) for _ in range(300))
-
-
-@pytest.fixture(scope="module")
-def work(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiers")
-    (root / "data.txt").write_text(_text())
-    write_tiny_model(root / "model", _text(), layers=4, hidden=64, heads=4, kv_heads=2)
-    return root
 
 
 def _cmd(work: Path, ckdir: Path, local: Path | None, *layout: str) -> list[str]:
@@ -62,26 +47,6 @@ def _train(work, ckdir, local, *layout):
 def _start(work, ckdir, local, *layout, env=None):
     return subprocess.Popen(_cmd(work, ckdir, local, *layout), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, **(env or {})})
-
-
-def _ranks(pid: int) -> dict[int, int]:
-    """rank -> pid of the local ranks started by the launcher `pid` (named shardwise-rk<N>)."""
-    found, todo = {}, [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            kids = Path(f"/proc/{p}/task/{p}/children").read_text().split()
-        except OSError:
-            continue
-        for k in map(int, kids):
-            try:
-                comm = Path(f"/proc/{k}/comm").read_text().strip()
-            except OSError:
-                continue
-            if comm.startswith("shardwise-rk"):
-                found[int(comm[len("shardwise-rk"):])] = k
-            todo.append(k)
-    return found
 
 
 def _local_steps(local: Path, rank: int) -> list[int]:
