@@ -101,10 +101,10 @@ class Cluster:
         wait_until(established, timeout, f"CRD {name} to be Established", retry_on=(kapi.ApiError,))
 
     @contextlib.contextmanager
-    def operator(self, namespace: str, log: Path):
+    def operator(self, namespace: str, log: Path, *options: str):
         """`shardwise operator run` against this cluster, watching one namespace (and holding its
-        Lease there), for the duration of the block; its output goes to `log`, whose tail is
-        printed when it stops."""
+        Lease there), for the duration of the block, with `options` added; its output goes to
+        `log`, whose tail is printed when it stops."""
         with open(log, "ab") as out:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "shardwise", "operator", "run", "--kubeconfig", str(self.kubeconfig),
@@ -112,7 +112,7 @@ class Cluster:
                  "--health-port", "0",
                  # A tiny training job runs its 300 steps in ~8 s, less than the default 10 s between
                  # progress reads: tests that watch it Running with a checkpoint need reads that often.
-                 "--progress-seconds", "1"], stdout=out, stderr=subprocess.STDOUT, cwd=Path(log).parent)
+                 "--progress-seconds", "1", *options], stdout=out, stderr=subprocess.STDOUT, cwd=Path(log).parent)
         try:
             yield proc
         finally:

@@ -30,6 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="seconds without renewal after which a standby takes over (renewed every third)")
     run.add_argument("--progress-seconds", type=float, default=10.0,
                      help="how often a running training job's progress is read from its pods")
+    run.add_argument("--grow-after-seconds", type=float, default=30.0,
+                     help="how long an elastic training job runs short before it may grow back (no restart loops)")
     run.add_argument("--no-leader-election", action="store_true",
                      help="run without a Lease (only when exactly one operator runs)")
 
@@ -79,15 +81,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_arguments(args: argparse.Namespace) -> None:
-    from shardwise.operator import training
+    from shardwise.operator import elastic, training
 
     if args.progress_seconds <= 0:
         raise _Refused("--progress-seconds must be more than 0")
+    if args.grow_after_seconds < 0:
+        raise _Refused("--grow-after-seconds must be 0 or more")
     if not args.no_leader_election and args.lease_duration < 3:
         raise _Refused("--lease-duration must be at least 3 seconds")
     if args.kubeconfig and not os.path.exists(args.kubeconfig):
         raise _Refused(f"kubeconfig {args.kubeconfig} does not exist")
     training.POLL_SECONDS = args.progress_seconds
+    elastic.GROW_AFTER_SECONDS = args.grow_after_seconds
 
 
 def _configure_logging(level: str) -> None:
