@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.checkpoint import checkpoint
 
@@ -160,6 +160,3 @@ def clip_grad_norm_(params: list[tuple[nn.Parameter, int]], max_norm: float, dev
                 p.grad.mul_(scale)
     return norm
 
-
-__all__ = ["MESH_DIMS", "MeshShape", "apply_tensor_parallel", "apply_activation_checkpointing",
-           "apply_fsdp", "local_region", "copies", "clip_grad_norm_", "Shard", "Replicate"]

@@ -27,7 +27,6 @@ floating-point summation order.
 """
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
 import os
@@ -44,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from shardwise.crds.layout import RankLayout, split_layers
 from shardwise.crds.modelshape import in_memory_dtype
@@ -431,7 +431,7 @@ class Trainer:
         """What FSDP does not: the replicate axis when compressed, the tied pair across stages.
         Returns the bytes this rank sent on the replicate axis this step."""
         grads = [p.grad for p in self.params if p.grad is not None]
-        local = [g.to_local() if isinstance(g, par.DTensor) else g for g in grads]
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
         sent = 0
         if self.compressor is not None:
             before = self.compressor.bytes_sent
@@ -444,7 +444,7 @@ class Trainer:
                 tied = m.tok_embeddings if m.tok_embeddings is not None else m.output
                 if tied is not None and tied.weight.grad is not None:
                     g = tied.weight.grad
-                    dist.all_reduce(g.to_local() if isinstance(g, par.DTensor) else g, group=self.tie_group)
+                    dist.all_reduce(g.to_local() if isinstance(g, DTensor) else g, group=self.tie_group)
         return sent
 
 
