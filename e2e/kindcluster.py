@@ -148,6 +148,10 @@ class KindCluster:
         start = time.monotonic()
         self.kind("create", "cluster", "--name", self.name, "--image", image, "--config", str(effective),
                   "--kubeconfig", str(self.kubeconfig), "--wait", "300s", timeout=900)
+        # kind's --wait is for the control plane: workers may still be joining. Pods scheduled now
+        # (the operator's two replicas) would all land on the first Ready worker, and a preferred
+        # anti-affinity cannot move them later.
+        self.kubectl("wait", "--for=condition=Ready", "node", "--all", "--timeout=300s", timeout=360)
         registry.ensure_running(say)
         self.advertise_gpus()
         say(f"cluster {self.name!r} up in {time.monotonic() - start:.0f}s "
