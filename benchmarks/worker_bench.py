@@ -3,9 +3,8 @@
     python benchmarks/worker_bench.py [--model smollm2] [--prompt-tokens 128] [--new-tokens 64]
                                       [--layouts 1x1,1x1c,1x2] [--device cpu] [--dtype float32] [--json]
 
-A layout is TPxPP; a trailing "c" (1x1c) runs the same layout with SHARDWISE_COMPILE=1, the
-opt-in compiled decode step on CPU (only for single-process layouts: other ranks come from a
-fork server whose environment was fixed when it started).
+A layout is TPxPP; a trailing "c" (1x1c) runs the same layout with `--decode compile`, the
+opt-in compiled decode step on CPU (measured for single-process layouts).
 
 Threads: each of our ranks gets the machine's cores divided among the ranks (as the worker runs by
 default), transformers and the bandwidth measurement get all of them; --threads N gives N to each.
@@ -26,7 +25,6 @@ import json
 import os
 import sys
 import time
-from unittest import mock
 
 
 @contextlib.contextmanager
@@ -126,9 +124,10 @@ def compare(model: str, layouts: list[tuple[int, int, bool]], prompt: list[int],
     for tp, pp, compiled in layouts:
         print(f"  TP={tp} PP={pp}{' compiled decode' if compiled else ''} ...", flush=True)
         spec = RankSpec(model, tp, pp, device=device, dtype=dtype, max_batch=max(1, concurrent),
-                        max_seq=len(prompt) + new_tokens + 8, threads=threads)
+                        max_seq=len(prompt) + new_tokens + 8, threads=threads,
+                        decode="compile" if compiled else "auto")
         rt = LocalRuntime(spec)
-        ctx = start_runtime(rt, compiled)
+        ctx = rt.start()
         best = {"prefill": float("inf"), "decode": float("inf"), "hf_prefill": float("inf"),
                 "hf_decode": float("inf")}
         try:
@@ -189,13 +188,6 @@ def compare(model: str, layouts: list[tuple[int, int, bool]], prompt: list[int],
                   f"{best[f'batch_tps_mb{pp}']:.1f} tok/s with {pp} in flight (one per stage)", flush=True)
         results[f"{tp}x{pp}{'c' if compiled else ''}"] = r
     return results
-
-
-def start_runtime(rt, compiled: bool):
-    """Start the ranks; with `compiled`, rank 0 (this process, the only rank) builds its Stage
-    with SHARDWISE_COMPILE=1."""
-    with mock.patch.dict(os.environ, {"SHARDWISE_COMPILE": "1"} if compiled else {}):
-        return rt.start()
 
 
 def random_llama(path: str) -> str:

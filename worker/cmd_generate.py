@@ -24,6 +24,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV cache length per request (default: the model's context, at most 4096)")
     parser.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default 8)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per rank on cpu (default: cores/ranks)")
+    parser.add_argument("--decode", choices=["auto", "eager", "graphs", "compile"], default="auto",
+                        help="how decode steps run: eager; graphs (CUDA graphs, cuda only); compile "
+                             "(torch.compile, replayed as CUDA graphs on cuda; on cpu compiles for "
+                             "10-60 s per kind of step); auto: graphs on cuda, eager on cpu")
 
 
 def spec_from_args(args):
@@ -31,7 +35,7 @@ def spec_from_args(args):
     # "auto" is resolved by runtime.validate, with the model's dtype: the rule the planner sizes by
     return RankSpec(model=args.model, tensor=args.tensor_parallel, pipeline=args.pipeline_parallel,
                     device=args.device, dtype=args.dtype, max_batch=args.max_batch, max_seq=args.max_seq_len,
-                    threads=args.threads)
+                    threads=args.threads, decode=args.decode)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -45,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--max-seq-len", type=int, default=0)
     parser.add_argument("--max-batch", type=int, default=8)
+    parser.add_argument("--decode", choices=["auto", "eager", "graphs", "compile"], default="auto",
+                        help="how decode steps run (as for serve); auto: CUDA graphs on cuda, eager on cpu")
 
 
 def _say(msg: str) -> None:
@@ -120,7 +122,7 @@ def _run(args) -> int:
     spec = RankSpec(model=contract.model.path, tensor=plan.tensor, pipeline=plan.pipeline,
                     layers=[(p.layer_start, p.layer_end) for p in plan.stages_of(replica)],
                     device=device, dtype=contract.model.dtype,   # validate() resolves auto
-                    max_batch=args.max_batch, max_seq=args.max_seq_len)
+                    max_batch=args.max_batch, max_seq=args.max_seq_len, decode=args.decode)
     source = validate(spec)
     if source.config.num_layers != plan.num_layers:
         raise WorkerError(f"plan splits {plan.num_layers} layers but model {contract.model.path} has "

@@ -18,7 +18,6 @@ keeps one micro-batch per stage in flight).
 """
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -29,9 +28,32 @@ import torch.distributed as dist
 
 from shardwise.crds.layout import RankLayout
 
+from .cuda_graphs import GraphedDecode
+from .errors import WorkerError
 from .parallel import COMM
 
 OP_STEP, OP_SETUP, OP_STOP = 1, 2, 3
+
+DECODE_MODES = ("auto", "eager", "graphs", "compile")
+
+
+def decode_mode(requested: str, device_type: str, tensor: int) -> str:
+    """How a stage runs its decode steps (one new token per row):
+      eager    each op launched from Python;
+      graphs   CUDA only: each step replayed as a CUDA graph (cuda_graphs.py);
+      compile  torch.compile: on CUDA inductor's kernels replayed as a CUDA graph, on CPU
+               inductor's C++ (Transformer.compile_decode);
+      auto     graphs on CUDA, eager on CPU.
+    Tensor-parallel CUDA stages stay eager: their all-reduces sit inside the step."""
+    if requested not in DECODE_MODES:
+        raise WorkerError(f"unknown decode mode {requested!r} (use one of: {', '.join(DECODE_MODES)})")
+    if requested == "graphs" and device_type != "cuda":
+        raise WorkerError("--decode graphs needs --device cuda (CUDA graphs); on CPU use eager or compile")
+    if requested == "auto":
+        requested = "graphs" if device_type == "cuda" else "eager"
+    if device_type == "cuda" and tensor > 1:
+        return "eager"
+    return requested
 
 
 @dataclass
@@ -104,7 +126,7 @@ class _Sender:
 class Stage:
     """One rank's part of the pipeline: its model stage and the messages around it."""
 
-    def __init__(self, model, info: StageInfo, device):
+    def __init__(self, model, info: StageInfo, device, decode: str = "auto"):
         self.model, self.info, self.device = model, info, torch.device(device)
         self.dtype = next(model.parameters()).dtype
         self.hidden_size = model.config.hidden_size
@@ -113,17 +135,17 @@ class Stage:
         self.pending: deque = deque()        # rank 0: launched steps whose logits are not back yet
         # gloo moves CPU tensors, NCCL device tensors.
         self.comm_device = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
-        self.decode_fn = model
-        compile_env = os.environ.get("SHARDWISE_COMPILE", "")
-        if self.device.type == "cuda" and info.tensor == 1 and compile_env != "0":
-            # Decode is launch-bound on a GPU: capture one step as CUDA graphs (static shapes, no
-            # host syncs). TP stages stay eager: their all-reduces sit inside the forward.
+        self.decode = decode_mode(decode, self.device.type, info.tensor)
+        self.graphed: GraphedDecode | None = None
+        if self.decode in ("graphs", "compile") and self.device.type == "cuda":
+            # Decode is launch-bound on a GPU: replay each step as a CUDA graph (cuda_graphs.py).
             model.static_shapes = True
-            self.decode_fn = torch.compile(model, mode="reduce-overhead", dynamic=False)
-        elif self.device.type == "cpu" and info.tensor == 1 and compile_env == "1":
-            # Opt-in on CPU: a compiled decode step is ~1.25x faster (docs/worker.md, Benchmark), but
-            # each kind of step (one row or several, masked or not) compiles for 10-60 s on first
-            # use, which a short `shardwise generate` or a test would never win back.
+            step = torch.compile(model, dynamic=False) if self.decode == "compile" else model
+            self.graphed = GraphedDecode(step, self.device)
+        elif self.decode == "compile":
+            # On CPU a compiled decode step is ~1.25x faster (docs/worker.md, Benchmark), but each
+            # kind of step (one row or several, masked or not) compiles for 10-60 s on first use,
+            # which a short `shardwise generate` or a test would never win back: opt-in.
             model.compile_decode()
 
     def _c(self, t: torch.Tensor) -> torch.Tensor:
@@ -135,15 +157,18 @@ class Stage:
         """SETUP or one step: positions [b, t] and slots [b] come packed in `ints` or, on a rank
         alone, as they are."""
         if op == OP_SETUP:
-            self.model.setup_caches(b, t, device=self.device)
+            # With graphs, one more cache row: the scratch row the padding rows write to.
+            self.model.setup_caches(b + (self.graphed is not None), t, device=self.device)
+            if self.graphed is not None:
+                self.graphed.reset(b)
             return None
         if ints is not None:
             positions, slots = ints[:b * t].view(b, t), ints[b * t:]
-        fn = self.decode_fn if t == 1 else self.model
         with torch.no_grad():
-            out = fn(x.to(self.device), positions=positions.to(self.device), cache_slots=slots.to(self.device),
-                     last_only=True)
-        return out.clone() if fn is not self.model else out   # graph outputs are reused buffers
+            if t == 1 and self.graphed is not None:
+                return self.graphed(x, positions, slots).clone()   # the graph reuses its output buffer
+            return self.model(x.to(self.device), positions=positions.to(self.device),
+                              cache_slots=slots.to(self.device), last_only=True)
 
     def _forward_next(self, header, ints, out) -> None:
         msgs = [header, ints] + ([out] if out is not None else [])
@@ -189,12 +214,13 @@ class Stage:
         return out
 
     def collect(self) -> torch.Tensor:
-        """Logits [B, V] (float32, on CPU) of the oldest launched step."""
+        """Logits [B, V] (float32) of the oldest launched step, on the device they were made or
+        received on (Engine.step brings back only what it needs)."""
         item = self.pending.popleft()
         if self.info.pipeline == 1:
-            return item.cpu()
+            return item
         logits = torch.empty(item, self.vocab_size, dtype=torch.float32, device=self.comm_device)
-        return _recv(logits, self.info.last_stage_rank0).cpu()
+        return _recv(logits, self.info.last_stage_rank0)
 
     @property
     def in_flight(self) -> int:

@@ -29,7 +29,7 @@ from shardwise.crds.modelshape import in_memory_dtype
 from . import parallel
 from .errors import WorkerError
 from .loader import DTYPES, check_layout, load_stage, open_model
-from .pipeline import Stage, StageInfo
+from .pipeline import Stage, StageInfo, decode_mode
 
 PG_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("SHARDWISE_PG_TIMEOUT", "600")))
 
@@ -46,6 +46,7 @@ class RankSpec:
     max_batch: int = 8
     max_seq: int = 0              # 0: min(model context, 4096)
     threads: int = 0              # torch intra-op threads per rank; 0: cores / local ranks
+    decode: str = "auto"          # pipeline.py decode_mode: auto, eager, graphs, compile
 
 
 @dataclass
@@ -106,7 +107,7 @@ def setup_rank(spec: RankSpec, rank: int, world: int, local_rank: int, init_meth
              "peak_rss_bytes": peak_rss_bytes()}
     loaded: list = [None] * world
     dist.all_gather_object(loaded, stats)        # doubles as the "every rank has loaded" barrier
-    return RankContext(spec, info, Stage(model, info, device), source.config,
+    return RankContext(spec, info, Stage(model, info, device, spec.decode), source.config,
                        context_length(spec, source.config), loaded)
 
 
@@ -174,6 +175,7 @@ def validate(spec: RankSpec):
     if spec.dtype != "auto" and spec.dtype not in DTYPES:
         raise WorkerError(f"unknown dtype {spec.dtype!r} (use one of: auto, {', '.join(DTYPES)})")
     spec.dtype = in_memory_dtype(spec.dtype, source.dtype, spec.device)
+    decode_mode(spec.decode, spec.device, spec.tensor)      # an unknown or impossible mode: one line now
     return source
 
 

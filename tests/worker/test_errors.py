@@ -114,3 +114,21 @@ def test_cli_prints_one_line_without_traceback(model):
     assert p.returncode == 2
     assert "Traceback" not in p.stderr
     assert p.stderr.strip().count("\n") == 0 and "use one of: 1, 2" in p.stderr
+
+
+def test_cuda_graphs_asked_on_cpu(capsys, model):
+    """--decode graphs replays CUDA graphs: on CPU it is refused before any rank starts."""
+    code, err = _generate(capsys, model, "--decode", "graphs")
+    assert code == 2 and "\n" not in err
+    assert "--decode graphs needs --device cuda" in err and "eager or compile" in err
+
+
+def test_compiled_decode_on_cpu_gives_the_eager_tokens(capsys, model):
+    """--decode compile on CPU (inductor) continues the prompt as the default eager path does."""
+    outs = []
+    for extra in ([], ["--decode", "compile"]):
+        code = main(["generate", "--model", str(model), "--prompt", "one two", "--max-new-tokens", "4",
+                     "--json", *extra])
+        assert code == 0
+        outs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_ids"])
+    assert outs[0] == outs[1]

@@ -9,6 +9,7 @@ import mmap
 import pytest
 import torch
 
+from shardwise.worker.cuda_graphs import buckets, padded_ints
 from shardwise.worker.model import ModelConfig, Transformer
 
 CONFIG = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=8,
@@ -35,17 +36,33 @@ class Driver:
     """Runs prompts through a fused, cached copy the way the engine does: each prompt prefilled
     into its own cache slot, then decode steps for several rows at once."""
 
-    def __init__(self, model: Transformer, compiled: bool = False):
+    def __init__(self, model: Transformer, compiled: bool = False, padded: bool = False):
         self.model = copy.deepcopy(model)
         self.model.fuse_for_inference()
-        self.model.setup_caches(4, 40)
+        # padded: decode steps as a CUDA graph replays them (cuda_graphs.py), with static shapes
+        # and the batch padded to a bucket whose extra rows write to scratch cache row 4.
+        self.padded = padded
+        self.model.static_shapes = padded
+        self.model.setup_caches(4 + padded, 40)
         if compiled:
             self.model.compile_decode()
 
     def step(self, tokens, positions, slots) -> torch.Tensor:
+        if self.padded and len(tokens[0]) == 1:
+            b, n = len(tokens), bucket_of(len(tokens), 4)
+            ints = padded_ints(torch.tensor(positions), torch.tensor(slots), n, scratch=4)
+            # pad tokens are arbitrary: the scratch row holds nothing anyone reads
+            x = torch.tensor([row[0] for row in tokens] + [7] * (n - b))[:, None]
+            with torch.no_grad():
+                out = self.model(x, positions=ints[0].view(n, 1), cache_slots=ints[1], last_only=True)
+            return out[:b, -1]
         with torch.no_grad():
             return self.model(torch.tensor(tokens), positions=torch.tensor(positions),
                               cache_slots=torch.tensor(slots), last_only=True)[:, -1]
+
+
+def bucket_of(b: int, max_batch: int) -> int:
+    return next(n for n in buckets(max_batch) if n >= b)
 
 
 def check_decode(model: Transformer, driver: Driver, slots: list[int]) -> None:
@@ -72,6 +89,15 @@ def test_fused_cached_steps_match_the_plain_forward(tied, slots):
     check_decode(model, Driver(model), slots)
 
 
+@pytest.mark.parametrize("slots", [[0, 1, 2], [3, 0, 2]], ids=["in-order", "shuffled"])
+def test_padded_static_decode_matches_the_plain_forward(slots):
+    """The step a CUDA graph replays: whole-cache masked attention, three rows padded to a
+    bucket of four whose padding row writes to the scratch cache row, never to a request's."""
+    assert buckets(4) == [1, 2, 4] and buckets(6) == [1, 2, 4, 6]
+    model = random_model(True)
+    check_decode(model, Driver(model, padded=True), slots)
+
+
 def test_prefill_after_cached_tokens_matches():
     """A prompt continued in a second prefill step (positions not from 0: causal mask over the cache)."""
     model = random_model(True)
@@ -94,7 +120,7 @@ def test_weights_move_to_one_buffer_and_stay_tied():
 
 @pytest.mark.slow
 def test_compiled_decode_matches_the_plain_forward():
-    """SHARDWISE_COMPILE=1's decode step (torch.compile, inductor on CPU); compiles a graph for
+    """`--decode compile`'s decode step on CPU (torch.compile, inductor); compiles a graph for
     each kind of step, so it takes a while. The row in cache row 0 alone is the kind whose
     guard checks are skipped after its first step; new caches of another length must bring
     them back, or the step would index the old cache's layout."""
