@@ -209,17 +209,21 @@ class KVCache(nn.Module):
                 self.v[:, :, :length].index_select(0, step.slots))
 
 
-class InferenceLinear(nn.Module):
-    """y = x @ weight_t, the weight stored transposed ([in, out], row-major).
+def transposed_for_inference(weight: torch.Tensor) -> nn.Parameter:
+    """`weight` [out, in] copied as the row-major [in, out] matrix inference multiplies by
+    (x @ weight_t). On CPU a decode step (one row of x) streams it faster than nn.Linear's
+    [out, in]: up to 1.4x for the smaller layer matrices and ~1.05x for the larger ones and a
+    49k-row LM head (benchmarks/worker_bench.py). On an H100 cuBLAS runs the same kernels in the
+    same time for either layout (benchmarks/gpu_bench.py, profile), so one layout serves both."""
+    return nn.Parameter(weight.detach().t().contiguous(), requires_grad=False)
 
-    On CPU a decode step (one row of x) streams a [in, out] matrix up to 1.4x faster than
-    nn.Linear's [out, in] for the smaller layer matrices and ~1.05x for the larger ones and a
-    49k-row LM head (benchmarks/worker_bench.py's model sizes), so inference keeps weights this
-    way."""
+
+class InferenceLinear(nn.Module):
+    """y = x @ weight_t (see transposed_for_inference)."""
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
-        self.weight_t = nn.Parameter(weight.detach().t().contiguous(), requires_grad=False)
+        self.weight_t = transposed_for_inference(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x @ self.weight_t
@@ -295,10 +299,26 @@ def cached_attention(q, k, v, mask):
     kv = k.shape[1]
     rep = h // kv
     q = q.reshape(b, kv, rep * t, d)
+    if q.is_cuda:
+        # SDPA's masked kernel: one kernel, and scores kept in fp32 (the matmul below rounds
+        # them to the model's dtype first).
+        mask = mask[:, None, None].expand(b, 1, rep, t, mask.shape[-1]).reshape(b, 1, rep * t, -1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).view(b, h, t, d)
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * (d ** -0.5)
     scores = scores.view(b, kv, rep, t, -1).masked_fill(~mask[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, kv, rep * t, -1)
     return torch.matmul(probs, v).view(b, h, t, d)
+
+
+def causal_attention(q, k, v):
+    """q [B, H, T, D] over k/v [B, KV, T, D] of the same positions, causal."""
+    rep = q.shape[1] // k.shape[1]
+    if q.is_cuda and rep > 1:
+        # Keys and values repeated per query head, as transformers does: a 1,000-token prefill of
+        # a 1B model on an H100 took 17-18 ms instead of 23 with enable_gqa (gpu_bench.py).
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=rep > 1)
 
 
 def decode_attention(q, k, v):
@@ -352,13 +372,12 @@ class Attention(nn.Module):
             k = k.reshape(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
             v = v.reshape(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        gqa = self.n_heads != self.n_kv_heads
         if step is None or self.kv_cache is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            y = causal_attention(q, k, v)
         else:
             kc, vc = self.kv_cache.update(step, k, v)
             if step.fresh:      # prefill from position 0: the new keys are all there is
-                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+                y = causal_attention(q, k, v)
             elif step.mask is None:
                 y = decode_attention(q, kc, vc)
             else:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .model import transposed_for_inference
 from .shm_allreduce import ShmAllReduce, connect
 
 
@@ -148,8 +149,8 @@ class VocabParallelHead(nn.Module):
         self.weight_t = None
 
     def transpose_weight(self) -> nn.Parameter:
-        """Keep the slice as [hidden, vocab/world] for inference (see model.InferenceLinear)."""
-        self.weight_t = nn.Parameter(self.weight.detach().t().contiguous(), requires_grad=False)
+        """Keep the slice as [hidden, vocab/world] for inference (model.transposed_for_inference)."""
+        self.weight_t = transposed_for_inference(self.weight)
         del self.weight
         return self.weight_t
 
