@@ -1,7 +1,7 @@
 """The worker on a GPU: bf16 parity with transformers, batch-1 decode against the memory-bandwidth
 limit, batched decode through the engine, time to first token, and the bf16 training step.
 
-    python benchmarks/gpu_bench.py [--models 1b,8b] [--sections parity,decode,profile,batched,train]
+    python benchmarks/gpu_bench.py [--models 1b,8b] [--sections layers,parity,decode,profile,batched,train]
                                    [--new-tokens 256] [--dir /tmp/shardwise-gpu-bench] [--json FILE]
 
 Needs a CUDA device and transformers. Every figure is measured in this run, on this device:
@@ -10,9 +10,11 @@ Needs a CUDA device and transformers. Every figure is measured in this run, on t
   * models: random-weight Llamas with Llama-3.2-1B's and Llama-3.1-8B's shapes, written once as an
     HF folder in bf16; the worker loads that folder the way `shardwise serve` does, and
     transformers runs the same weights already on the GPU;
+  * layers: bf16 error against fp32 after each layer, the worker's against transformers';
   * parity (1B): the worker's greedy tokens against transformers' in bf16 for 32 new tokens, and
     the worker's bf16 logits against transformers' fp32 logits on the same tokens, beside
     transformers' own bf16 error;
+  * profile: where a decode step's time goes (one graph replay alone; its kernels);
   * decode: batch-1 tokens/s and bandwidth use, (weight bytes + key/value bytes of the context)
     per token / time per token / copy bandwidth, for the worker's --decode eager, graphs and compile,
     and for transformers' generate with its dynamic cache (eager) and its static cache (which
@@ -112,6 +114,20 @@ def byte_tokenizer_json() -> str:
     return tok.to_str()
 
 
+def cast(hf, dtype: torch.dtype):
+    """hf.to(dtype), RoPE's inverse frequencies kept in fp32. Module.to casts every floating
+    buffer, those too, which transformers' from_pretrained(dtype=...) keeps in fp32: rounded to
+    bf16 they move a 128th position's angles by up to ~0.25 rad, and the 'reference' would no
+    longer be the model the worker runs."""
+    rot = hf.model.rotary_emb
+    if not hasattr(hf, "rope_fp32"):
+        hf.rope_fp32 = {name: b.float().clone() for name, b in rot.named_buffers()}
+    hf.to(dtype)
+    for name, b in hf.rope_fp32.items():
+        setattr(rot, name, b.to(next(hf.parameters()).device))
+    return hf
+
+
 def make_model(shape: str, folder: str, device: str):
     """transformers' LlamaForCausalLM with random bf16 weights on `device`, also written to
     `folder` (once) for the worker to load."""
@@ -120,7 +136,7 @@ def make_model(shape: str, folder: str, device: str):
     torch.manual_seed(0)
     t0 = time.perf_counter()
     with torch.device(device):
-        hf = LlamaForCausalLM(cfg).to(torch.bfloat16)
+        hf = cast(LlamaForCausalLM(cfg), torch.bfloat16)
     hf.eval()
     if not os.path.isfile(os.path.join(folder, "config.json")):
         hf.save_pretrained(folder, max_shard_size="5GB")
@@ -197,12 +213,12 @@ def parity(shape: str, hf, folder: str, device: str, prompts: list[list[int]], n
             top2 = torch.stack(g.scores)[:, 0].float().topk(2, dim=-1).values
             hf_gaps.append((top2[:, 0] - top2[:, 1]).tolist())
         # fp32 reference: transformers' model upcast, on the tokens bf16 transformers chose
-        ref32 = hf.float()
+        ref32 = cast(hf, torch.float32)
         ref_logits = []
         for p, toks in zip(prompts, hf_tokens):
             ids = torch.tensor([p + toks[:-1]], device=device)
             ref_logits.append(ref32(ids).logits[0, len(p) - 1:].float().cpu())
-        hf.to(torch.bfloat16)
+        cast(hf, torch.bfloat16)
         hf16_err, hf16_logits = [], []
         for p, toks, ref in zip(prompts, hf_tokens, ref_logits):
             ids = torch.tensor([p + toks[:-1]], device=device)
@@ -259,6 +275,59 @@ def parity(shape: str, hf, folder: str, device: str, prompts: list[list[int]], n
     out["hf_bf16_rel_error_vs_fp32"] = hf16_err
     out["worker"] = results
     return out
+
+
+def layer_errors(shape: str, hf, folder: str, device: str, prompt: list[int]) -> dict:
+    """Where bf16 error against fp32 builds up, layer by layer, over one prompt: transformers in
+    bf16, and the worker's model in bf16 run three ways (its plain forward as loaded; after
+    fuse_for_inference; as a cached prefill, the engine's first step). Relative error of each
+    layer's output (and of the logits) against transformers in fp32."""
+    from shardwise.worker.loader import load_stage, open_model
+    ids = torch.tensor([prompt], device=device)
+    n = SHAPES[shape]["num_hidden_layers"]
+
+    def rel(a, b):
+        return float((a.float() - b.float()).norm() / b.float().norm())
+
+    with torch.no_grad():
+        cast(hf, torch.float32)
+        ref = hf(ids, output_hidden_states=True)
+        ref_h, ref_logits = [h.cpu() for h in ref.hidden_states[1:n]], ref.logits[0].float().cpu()
+        cast(hf, torch.bfloat16)
+        got = hf(ids, output_hidden_states=True)
+        rows = {"transformers bf16": ([rel(h.cpu(), r) for h, r in zip(got.hidden_states[1:n], ref_h)],
+                                      rel(got.logits[0].cpu(), ref_logits))}
+        model = load_stage(open_model(folder), 0, n, True, True, device=device, dtype=torch.bfloat16)
+        outs: list = []
+        for i in range(n - 1):
+            model.layers[str(i)].register_forward_hook(lambda mod, inp, out: outs.append(out.cpu()))
+
+        def run(name, fn):
+            outs.clear()
+            logits = fn()[0].float().cpu()
+            rows[name] = ([rel(h, r) for h, r in zip(outs, ref_h)], rel(logits, ref_logits))
+        run("worker bf16, plain forward", lambda: model(ids))
+        model.fuse_for_inference()
+        run("worker bf16, fused", lambda: model(ids))
+        model.setup_caches(1, len(prompt) + 8)
+        run("worker bf16, cached prefill", lambda: model(ids, positions=torch.arange(len(prompt), device=device)[None],
+                                                         cache_slots=torch.tensor([0], device=device)))
+        # the last 16 prompt tokens as decode steps after a cached prefill of the rest (logits only:
+        # TransformerBlock.decode runs no module hooks)
+        k, m = 16, len(prompt) - 16
+        model.setup_caches(1, len(prompt) + 8)
+        model(ids[:, :m], positions=torch.arange(m, device=device)[None], cache_slots=torch.tensor([0], device=device))
+        steps = [model(ids[:, j:j + 1], positions=torch.tensor([[j]], device=device),
+                       cache_slots=torch.tensor([0], device=device))[0, -1].float().cpu() for j in range(m, m + k)]
+        hf_steps = hf(ids).logits[0, m:].float().cpu()
+        rows["worker bf16, decode steps"] = ([float("nan")] * (n - 1), rel(torch.stack(steps), ref_logits[m:]))
+        rows["transformers bf16, same rows"] = ([float("nan")] * (n - 1), rel(hf_steps, ref_logits[m:]))
+    picks = sorted(i for i in {0, 1, n // 4, n // 2, 3 * n // 4, n - 2} if i < n - 1)
+    say(f"  bf16 error against fp32 by layer output ({len(prompt)}-token prompt): "
+        + ", ".join(f"layer {i}" for i in picks) + ", logits")
+    for name, (errs, logit_err) in rows.items():
+        say(f"    {name:<30} " + "  ".join(f"{errs[i]:.2e}" for i in picks) + f"  {logit_err:.2e}")
+    return {name: {"layers": errs, "logits": le} for name, (errs, le) in rows.items()}
 
 
 # ------------------------------------------------------------------ batch-1 decode
@@ -504,6 +573,8 @@ def main(argv=None) -> int:
         if "parity" in sections:
             prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (7, 33, 128)]
             r["parity"] = parity(shape, hf, folder, args.device, prompts)
+        if "layers" in sections:
+            r["layers"] = layer_errors(shape, hf, folder, args.device, prompt)
         if "decode" in sections:
             modes = [m for m in args.modes.split(",") if args.device == "cuda" or m in ("eager",)]
             r["decode"] = decode_speed(shape, hf, folder, args.device, ceil, prompt, args.new_tokens,
