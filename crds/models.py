@@ -325,10 +325,22 @@ class Recovery(ApiModel):
         "omitted) instead of waiting."))
 
 
+class Quantization(str, Enum):
+    """How a serving worker holds its weights (crds/modelshape.py ModelFacts.quantized sizes it)."""
+
+    NONE = "none"      # in spec.dtype
+    INT8 = "int8"      # weight-only INT8: the decoder layers' matrices, one scale per output row
+    AUTO = "auto"      # int8 only when the GPUs cannot hold the model otherwise
+
+
 class Serving(ApiModel):
     port: int = Field(8000, ge=1, le=65535, description="Port of the OpenAI-compatible HTTP API.")
     kv_cache_tokens: int = Field(8192, ge=0, description=(
         "Tokens of KV cache per replica the planner reserves GPU memory for."))
+    quantization: Quantization = Field(Quantization.NONE, description=(
+        "none: weights in spec.dtype; int8: the decoder layers' weight matrices in INT8 (one scale "
+        "per output row), half of bf16's memory; auto: int8 only when the GPUs available cannot "
+        "hold the model otherwise (the plan's notes say so)."))
 
 
 class Resources(ApiModel):

@@ -99,6 +99,25 @@ class ModelFacts:
         spec.dtype): the stored dtype and shape stay, bytes_per_param follows the rule."""
         return replace(self, bytes_per_param=DTYPE_BYTES[in_memory_dtype(requested, self.dtype, "cuda")])
 
+    def quantized(self, method: str) -> ModelFacts:
+        """These facts sized for weight-only quantization (spec.serving.quantization). int8: the
+        decoder layers' weight matrices at 1 byte a parameter plus a float32 scale per output row;
+        the embedding, the LM head and the norms stay at bytes_per_param (what the worker keeps in
+        the compute dtype). bytes_per_param becomes the average over the whole model."""
+        if method in ("", "none"):
+            return self
+        if method != "int8":
+            raise ModelFactsError(f"quantization {method!r} is not one of none, int8")
+        kept = self.bytes_per_param
+        norms = 2 * self.hidden
+        matrices = self.layer_params - norms
+        q_rows = self.heads * self.head_dim + 2 * self.kv_heads * self.head_dim
+        rows = q_rows + self.hidden + 2 * self.intermediate + self.hidden   # qkv, o, gate+up, down
+        per_layer = matrices * 1 + rows * 4 + norms * kept
+        outside = self.params - self.layers * self.layer_params
+        total = self.layers * per_layer + outside * kept
+        return replace(self, bytes_per_param=min(kept, total / self.params))
+
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON types only: what `shardwise inspect --json` prints and the operator caches."""
         return asdict(self)

@@ -60,6 +60,9 @@ class ShardPlan(_Model):
     notes: list[str] = Field(default_factory=list)
     memory_per_gpu: int = Field(0, ge=0, description="bytes of GPU memory each rank is expected to use (planner estimate)")
     topology_keys: list[str] = Field(default_factory=list, description="label keys of StagePlacement.domains, tightest first")
+    quantization: str = Field("none", description=(
+        "serving: how the workers hold the weights, as the planner sized them (none or int8; "
+        "spec.serving.quantization auto resolved)"))
     data_shard: int = Field(1, ge=1, description=(
         "training: the ZeRO-3 shard degree - data-parallel replicas that shard parameters, gradients "
         "and optimizer state among themselves (replicas = data_shard x data_replicate); 1 for serving"))

@@ -524,7 +524,38 @@ def plan(spec: ShardedModelSpec, facts: ModelFacts, nodes: Sequence[NodeInfo],
     `nodes` is the inventory with GPUs of other workloads already subtracted and this model's own
     pods *not* subtracted; `keep` are placements of this model's replicas that must stay where
     they are (the operator re-plans one replica at a time). Their GPUs are subtracted here.
+
+    Inference with spec.serving.quantization int8 is sized at INT8 weights; auto takes the plan at
+    spec.dtype when it places every replica, else the INT8 plan if that places more (and says why).
     """
+    asked = spec.serving.quantization.value if spec.workload != "training" else "none"
+    if asked != "auto":
+        return _plan(spec, facts.quantized(asked), nodes, keep, asked)
+    try:
+        full = _plan(spec, facts, nodes, keep, "none")
+        if not full.shrunk:
+            return full
+        why = next((n for n in full.notes if n.startswith("shrunk to")), "shrunk")
+    except LayoutError:
+        raise                          # degrees that do not fit the model: int8 changes nothing
+    except PlanError as e:
+        full, why = None, str(e)
+    int8 = facts.quantized("int8")
+    try:
+        small = _plan(spec, int8, nodes, keep, "int8")
+    except PlanError:
+        if full is None:
+            raise
+        return full
+    if full is not None and small.replicas <= full.replicas and small.shrunk:
+        return full
+    small.notes.insert(0, f"int8 weights (serving.quantization auto; {facts.bytes_per_param:g} -> "
+                          f"{int8.bytes_per_param:.2f} bytes a parameter), since at dtype {spec.dtype}: {why}")
+    return small
+
+
+def _plan(spec: ShardedModelSpec, facts: ModelFacts, nodes: Sequence[NodeInfo],
+          keep: Sequence[StagePlacement], quantization: str) -> ShardPlan:
     _check_layout(spec, facts)
     pool = usable(nodes, spec)
     by_name = {n.name: n for n in pool.nodes}
@@ -566,7 +597,8 @@ def plan(spec: ShardedModelSpec, facts: ModelFacts, nodes: Sequence[NodeInfo],
     if chosen is not attempts[0] and len(attempts[0].replicas) < count:
         notes.append(f"tensor {chosen.layout.tensor} × pipeline {chosen.layout.pipeline} instead of "
                      f"tensor {layouts[0].tensor} × pipeline {layouts[0].pipeline}: {attempts[0].reason}")
-    return _assemble(spec, facts, chosen, kept, wanted, shrunk, notes, by_name, keys, nodes)
+    return _assemble(spec, facts, chosen, kept, wanted, shrunk, notes, by_name, keys, nodes).model_copy(
+        update={"quantization": quantization})
 
 
 def _check_layout(spec: ShardedModelSpec, facts: ModelFacts) -> None:

@@ -1,0 +1,80 @@
+"""spec.serving.quantization: the planner sizes INT8 weights by the worker's rule, and with `auto`
+quantizes only when the GPUs it has cannot hold the model in spec.dtype, saying so in the plan."""
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from shardwise.crds.models import ShardedModelSpec
+from shardwise.crds.modelshape import from_hf_config
+from shardwise.operator.planner import PlanError, plan
+from tests.test_planner import LLAMA_70B, SMOL, node
+
+LLAMA_8B = dict(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, hidden_size=4096,
+                intermediate_size=14336, vocab_size=128256)
+
+
+def serving(quantization: str, **parallelism) -> ShardedModelSpec:
+    return ShardedModelSpec.model_validate({"model": {"uri": "/models/m"}, "parallelism": parallelism,
+                                            "serving": {"quantization": quantization}})
+
+
+def brute_force_int8_bytes(cfg: dict, tied: bool) -> int:
+    """Every tensor of a Llama with these shapes, one by one: the layers' matrices at one byte an
+    element and a float32 scale per output row, everything else in bf16."""
+    h, i, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    d = h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    matrices = [(q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i)]          # [out, in]
+    per_layer = sum(o * n + 4 * o for o, n in matrices) + 2 * h * 2                  # + two norms
+    outside = cfg["vocab_size"] * h * (1 if tied else 2) + h                        # embedding(s), final norm
+    return layers * per_layer + outside * 2
+
+
+@pytest.mark.parametrize("cfg,tied", [(LLAMA_8B, False), (dict(LLAMA_8B, hidden_size=2048, intermediate_size=8192,
+                                                                 num_hidden_layers=16), True)])
+def test_int8_sizing_matches_every_tensor_counted(cfg, tied):
+    facts = from_hf_config(dict(cfg, tie_word_embeddings=tied), "bfloat16")
+    int8 = facts.quantized("int8")
+    assert int8.weight_bytes == pytest.approx(brute_force_int8_bytes(cfg, tied), rel=1e-6)
+    assert 0.5 < int8.weight_bytes / facts.weight_bytes < 0.7     # the embeddings stay in bf16
+    assert facts.quantized("none") is facts
+
+
+def test_int8_always_and_none_never():
+    nodes = [node("n1", 8)]
+    assert plan(serving("int8"), SMOL, nodes).quantization == "int8"
+    assert plan(serving("none"), SMOL, nodes).quantization == "none"
+    assert plan(serving("int8"), SMOL, nodes).memory_per_gpu < plan(serving("none"), SMOL, nodes).memory_per_gpu
+
+
+def test_auto_keeps_the_dtype_when_it_fits():
+    result = plan(serving("auto"), SMOL, [node("n1", 8)])
+    assert result.quantization == "none" and not any("int8" in n for n in result.notes)
+
+
+def test_auto_quantizes_when_the_gpus_cannot_hold_the_model_and_says_why():
+    # 70B in bf16 needs ~140 GiB of weights: two free 48 GiB GPUs hold it only in int8
+    nodes = [node("n1", 2, memory_gib=48)]
+    with pytest.raises(PlanError, match="needs"):
+        plan(serving("none"), LLAMA_70B, nodes)
+    result = plan(serving("auto"), LLAMA_70B, nodes)
+    assert result.quantization == "int8" and result.tensor * result.pipeline <= 2
+    assert result.notes[0].startswith("int8 weights (serving.quantization auto; 2 -> 1.")
+    assert "since at dtype auto: needs" in result.notes[0]
+
+
+def test_auto_prefers_int8_to_fewer_replicas():
+    nodes = [node("n1", 2, memory_gib=48)]
+    spec = ShardedModelSpec.model_validate({"model": {"uri": "/m"}, "parallelism": {"replicas": 2},
+                                            "serving": {"quantization": "auto"},
+                                            "recovery": {"allowShrink": True}})
+    # 2 GPUs of 48 GiB: SMOL fits twice either way, so no quantization
+    assert plan(spec, SMOL, nodes).quantization == "none"
+    result = plan(spec, LLAMA_70B, [node("n1", 2, memory_gib=48), node("n2", 2, memory_gib=48)])
+    assert result.quantization == "int8" and result.replicas == 2 and not result.shrunk
+
+
+def test_unknown_quantization_is_refused():
+    with pytest.raises(ValidationError, match="quantization"):
+        serving("int4")
