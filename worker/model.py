@@ -480,6 +480,8 @@ class Transformer(nn.Module):
         self.static_shapes = False
         self.compiled_decode: Callable | None = None     # see compile_decode
         self.fused = False                               # see fuse_for_inference
+        # Called with a layer's name before it runs: offload.py streams its weights in.
+        self.before_layer: Callable[[str], None] | None = None
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head when the config ties them and this stage has both."""
@@ -599,13 +601,18 @@ class Transformer(nn.Module):
                    return_hidden: bool = False, last_only: bool = False) -> torch.Tensor:
         """The layers, then (last stage) the final norm and the LM head; see forward."""
         b, t = h.shape[:2]
+        before = self.before_layer
         if step is not None and t == 1 and self.fused:
             h2, cos2, sin2 = h.view(b, -1), cos.view(b, 1, -1), sin.view(b, 1, -1)
-            for layer in self.layers.values():
+            for name, layer in self.layers.items():
+                if before is not None:
+                    before(name)
                 h2 = layer.decode(h2, cos2, sin2, step)
             h = h2.view(b, 1, -1)
         else:
-            for layer in self.layers.values():
+            for name, layer in self.layers.items():
+                if before is not None:
+                    before(name)
                 h = layer(h, cos, sin, step)
         if self.norm is None:
             return h
