@@ -1,7 +1,7 @@
 """The worker on a GPU: bf16 parity with transformers, batch-1 decode against the memory-bandwidth
 limit, batched decode through the engine, time to first token, and the bf16 training step.
 
-    python benchmarks/gpu_bench.py [--models 1b,8b] [--sections layers,parity,decode,profile,batched,train]
+    python benchmarks/gpu_bench.py [--models 1b,8b] [--sections layers,parity,decode,profile,offload,batched,train]
                                    [--new-tokens 256] [--dir /tmp/shardwise-gpu-bench] [--json FILE]
 
 Needs a CUDA device and transformers. Every figure is measured in this run, on this device:
@@ -19,6 +19,8 @@ Needs a CUDA device and transformers. Every figure is measured in this run, on t
     per token / time per token / copy bandwidth, for the worker's --decode eager, graphs and compile,
     and for transformers' generate with its dynamic cache (eager) and its static cache (which
     generate compiles);
+  * offload: decode with half the weights streamed from pinned host memory against the model
+    whole: the same tokens, the slowdown, the overlap of copies and compute;
   * batched (1B): tokens/s at 1, 8, 32 and 64 concurrent requests through the engine, and the time
     to first token of a 1,000-token prompt;
   * train (1B): `shardwise train` steps in bf16 on the GPU (tokens/s, model FLOPs utilisation
@@ -457,6 +459,76 @@ def profile_decode(shape: str, folder: str, device: str, ceil: dict, prompt: lis
     return out
 
 
+# ------------------------------------------------------------------ offload
+
+def offload_speed(shape: str, folder: str, device: str, prompt: list[int], new: int = 64) -> dict:
+    """Decode with half of the model's weights streamed from pinned host memory (worker/offload.py)
+    against the model held whole, eager both (a graph cannot capture the streaming): the same
+    tokens, the slowdown, and the overlap reached between copying and computing:
+        overlap = (copy time + compute time - step time) / the smaller of the two,
+    1 when the smaller hides entirely behind the larger, 0 when they run one after the other."""
+    from shardwise.worker.loader import load_stage, open_model
+    from shardwise.worker.offload import apply_offload, tensor_bytes
+    source = open_model(folder)
+    n = source.config.num_layers
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    timer = Timer(device)
+
+    def build(budget):
+        model = load_stage(source, 0, n, True, True, device="cpu", dtype=dtype)
+        model.fuse_for_inference()
+        plan = apply_offload(model, budget, device) if budget else model.to(device)
+        return model, plan
+
+    def decode(model):
+        model.setup_caches(1, len(prompt) + new + 8)
+        slot = torch.tensor([0], device=device)
+        tokens = []
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt], device=device), positions=torch.arange(len(prompt), device=device)[None],
+                           cache_slots=slot, last_only=True)
+            tokens.append(int(logits[0, -1].argmax()))
+            timer.sync()
+            t0 = time.perf_counter()
+            for i in range(new - 1):
+                pos = torch.tensor([[len(prompt) + i]], device=device)
+                logits = model(torch.tensor([[tokens[-1]]], device=device), positions=pos, cache_slots=slot,
+                               last_only=True)
+                tokens.append(int(logits[0, -1].argmax()))
+            timer.sync()
+        return tokens, (time.perf_counter() - t0) / (new - 1)
+
+    whole, _ = build(0)
+    total = tensor_bytes(whole)
+    decode(whole)
+    want, compute_s = decode(whole)
+    del whole
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    model, plan = build(total // 2)
+    decode(model)
+    got, step_s = decode(model)
+    streamer = model.before_layer.__self__
+    host = [streamer.host[name] for name in plan.streamed]
+    slot = streamer.slots[0]
+
+    def copy_all():
+        for buf in host:
+            slot.copy_(buf, non_blocking=True)
+    copy_s = timer.median(copy_all, repeats=5)
+    streamed_bytes = sum(b.numel() for b in host)
+    overlap = (copy_s + compute_s - step_s) / min(copy_s, compute_s)
+    out = {"budget_bytes": total // 2, "model_bytes": total, "streamed_layers": len(plan.streamed), "layers": n,
+           "same_tokens": got == want, "tokens_compared": len(want), "step_ms_whole": 1e3 * compute_s,
+           "step_ms_offload": 1e3 * step_s, "slowdown": step_s / compute_s, "copy_ms_per_step": 1e3 * copy_s,
+           "copy_gbs": streamed_bytes / copy_s / 1e9, "overlap": overlap}
+    say(f"  offload, budget half of {total / 2**30:.2f} GiB: {len(plan.streamed)} of {n} layers streamed; "
+        f"tokens {'equal' if got == want else 'DIFFER'} ({len(want)}); step {1e3 * step_s:.2f} ms against "
+        f"{1e3 * compute_s:.2f} ms whole ({step_s / compute_s:.2f}x); copying the streamed layers alone "
+        f"{1e3 * copy_s:.2f} ms ({streamed_bytes / copy_s / 1e9:.1f} GB/s); overlap {overlap:.2f}")
+    return out
+
+
 # ------------------------------------------------------------------ batched decode, TTFT
 
 def batched(folder: str, device: str, decode: str, batches: list[int], prompt: list[int], new: int,
@@ -581,6 +653,8 @@ def main(argv=None) -> int:
                                        args.rounds, modes)
         if "profile" in sections and args.device == "cuda":
             r["profile"] = profile_decode(shape, folder, args.device, ceil, prompt, ["graphs", "compile"])
+        if "offload" in sections:
+            r["offload"] = offload_speed(shape, folder, args.device, prompt)
         if "batched" in sections:
             long_prompt = torch.randint(0, vocab, (1000,), generator=g).tolist()
             r["batched"] = batched(folder, args.device, args.batched_decode if args.device == "cuda" else "eager",
