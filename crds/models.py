@@ -341,6 +341,10 @@ class Serving(ApiModel):
         "none: weights in spec.dtype; int8: the decoder layers' weight matrices in INT8 (one scale "
         "per output row), half of bf16's memory; auto: int8 only when the GPUs available cannot "
         "hold the model otherwise (the plan's notes say so)."))
+    offload: bool = Field(False, description=(
+        "When the GPUs available cannot hold the model's weights, keep the decoder layers that do not "
+        "fit in host memory and stream each to its GPU ahead of its turn (slower: every step copies them "
+        "over PCIe). The planner uses it only when no plan holds every replica otherwise."))
 
 
 class Resources(ApiModel):

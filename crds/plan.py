@@ -63,6 +63,9 @@ class ShardPlan(_Model):
     quantization: str = Field("none", description=(
         "serving: how the workers hold the weights, as the planner sized them (none or int8; "
         "spec.serving.quantization auto resolved)"))
+    offload_budget: int = Field(0, ge=0, description=(
+        "serving with spec.serving.offload: bytes of weights each GPU keeps resident, the other "
+        "decoder layers streamed from host memory (worker/offload.py); 0: every weight resident"))
     data_shard: int = Field(1, ge=1, description=(
         "training: the ZeRO-3 shard degree - data-parallel replicas that shard parameters, gradients "
         "and optimizer state among themselves (replicas = data_shard x data_replicate); 1 for serving"))

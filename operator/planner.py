@@ -117,6 +117,10 @@ def stage_memory(facts: ModelFacts, spec: ShardedModelSpec, tensor: int, params:
         need = state + TRAINING_ACTIVATION_FRACTION * weights
     else:
         kv = spec.serving.kv_cache_tokens * layers * facts.kv_bytes_per_token_per_layer(activation_bytes(facts))
+        if spec.serving.offload:
+            # layers beyond two stream through two slots (worker/offload.py): the GPU holds the
+            # stage's weights outside its layers and two layers' worth
+            weights = min(weights, weight_bytes(facts, params - max(0, layers - 2) * facts.layer_params, tensor))
         need = weights + kv / tensor + ACTIVATION_FRACTION * weights
     return int(need + CUDA_OVERHEAD)
 
@@ -525,37 +529,74 @@ def plan(spec: ShardedModelSpec, facts: ModelFacts, nodes: Sequence[NodeInfo],
     pods *not* subtracted; `keep` are placements of this model's replicas that must stay where
     they are (the operator re-plans one replica at a time). Their GPUs are subtracted here.
 
-    Inference with spec.serving.quantization int8 is sized at INT8 weights; auto takes the plan at
-    spec.dtype when it places every replica, else the INT8 plan if that places more (and says why).
+    Inference may hold the weights in INT8 (spec.serving.quantization) and stream layers from
+    host memory (spec.serving.offload). They are tried in `variants` order, the first plan that
+    places every replica taken, else the one placing most; a plan that is not the first variant's
+    says in its first note what it changed and why.
     """
-    asked = spec.serving.quantization.value if spec.workload != "training" else "none"
-    if asked != "auto":
-        return _plan(spec, facts.quantized(asked), nodes, keep, asked)
-    try:
-        full = _plan(spec, facts, nodes, keep, "none")
-        if not full.shrunk:
-            return full
-        why = next((n for n in full.notes if n.startswith("shrunk to")), "shrunk")
-    except LayoutError:
-        raise                          # degrees that do not fit the model: int8 changes nothing
-    except PlanError as e:
-        full, why = None, str(e)
-    int8 = facts.quantized("int8")
-    try:
-        small = _plan(spec, int8, nodes, keep, "int8")
-    except PlanError:
-        if full is None:
-            raise
-        return full
-    if full is not None and small.replicas <= full.replicas and small.shrunk:
-        return full
-    small.notes.insert(0, f"int8 weights (serving.quantization auto; {facts.bytes_per_param:g} -> "
-                          f"{int8.bytes_per_param:.2f} bytes a parameter), since at dtype {spec.dtype}: {why}")
-    return small
+    tried: list[tuple[str, bool, ShardPlan | None, str]] = []
+    for quantization, offload in variants(spec):
+        try:
+            result = _plan(spec, facts.quantized(quantization), nodes, keep, quantization, offload)
+        except LayoutError:
+            raise                  # degrees that do not fit the model: no variant changes that
+        except PlanError as e:
+            tried.append((quantization, offload, None, str(e)))
+            continue
+        why = next((n for n in result.notes if n.startswith("shrunk to")), "")
+        tried.append((quantization, offload, result, why))
+        if not result.shrunk:
+            break
+    placed = [t for t in tried if t[2] is not None]
+    if not placed:
+        raise PlanError(tried[0][3])
+    quantization, offload, best, _ = max(placed, key=lambda t: t[2].replicas)   # first among equals
+    if (quantization, offload) != tried[0][:2]:
+        best.notes.insert(0, _variant_note(spec, facts, quantization, offload, best, tried[0][3]))
+    return best
+
+
+def variants(spec: ShardedModelSpec) -> list[tuple[str, bool]]:
+    """(quantization, offload) pairs to plan with, preferred first: INT8 before streaming (it keeps
+    decode on the GPU's memory bandwidth; streaming is bound by the host link)."""
+    if spec.workload == "training":
+        return [("none", False)]
+    asked = spec.serving.quantization.value
+    quantizations = ["none", "int8"] if asked == "auto" else [asked]
+    out = [(q, False) for q in quantizations]
+    if spec.serving.offload:
+        out.append((quantizations[-1], True))
+    return out
+
+
+def _variant_note(spec: ShardedModelSpec, facts: ModelFacts, quantization: str, offload: bool,
+                  result: ShardPlan, why: str) -> str:
+    changes = []
+    if quantization == "int8" and spec.serving.quantization.value == "auto":
+        changes.append(f"int8 weights (serving.quantization auto; {facts.bytes_per_param:g} -> "
+                       f"{facts.quantized('int8').bytes_per_param:.2f} bytes a parameter)")
+    if offload:
+        changes.append(f"{result.offload_budget / GiB:.1f} GiB of weights resident per GPU, the other decoder "
+                       f"layers streamed from host memory (serving.offload)")
+    first = "in int8" if spec.serving.quantization.value == "int8" else f"at dtype {spec.dtype}"
+    return f"{' and '.join(changes)}, since {first}: {why}"
+
+
+def offload_budget(spec: ShardedModelSpec, facts: ModelFacts, layout: Layout, gpus: Sequence[NodeInfo]) -> int:
+    """Bytes of weights each GPU of a streaming plan may keep resident: what the smallest GPU placed
+    on leaves after the worst stage's KV cache, the CUDA overhead and activations (stage_memory's
+    terms, solved for the weights)."""
+    usable = min(n.gpu_memory for n in gpus if n.gpu_memory) * USABLE_FRACTION
+    layers = max(e - s for s, e in layout.ranges)
+    kv = spec.serving.kv_cache_tokens * layers * facts.kv_bytes_per_token_per_layer(activation_bytes(facts))
+    return max(0, int((usable - kv / layout.tensor - CUDA_OVERHEAD) / (1 + ACTIVATION_FRACTION)))
 
 
 def _plan(spec: ShardedModelSpec, facts: ModelFacts, nodes: Sequence[NodeInfo],
-          keep: Sequence[StagePlacement], quantization: str) -> ShardPlan:
+          keep: Sequence[StagePlacement], quantization: str, offload: bool) -> ShardPlan:
+    """The plan with the weights sized as `facts` says, streaming layers when `offload`."""
+    if spec.workload != "training" and spec.serving.offload != offload:
+        spec = spec.model_copy(update={"serving": spec.serving.model_copy(update={"offload": offload})})
     _check_layout(spec, facts)
     pool = usable(nodes, spec)
     by_name = {n.name: n for n in pool.nodes}
@@ -597,8 +638,13 @@ def _plan(spec: ShardedModelSpec, facts: ModelFacts, nodes: Sequence[NodeInfo],
     if chosen is not attempts[0] and len(attempts[0].replicas) < count:
         notes.append(f"tensor {chosen.layout.tensor} × pipeline {chosen.layout.pipeline} instead of "
                      f"tensor {layouts[0].tensor} × pipeline {layouts[0].pipeline}: {attempts[0].reason}")
-    return _assemble(spec, facts, chosen, kept, wanted, shrunk, notes, by_name, keys, nodes).model_copy(
-        update={"quantization": quantization})
+    result = _assemble(spec, facts, chosen, kept, wanted, shrunk, notes, by_name, keys, nodes)
+    budget = 0
+    if offload:
+        gpus = [by_name[p.node] for p in result.placements]
+        if any(n.gpu_memory for n in gpus):
+            budget = offload_budget(spec, facts, _sharded(spec, facts, chosen.layout, result.replicas), gpus)
+    return result.model_copy(update={"quantization": quantization, "offload_budget": budget})
 
 
 def _check_layout(spec: ShardedModelSpec, facts: ModelFacts) -> None:

@@ -1,5 +1,7 @@
-"""spec.serving.quantization: the planner sizes INT8 weights by the worker's rule, and with `auto`
-quantizes only when the GPUs it has cannot hold the model in spec.dtype, saying so in the plan."""
+"""Fitting a model onto fewer or smaller GPUs: spec.serving.quantization (the planner sizes INT8
+weights by the worker's rule, and with `auto` quantizes only when the GPUs cannot hold the model in
+spec.dtype) and spec.serving.offload (layers streamed from host memory, only when nothing else
+places every replica); a plan that uses either says so in its first note."""
 from __future__ import annotations
 
 import pytest
@@ -7,16 +9,16 @@ from pydantic import ValidationError
 
 from shardwise.crds.models import ShardedModelSpec
 from shardwise.crds.modelshape import from_hf_config
-from shardwise.operator.planner import PlanError, plan
+from shardwise.operator.planner import CUDA_OVERHEAD, GiB, USABLE_FRACTION, PlanError, plan
 from tests.test_planner import LLAMA_70B, SMOL, node
 
 LLAMA_8B = dict(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, hidden_size=4096,
                 intermediate_size=14336, vocab_size=128256)
 
 
-def serving(quantization: str, **parallelism) -> ShardedModelSpec:
+def serving(quantization: str, offload: bool = False, **parallelism) -> ShardedModelSpec:
     return ShardedModelSpec.model_validate({"model": {"uri": "/models/m"}, "parallelism": parallelism,
-                                            "serving": {"quantization": quantization}})
+                                            "serving": {"quantization": quantization, "offload": offload}})
 
 
 def brute_force_int8_bytes(cfg: dict, tied: bool) -> int:
@@ -78,3 +80,40 @@ def test_auto_prefers_int8_to_fewer_replicas():
 def test_unknown_quantization_is_refused():
     with pytest.raises(ValidationError, match="quantization"):
         serving("int4")
+
+
+def test_offload_streams_layers_only_when_nothing_else_fits():
+    # 70B in bf16 (~131 GiB of weights) on one free 48 GiB GPU: only streaming runs it
+    nodes = [node("n1", 1, memory_gib=48)]
+    with pytest.raises(PlanError):
+        plan(serving("none"), LLAMA_70B, nodes)
+    result = plan(serving("none", offload=True), LLAMA_70B, nodes)
+    assert (result.tensor, result.pipeline, result.quantization) == (1, 1, "none")
+    weights = LLAMA_70B.weight_bytes
+    assert 0 < result.offload_budget < weights
+    assert result.memory_per_gpu <= 48 * GiB * USABLE_FRACTION
+    # what stays resident, the KV cache and the overhead fill the GPU's usable memory, no more
+    assert result.offload_budget + CUDA_OVERHEAD < 48 * GiB * USABLE_FRACTION
+    assert result.notes[0].startswith(f"{result.offload_budget / GiB:.1f} GiB of weights resident per GPU")
+    assert "since at dtype auto: needs" in result.notes[0]
+    # where the model fits, offload changes nothing
+    roomy = plan(serving("none", offload=True), SMOL, nodes)
+    assert roomy.offload_budget == 0 and not any("streamed" in n for n in roomy.notes)
+
+
+def test_int8_is_preferred_to_streaming():
+    nodes = [node("n1", 2, memory_gib=48)]       # 70B fits two 48 GiB GPUs in int8, not in bf16
+    result = plan(serving("auto", offload=True), LLAMA_70B, nodes)
+    assert result.quantization == "int8" and result.offload_budget == 0
+    small = [node("n1", 1, memory_gib=48)]        # one GPU: int8 and streaming both
+    both = plan(serving("auto", offload=True), LLAMA_70B, small)
+    assert both.quantization == "int8" and both.offload_budget > 0
+    assert both.notes[0].startswith("int8 weights (serving.quantization auto; 2 -> 1.03 bytes a parameter) and ")
+
+
+def test_training_never_streams():
+    spec = ShardedModelSpec.model_validate({
+        "model": {"uri": "/m"}, "workload": "training", "training": {"data": "/d.txt", "steps": 1},
+        "checkpoint": {"claim": "c"}, "serving": {"offload": True, "quantization": "int8"}})
+    with pytest.raises(PlanError):
+        plan(spec, LLAMA_70B, [node("n1", 1, memory_gib=48)])
