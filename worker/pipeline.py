@@ -37,18 +37,25 @@ OP_STEP, OP_SETUP, OP_STOP = 1, 2, 3
 DECODE_MODES = ("auto", "eager", "graphs", "compile")
 
 
-def decode_mode(requested: str, device_type: str, tensor: int) -> str:
+def decode_mode(requested: str, device_type: str, tensor: int, streamed: bool = False) -> str:
     """How a stage runs its decode steps (one new token per row):
       eager    each op launched from Python;
       graphs   CUDA only: each step replayed as a CUDA graph (cuda_graphs.py);
       compile  torch.compile: on CUDA inductor's kernels replayed as a CUDA graph, on CPU
                inductor's C++ (Transformer.compile_decode);
       auto     graphs on CUDA, eager on CPU.
-    Tensor-parallel CUDA stages stay eager: their all-reduces sit inside the step."""
+    Tensor-parallel CUDA stages stay eager: their all-reduces sit inside the step. So do stages
+    that stream layers from host memory (`streamed`, offload.py): a graph would replay one step's
+    copies and slot bindings, not the next one's."""
     if requested not in DECODE_MODES:
         raise WorkerError(f"unknown decode mode {requested!r} (use one of: {', '.join(DECODE_MODES)})")
     if requested == "graphs" and device_type != "cuda":
         raise WorkerError("--decode graphs needs --device cuda (CUDA graphs); on CPU use eager or compile")
+    if streamed and requested in ("graphs", "compile"):
+        raise WorkerError(f"--decode {requested} cannot run layers streamed from host memory "
+                          f"(--offload-budget); use --decode eager or auto")
+    if streamed:
+        return "eager"
     if requested == "auto":
         requested = "graphs" if device_type == "cuda" else "eager"
     if device_type == "cuda" and tensor > 1:
@@ -135,7 +142,7 @@ class Stage:
         self.pending: deque = deque()        # rank 0: launched steps whose logits are not back yet
         # gloo moves CPU tensors, NCCL device tensors.
         self.comm_device = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
-        self.decode = decode_mode(decode, self.device.type, info.tensor)
+        self.decode = decode_mode(decode, self.device.type, info.tensor, model.before_layer is not None)
         self.graphed: GraphedDecode | None = None
         if self.decode in ("graphs", "compile") and self.device.type == "cuda":
             # Decode is launch-bound on a GPU: replay each step as a CUDA graph (cuda_graphs.py).
