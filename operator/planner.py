@@ -639,12 +639,16 @@ def _plan(spec: ShardedModelSpec, facts: ModelFacts, nodes: Sequence[NodeInfo],
         notes.append(f"tensor {chosen.layout.tensor} × pipeline {chosen.layout.pipeline} instead of "
                      f"tensor {layouts[0].tensor} × pipeline {layouts[0].pipeline}: {attempts[0].reason}")
     result = _assemble(spec, facts, chosen, kept, wanted, shrunk, notes, by_name, keys, nodes)
-    budget = 0
-    if offload:
-        gpus = [by_name[p.node] for p in result.placements]
-        if any(n.gpu_memory for n in gpus):
-            budget = offload_budget(spec, facts, _sharded(spec, facts, chosen.layout, result.replicas), gpus)
-    return result.model_copy(update={"quantization": quantization, "offload_budget": budget})
+    update = {"quantization": quantization}
+    gpus = [by_name[p.node] for p in result.placements]
+    if offload and any(n.gpu_memory for n in gpus):
+        layout = _sharded(spec, facts, chosen.layout, result.replicas)
+        budget = offload_budget(spec, facts, layout, gpus)
+        if budget < weight_bytes(facts, max(layout.stage_params), layout.tensor):
+            # the worker fills what the smallest GPU leaves with resident layers
+            update.update(offload_budget=budget, memory_per_gpu=max(
+                result.memory_per_gpu, int(min(n.gpu_memory for n in gpus if n.gpu_memory) * USABLE_FRACTION)))
+    return result.model_copy(update=update)
 
 
 def _check_layout(spec: ShardedModelSpec, facts: ModelFacts) -> None:
