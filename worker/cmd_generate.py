@@ -28,6 +28,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how decode steps run: eager; graphs (CUDA graphs, cuda only); compile "
                              "(torch.compile, replayed as CUDA graphs on cuda; on cpu compiles for "
                              "10-60 s per kind of step); auto: graphs on cuda, eager on cpu")
+    parser.add_argument("--quantize", choices=["none", "int8"], default="none",
+                        help="int8: each rank keeps its decoder layers' weight matrices in INT8, one "
+                             "scale per output row (embedding, LM head and norms stay in --dtype); "
+                             "activations stay in --dtype (default none)")
 
 
 def spec_from_args(args):
@@ -35,7 +39,7 @@ def spec_from_args(args):
     # "auto" is resolved by runtime.validate, with the model's dtype: the rule the planner sizes by
     return RankSpec(model=args.model, tensor=args.tensor_parallel, pipeline=args.pipeline_parallel,
                     device=args.device, dtype=args.dtype, max_batch=args.max_batch, max_seq=args.max_seq_len,
-                    threads=args.threads, decode=args.decode)
+                    threads=args.threads, decode=args.decode, quantize=args.quantize)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -83,7 +87,8 @@ def _run(args) -> int:
         raise WorkerError(f"prompt is {len(prompt_ids)} tokens; the context holds {context} "
                           f"(prompt plus at least one generated token)")
     _say(f"loading {args.model}: {cfg.num_layers} layers, {cfg.num_params / 1e6:.0f}M parameters, "
-         f"{spec.tensor} x {spec.pipeline} ranks (tensor x pipeline) on {spec.device}, {spec.dtype}")
+         f"{spec.tensor} x {spec.pipeline} ranks (tensor x pipeline) on {spec.device}, {spec.dtype}"
+         + (f", {spec.quantize} weights" if spec.quantize != "none" else ""))
     t0 = time.perf_counter()
     runtime = LocalRuntime(spec, source)
     ctx = runtime.start()

@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--decode", choices=["auto", "eager", "graphs", "compile"], default="auto",
                         help="how decode steps run (as for serve); auto: CUDA graphs on cuda, eager on cpu")
+    parser.add_argument("--quantize", choices=["none", "int8"], default=None,
+                        help="weights as for serve; default: the plan's quantization (what the planner "
+                             "sized the pods for, spec.serving.quantization)")
 
 
 def _say(msg: str) -> None:
@@ -122,7 +125,8 @@ def _run(args) -> int:
     spec = RankSpec(model=contract.model.path, tensor=plan.tensor, pipeline=plan.pipeline,
                     layers=[(p.layer_start, p.layer_end) for p in plan.stages_of(replica)],
                     device=device, dtype=contract.model.dtype,   # validate() resolves auto
-                    max_batch=args.max_batch, max_seq=args.max_seq_len, decode=args.decode)
+                    max_batch=args.max_batch, max_seq=args.max_seq_len, decode=args.decode,
+                    quantize=args.quantize or plan.quantization)
     source = validate(spec)
     if source.config.num_layers != plan.num_layers:
         raise WorkerError(f"plan splits {plan.num_layers} layers but model {contract.model.path} has "

@@ -228,6 +228,11 @@ class InferenceLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x @ self.weight_t
 
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in] -> [rows, out]: what the decode paths call, so that another matrix kind
+        with the same method (quantize.Int8Linear) plugs in."""
+        return torch.mm(x, self.weight_t)
+
 
 class InferenceEmbedding(nn.Module):
     """Embedding rows read from a transposed [hidden, vocab] table shared with a tied head."""
@@ -391,13 +396,13 @@ class Attention(nn.Module):
         TransformerBlock.decode)."""
         b = x.shape[0]
         nq, nkv, d = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = torch.mm(x, self.wqkv.weight_t).view(b, nq + 2 * nkv, d)
+        qkv = self.wqkv.mm(x).view(b, nq + 2 * nkv, d)
         qk = apply_rope(qkv[:, :nq + nkv], cos, sin)
         self.kv_cache.write(step, qk[:, nq:], qkv[:, nq + nkv:])
         k, v = self.kv_cache.read(step, b)
         q = qk[:, :nq].view(b, nq, 1, d)
         y = decode_attention(q, k, v) if step.mask is None else cached_attention(q, k, v, step.mask)
-        return torch.mm(y.reshape(b, nq * d), self.wo.weight_t)
+        return self.wo.mm(y.reshape(b, nq * d))
 
 
 class FeedForward(nn.Module):
@@ -422,9 +427,9 @@ class FeedForward(nn.Module):
 
     def decode(self, x: torch.Tensor) -> torch.Tensor:
         """forward for x [B, hidden] on fused weights (see TransformerBlock.decode)."""
-        gate_up = torch.mm(x, self.w13.weight_t)
+        gate_up = self.w13.mm(x)
         i = gate_up.shape[1] // 2
-        return torch.mm(F.silu(gate_up[:, :i]).mul_(gate_up[:, i:]), self.w2.weight_t)
+        return self.w2.mm(F.silu(gate_up[:, :i]).mul_(gate_up[:, i:]))
 
 
 class TransformerBlock(nn.Module):
@@ -488,16 +493,18 @@ class Transformer(nn.Module):
         if self.config.tie_word_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
 
-    def fuse_for_inference(self) -> None:
+    def fuse_for_inference(self, huge_pages: bool = True) -> None:
         """Concatenate q/k/v and gate/up weights per layer (after loading and TP slicing, so each
-        rank fuses its own slices), keep the matrices transposed and, on CPU, in huge pages.
-        Parameter names change: not for training or checkpoints."""
+        rank fuses its own slices), keep the matrices transposed and, on CPU, in huge pages
+        (`huge_pages` False: the caller changes the matrices further and places them itself,
+        as quantize.quantize_weights does). Parameter names change: not for training or checkpoints."""
         for layer in self.layers.values():
             layer.attention.fuse()
             layer.feed_forward.fuse()
         self.fused = True
         self._fuse_head()
-        place_in_huge_pages(self)
+        if huge_pages:
+            place_in_huge_pages(self)
 
     def _fuse_head(self) -> None:
         head, emb = self.output, self.tok_embeddings

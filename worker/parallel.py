@@ -213,7 +213,9 @@ def apply_tensor_parallel(model: nn.Module, rank: int, world: int, group=None) -
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the parameters this rank holds (a tied weight counts once)."""
+    """Bytes of the parameters this rank holds (a tied weight counts once), each at its own
+    element size: an INT8 matrix (quantize.Int8Linear) at one byte an element plus its float32
+    scales, which are parameters too."""
     seen, total = set(), 0
     for p in model.parameters():
         if id(p) not in seen:

@@ -30,6 +30,7 @@ from . import parallel
 from .errors import WorkerError
 from .loader import DTYPES, check_layout, load_stage, open_model
 from .pipeline import Stage, StageInfo, decode_mode
+from .quantize import check_method, quantize_weights
 
 PG_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("SHARDWISE_PG_TIMEOUT", "600")))
 
@@ -47,6 +48,7 @@ class RankSpec:
     max_seq: int = 0              # 0: min(model context, 4096)
     threads: int = 0              # torch intra-op threads per rank; 0: cores / local ranks
     decode: str = "auto"          # pipeline.py decode_mode: auto, eager, graphs, compile
+    quantize: str = "none"        # quantize.py: none, int8 (weight-only, decoder layers)
 
 
 @dataclass
@@ -101,7 +103,9 @@ def setup_rank(spec: RankSpec, rank: int, world: int, local_rank: int, init_meth
     model = load_stage(source, start, end, embedding=stage_idx == 0, head=stage_idx == p - 1,
                        tp_rank=tp_rank, tp_world=t, group=info.tp_group, device=device,
                        dtype=DTYPES[spec.dtype])
-    model.fuse_for_inference()
+    quantized = spec.quantize != "none"
+    model.fuse_for_inference(huge_pages=not quantized)     # quantize_weights places them itself
+    quantize_weights(model, spec.quantize)                 # this rank's slices only
     stats = {"rank": rank, "stage": stage_idx, "tp_rank": tp_rank, "layers": [start, end],
              "weight_bytes": parallel.weight_bytes(model), "load_seconds": time.perf_counter() - t0,
              "peak_rss_bytes": peak_rss_bytes()}
@@ -176,6 +180,7 @@ def validate(spec: RankSpec):
         raise WorkerError(f"unknown dtype {spec.dtype!r} (use one of: auto, {', '.join(DTYPES)})")
     spec.dtype = in_memory_dtype(spec.dtype, source.dtype, spec.device)
     decode_mode(spec.decode, spec.device, spec.tensor)      # an unknown or impossible mode: one line now
+    check_method(spec.quantize)
     return source
 
 
