@@ -16,7 +16,8 @@ Needs a CUDA device and transformers. Every figure is measured in this run, on t
     transformers' own bf16 error;
   * profile: where a decode step's time goes (one graph replay alone; its kernels);
   * decode: batch-1 tokens/s and bandwidth use, (weight bytes + key/value bytes of the context)
-    per token / time per token / copy bandwidth, for the worker's --decode eager, graphs and compile,
+    per token / time per token / copy bandwidth, for the worker's --decode eager, graphs and compile
+    (each also with --quantize int8: --modes compile:int8),
     and for transformers' generate with its dynamic cache (eager) and its static cache (which
     generate compiles);
   * offload: decode with half the weights streamed from pinned host memory against the model
@@ -168,9 +169,10 @@ def weight_bytes(hf) -> int:
 class Worker:
     """The worker's single-rank runtime on a model folder (what `shardwise serve` starts)."""
 
-    def __init__(self, folder: str, device: str, dtype: str, decode: str, max_batch: int, max_seq: int):
+    def __init__(self, folder: str, device: str, dtype: str, decode: str, max_batch: int, max_seq: int,
+                 quantize: str = "none"):
         from shardwise.worker.runtime import LocalRuntime, RankSpec
-        self.rt = LocalRuntime(RankSpec(folder, device=device, dtype=dtype, decode=decode,
+        self.rt = LocalRuntime(RankSpec(folder, device=device, dtype=dtype, decode=decode, quantize=quantize,
                                         max_batch=max_batch, max_seq=max_seq))
         t0 = time.perf_counter()
         self.ctx = self.rt.start()
@@ -355,12 +357,13 @@ def hf_decode(hf, prompt: list[int], new: int, static: bool, device: str, rounds
     return (tn - t1) / (new - 1), t1
 
 
-def worker_decode(folder: str, device: str, decode: str, prompt: list[int], new: int, rounds: int):
-    """The worker at batch 1: (seconds per decode token, seconds to first token, weight bytes,
-    load seconds)."""
+def worker_decode(folder: str, device: str, mode: str, prompt: list[int], new: int, rounds: int):
+    """The worker at batch 1 (`mode`: a --decode value, with ":int8" for --quantize int8):
+    (seconds per decode token, seconds to first token, weight bytes)."""
     from shardwise.worker.engine import Request
+    decode, _, quantize = mode.partition(":")
     w = Worker(folder, device, "bfloat16" if device == "cuda" else "float32", decode, max_batch=1,
-               max_seq=len(prompt) + new + 8)
+               max_seq=len(prompt) + new + 8, quantize=quantize or "none")
     try:
         engine = w.engine(1)
         t0 = time.perf_counter()
@@ -374,7 +377,7 @@ def worker_decode(folder: str, device: str, decode: str, prompt: list[int], new:
             engine.generate([req])
             ttft.append(req.first_token_at - t0)
             per_token.append((req.finished_at - req.first_token_at) / (new - 1))
-        say(f"    worker --decode {decode}: load {w.load_s:.0f} s, warm-up {warm:.0f} s")
+        say(f"    worker {mode}: load {w.load_s:.0f} s, warm-up {warm:.0f} s")
         return min(per_token), min(ttft), w.ctx.loaded[0]["weight_bytes"]
     finally:
         w.stop()
@@ -624,7 +627,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--batched-decode", default="graphs", help="the worker's --decode for the batched section")
-    ap.add_argument("--modes", default="eager,graphs,compile,transformers-dynamic,transformers-static")
+    ap.add_argument("--modes", default="eager,graphs,compile,transformers-dynamic,transformers-static",
+                    help="the worker's --decode values (a suffix :int8 adds --quantize int8) and transformers-*")
     ap.add_argument("--dir", default="/tmp/shardwise-gpu-bench")
     ap.add_argument("--json", default="", help="write every figure to this file")
     args = ap.parse_args(argv)
@@ -648,7 +652,7 @@ def main(argv=None) -> int:
         if "layers" in sections:
             r["layers"] = layer_errors(shape, hf, folder, args.device, prompt)
         if "decode" in sections:
-            modes = [m for m in args.modes.split(",") if args.device == "cuda" or m in ("eager",)]
+            modes = [m for m in args.modes.split(",") if args.device == "cuda" or m.startswith("eager")]
             r["decode"] = decode_speed(shape, hf, folder, args.device, ceil, prompt, args.new_tokens,
                                        args.rounds, modes)
         if "profile" in sections and args.device == "cuda":

@@ -32,14 +32,20 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="int8: each rank keeps its decoder layers' weight matrices in INT8, one "
                              "scale per output row (embedding, LM head and norms stay in --dtype); "
                              "activations stay in --dtype (default none)")
+    parser.add_argument("--offload-budget", default="0", metavar="SIZE",
+                        help="bytes of weights each rank keeps on its device (e.g. 6GiB); the decoder "
+                             "layers beyond it stay in host memory and stream in ahead of their turn, "
+                             "decoding eagerly (default 0: every weight on the device)")
 
 
 def spec_from_args(args):
+    from .offload import parse_bytes
     from .runtime import RankSpec
     # "auto" is resolved by runtime.validate, with the model's dtype: the rule the planner sizes by
     return RankSpec(model=args.model, tensor=args.tensor_parallel, pipeline=args.pipeline_parallel,
                     device=args.device, dtype=args.dtype, max_batch=args.max_batch, max_seq=args.max_seq_len,
-                    threads=args.threads, decode=args.decode, quantize=args.quantize)
+                    threads=args.threads, decode=args.decode, quantize=args.quantize,
+                    offload_budget=parse_bytes(args.offload_budget))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

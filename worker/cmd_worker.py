@@ -50,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantize", choices=["none", "int8"], default=None,
                         help="weights as for serve; default: the plan's quantization (what the planner "
                              "sized the pods for, spec.serving.quantization)")
+    parser.add_argument("--offload-budget", default=None, metavar="SIZE",
+                        help="weights kept on the GPU, the rest streamed (as for serve); default: the "
+                             "plan's offload_budget (spec.serving.offload)")
 
 
 def _say(msg: str) -> None:
@@ -103,6 +106,7 @@ def _run(args) -> int:
     from shardwise.crds.layout import RankLayout
 
     from .errors import WorkerError
+    from .offload import parse_bytes
     from .runtime import RankSpec, validate
 
     contract = read_contract(args.contract)
@@ -126,7 +130,8 @@ def _run(args) -> int:
                     layers=[(p.layer_start, p.layer_end) for p in plan.stages_of(replica)],
                     device=device, dtype=contract.model.dtype,   # validate() resolves auto
                     max_batch=args.max_batch, max_seq=args.max_seq_len, decode=args.decode,
-                    quantize=args.quantize or plan.quantization)
+                    quantize=args.quantize or plan.quantization,
+                    offload_budget=plan.offload_budget if args.offload_budget is None else parse_bytes(args.offload_budget))
     source = validate(spec)
     if source.config.num_layers != plan.num_layers:
         raise WorkerError(f"plan splits {plan.num_layers} layers but model {contract.model.path} has "

@@ -90,7 +90,7 @@ class Int8Linear(nn.Module):
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] -> [rows, out] in x's dtype."""
         scales = self.scales.to(x.dtype)     # no copy in float32; [out] values otherwise
-        if self.packed and x.shape[0] == 1:
+        if self.packed and x.shape[0] == 1 and not x.is_cuda:    # (quantized on CPU, then moved: offload)
             # More rows: the kernel's cost grows with each row (it is a matrix-vector loop; 64
             # rows took ~50x one row's time on the development machine), one cast does not.
             return torch._weight_int8pack_mm(x, self.weight, scales)

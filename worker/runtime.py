@@ -30,6 +30,7 @@ from . import parallel
 from .errors import WorkerError
 from .loader import DTYPES, check_layout, load_stage, open_model
 from .pipeline import Stage, StageInfo, decode_mode
+from .offload import apply_offload
 from .quantize import check_method, quantize_weights
 
 PG_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("SHARDWISE_PG_TIMEOUT", "600")))
@@ -49,6 +50,7 @@ class RankSpec:
     threads: int = 0              # torch intra-op threads per rank; 0: cores / local ranks
     decode: str = "auto"          # pipeline.py decode_mode: auto, eager, graphs, compile
     quantize: str = "none"        # quantize.py: none, int8 (weight-only, decoder layers)
+    offload_budget: int = 0       # offload.py: bytes of weights kept on the device, the other layers streamed; 0: all
 
 
 @dataclass
@@ -100,12 +102,16 @@ def setup_rank(spec: RankSpec, rank: int, world: int, local_rank: int, init_meth
     source = open_model(spec.model)
     layers = spec.layers or split_layers(source.config.facts(), p).ranges
     start, end = layers[stage_idx]
+    # Streaming layers: the stage is loaded, fused and quantized in host memory, then what fits
+    # the budget moves to the device (offload.py).
     model = load_stage(source, start, end, embedding=stage_idx == 0, head=stage_idx == p - 1,
-                       tp_rank=tp_rank, tp_world=t, group=info.tp_group, device=device,
-                       dtype=DTYPES[spec.dtype])
+                       tp_rank=tp_rank, tp_world=t, group=info.tp_group,
+                       device="cpu" if spec.offload_budget else device, dtype=DTYPES[spec.dtype])
     quantized = spec.quantize != "none"
     model.fuse_for_inference(huge_pages=not quantized)     # quantize_weights places them itself
     quantize_weights(model, spec.quantize)                 # this rank's slices only
+    if spec.offload_budget:
+        apply_offload(model, spec.offload_budget, device)
     stats = {"rank": rank, "stage": stage_idx, "tp_rank": tp_rank, "layers": [start, end],
              "weight_bytes": parallel.weight_bytes(model), "load_seconds": time.perf_counter() - t0,
              "peak_rss_bytes": peak_rss_bytes()}
@@ -179,7 +185,7 @@ def validate(spec: RankSpec):
     if spec.dtype != "auto" and spec.dtype not in DTYPES:
         raise WorkerError(f"unknown dtype {spec.dtype!r} (use one of: auto, {', '.join(DTYPES)})")
     spec.dtype = in_memory_dtype(spec.dtype, source.dtype, spec.device)
-    decode_mode(spec.decode, spec.device, spec.tensor)      # an unknown or impossible mode: one line now
+    decode_mode(spec.decode, spec.device, spec.tensor, spec.offload_budget > 0)   # one line now, not per rank
     check_method(spec.quantize)
     return source
 

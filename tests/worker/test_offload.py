@@ -99,3 +99,55 @@ def test_budget_sizes(text, value):
 def test_bad_budget_sizes_are_one_line(text):
     with pytest.raises(WorkerError, match="is not a size"):
         parse_bytes(text)
+
+
+# ------------------------------------------------------------------ through the worker's launch
+
+def smollm2_or_skip() -> str:
+    from shardwise.worker.loader import builtin_model_path
+    try:
+        builtin_model_path("smollm2")
+    except WorkerError as e:
+        pytest.skip(str(e))
+    return "smollm2"
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (3, 2)])
+def test_streamed_smollm2_generates_the_tokens_of_the_whole_model(tp, pp):
+    """SmolLM2 (fp32: 110 MiB of tied embedding per first/last stage, 17 MiB a layer) under
+    budgets that keep 1-3 of each rank's layers resident: every rank streams the rest."""
+    from shardwise.worker.runtime import RankSpec, generate_local
+    model = smollm2_or_skip()
+    prompts = [[1, 504, 3458, 282, 4649, 314], [1, 563, 1412, 19348, 30, 94, 33]]
+    want, _ = generate_local(RankSpec(model, tp, pp, max_batch=2, max_seq=48), prompts, 8)
+    budget = (160 if tp == 1 else 60) * 2 ** 20
+    got, loaded = generate_local(RankSpec(model, tp, pp, max_batch=2, max_seq=48, offload_budget=budget), prompts, 8)
+    assert got == want
+
+
+def test_streamed_int8_layers_generate_the_int8_tokens():
+    """Streaming packs whatever a layer holds: INT8 matrices and their scales too."""
+    from shardwise.worker.runtime import RankSpec, generate_local
+    model = smollm2_or_skip()
+    prompts = [[1, 504, 3458, 282, 4649, 314]]
+    want, _ = generate_local(RankSpec(model, max_batch=1, max_seq=32, quantize="int8"), prompts, 8)
+    got, _ = generate_local(RankSpec(model, max_batch=1, max_seq=32, quantize="int8", offload_budget=130 * 2 ** 20),
+                            prompts, 8)
+    assert got == want
+
+
+def test_too_small_a_budget_is_one_line_naming_the_smallest(capsys):
+    from shardwise.cli import main
+    model = smollm2_or_skip()
+    code = main(["generate", "--model", model, "--prompt", "Hi", "--max-new-tokens", "2", "--offload-budget", "8MiB"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]     # after the "loading ..." progress line
+    assert code == 2 and last.startswith("shardwise generate: error: offload budget 8.0 MiB is below the "
+                                         "smallest that works for this stage, 136 MiB")
+
+
+def test_graphs_with_streaming_are_refused_before_loading(capsys):
+    from shardwise.cli import main
+    model = smollm2_or_skip()
+    code = main(["generate", "--model", model, "--prompt", "Hi", "--decode", "compile", "--offload-budget", "1GiB"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "--decode compile cannot run layers streamed from host memory" in err
