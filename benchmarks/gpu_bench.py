@@ -40,6 +40,8 @@ import time
 
 import torch
 
+from shardwise.worker.parallel import weight_bytes   # bytes of a model's parameters, a tied pair once
+
 SHAPES = {
     # Llama-3.2-1B and Llama-3.1-8B (their config.json values), random weights
     "1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -155,15 +157,6 @@ def kv_bytes_per_position(shape: str, dtype_bytes: int = 2) -> int:
     s = SHAPES[shape]
     head_dim = s.get("head_dim") or s["hidden_size"] // s["num_attention_heads"]
     return 2 * s["num_hidden_layers"] * s["num_key_value_heads"] * head_dim * dtype_bytes
-
-
-def weight_bytes(hf) -> int:
-    seen, total = set(), 0
-    for p in hf.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            total += p.numel() * p.element_size()
-    return total
 
 
 class Worker:
