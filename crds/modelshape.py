@@ -20,6 +20,11 @@ from pathlib import Path
 from typing import Any, BinaryIO, Iterable
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1}
+# Bytes per weight of a decoder-layer matrix kept in a GGUF file's blocks (spec.serving.quantization
+# gguf, the worker's --quantize gguf), as worker/gguf_blocks.py holds them for torch's int4 matmul
+# kernel: 4-bit values packed two a byte plus a bfloat16 scale and zero per 32-value block
+# (0.5 + 4/32); Q8_0 as two such 4-bit planes (its high and low nibbles): 1 + 8/32.
+GGUF_NATIVE_BYTES = {"Q8_0": 1.25, "Q4_0": 0.625, "Q4_1": 0.625}
 # The dtypes the worker computes in (worker/loader.py's DTYPES are these).
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 

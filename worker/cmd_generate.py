@@ -28,10 +28,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how decode steps run: eager; graphs (CUDA graphs, cuda only); compile "
                              "(torch.compile, replayed as CUDA graphs on cuda; on cpu compiles for "
                              "10-60 s per kind of step); auto: graphs on cuda, eager on cpu")
-    parser.add_argument("--quantize", choices=["none", "int8"], default="none",
+    parser.add_argument("--quantize", choices=["none", "int8", "gguf"], default="none",
                         help="int8: each rank keeps its decoder layers' weight matrices in INT8, one "
                              "scale per output row (embedding, LM head and norms stay in --dtype); "
-                             "activations stay in --dtype (default none)")
+                             "activations stay in --dtype; gguf: a GGUF file's Q8_0, Q4_0 and Q4_1 "
+                             "layer matrices stay in their blocks, not dequantized (default none)")
     parser.add_argument("--offload-budget", default="0", metavar="SIZE",
                         help="bytes of weights each rank keeps on its device (e.g. 6GiB); the decoder "
                              "layers beyond it stay in host memory and stream in ahead of their turn, "

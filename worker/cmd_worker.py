@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--decode", choices=["auto", "eager", "graphs", "compile"], default="auto",
                         help="how decode steps run (as for serve); auto: CUDA graphs on cuda, eager on cpu")
-    parser.add_argument("--quantize", choices=["none", "int8"], default=None,
+    parser.add_argument("--quantize", choices=["none", "int8", "gguf"], default=None,
                         help="weights as for serve; default: the plan's quantization (what the planner "
                              "sized the pods for, spec.serving.quantization)")
     parser.add_argument("--offload-budget", default=None, metavar="SIZE",

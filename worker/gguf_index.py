@@ -45,6 +45,7 @@ class GGUFIndex:
         for _ in range(n_kv):
             key = self._str()
             self.fields[key] = self._value(self._u32())
+        self.kv_bytes = (24, self.pos)       # where the metadata lies: write_requantized copies it
         infos = []
         for _ in range(n_tensors):
             name = self._str()
@@ -118,3 +119,35 @@ class GGUFIndex:
         t = self.tensors[name]
         rows = int(np.prod(t.shape[:-1])) if len(t.shape) > 1 else 1
         return self._map[t.offset:t.offset + t.n_bytes].reshape(rows, -1)
+
+
+def write_requantized(src: str, dst: str, qtype: str) -> None:
+    """Write `src` again as `dst` with its decoder-layer matrices (blk.*, 2-D) quantized to
+    `qtype` ("Q8_0", "Q4_0", ...) from their dequantized values; the metadata (tokenizer and all)
+    and every other tensor are copied as they are. Makes the Q8_0 and Q4_0 variants of a model
+    that the tests and benchmarks/worker_bench.py compare."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+    index = GGUFIndex(src)
+    target = GGMLQuantizationType[qtype]
+    align = int(index.fields.get("general.alignment", 32))
+    tensors = []                                    # (name, numpy shape, type, raw bytes)
+    for t in index.tensors.values():
+        raw, kind = index.data(t.name), GGMLQuantizationType(t.qtype)
+        if t.name.startswith("blk.") and len(t.shape) == 2 and kind != target:
+            raw, kind = quantize(dequantize(raw, kind).reshape(t.shape), target), target
+        tensors.append((t.name, t.shape, kind, np.ascontiguousarray(raw).tobytes()))
+    with open(src, "rb") as f:
+        f.seek(index.kv_bytes[0])
+        kv = f.read(index.kv_bytes[1] - index.kv_bytes[0])
+    head = bytearray(b"GGUF" + struct.pack("<IQQ", index.version, len(tensors), len(index.fields)) + kv)
+    offset = 0
+    for name, shape, kind, raw in tensors:
+        encoded = name.encode()
+        head += struct.pack("<Q", len(encoded)) + encoded + struct.pack("<I", len(shape))
+        head += b"".join(struct.pack("<Q", d) for d in reversed(shape)) + struct.pack("<IQ", int(kind), offset)
+        offset += -(-len(raw) // align) * align
+    with open(dst, "wb") as f:
+        f.write(head + bytes(-len(head) % align))
+        for _, _, _, raw in tensors:
+            f.write(raw + bytes(-len(raw) % align))

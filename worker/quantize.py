@@ -31,7 +31,7 @@ from torch import nn
 from .errors import WorkerError
 from .model import InferenceLinear, place_in_huge_pages
 
-METHODS = ("none", "int8")
+METHODS = ("none", "int8", "gguf")   # gguf: a GGUF file's own blocks, gguf_blocks.py
 QMAX = 127          # symmetric: -127..127, so that -absmax and absmax are both exact
 
 
@@ -100,16 +100,22 @@ class Int8Linear(nn.Module):
         return self.mm(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
 
 
-def quantize_weights(model: nn.Module, method: str) -> int:
+def quantize_weights(model: nn.Module, method: str, device: str = "cpu") -> int:
     """Quantize a fused model's decoder-layer matrices in place (see the module docstring), then
     place the CPU matrices in huge pages; returns how many matrices were quantized. Call it after
     model.fuse_for_inference(huge_pages=False): placing the float matrices first would keep their
-    huge-page buffer alive (the head and embedding still point into it) next to the int8 copies."""
+    huge-page buffer alive (the head and embedding still point into it) next to the int8 copies.
+
+    gguf: the matrices loader.load_stage(keep_blocks=True) kept as the file's blocks become
+    gguf_blocks.BlockLinear, laid out for `device` (where they will run; a streamed model is
+    built in host memory first); the others stay as loaded."""
     check_method(method)
     if method == "none":
         return 0
     if not getattr(model, "fused", False):
         raise WorkerError("quantize the model after fuse_for_inference (inference only)")
+    if method == "gguf":
+        return _build_block_matrices(model, device)
     count = 0
     for layer in model.layers.values():
         for parent in (layer.attention, layer.feed_forward):
@@ -118,5 +124,19 @@ def quantize_weights(model: nn.Module, method: str) -> int:
                     # One matrix at a time: its float copy is freed before the next is quantized.
                     setattr(parent, name, Int8Linear.replacing(child))
                     count += 1
+    place_in_huge_pages(model)
+    return count
+
+
+def _build_block_matrices(model: nn.Module, device: str) -> int:
+    from .gguf_blocks import BlockLinear
+    blocks = getattr(model, "gguf_blocks", {})
+    count = len(blocks)
+    for key in list(blocks):        # popped one at a time: each file copy is freed once built
+        _, i, fused = key.split(".", 2)
+        layer = model.layers[i]
+        placed = layer.attention_norm.weight.device          # where the stage's weights are now
+        parent_name, _, name = fused.rpartition(".")
+        setattr(layer.get_submodule(parent_name), name, BlockLinear(blocks.pop(key), device).to(placed))
     place_in_huge_pages(model)
     return count

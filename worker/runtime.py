@@ -16,6 +16,7 @@ import datetime
 import os
 import resource
 import socket
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from shardwise.crds.modelshape import in_memory_dtype
 from . import parallel
 from .errors import WorkerError
 from .loader import DTYPES, check_layout, load_stage, open_model
-from .pipeline import Stage, StageInfo, decode_mode
+from .pipeline import OP_SETUP, OP_STEP, Stage, StageInfo, decode_mode
 from .offload import apply_offload
 from .quantize import check_method, quantize_weights
 
@@ -49,7 +50,7 @@ class RankSpec:
     max_seq: int = 0              # 0: min(model context, 4096)
     threads: int = 0              # torch intra-op threads per rank; 0: cores / local ranks
     decode: str = "auto"          # pipeline.py decode_mode: auto, eager, graphs, compile
-    quantize: str = "none"        # quantize.py: none, int8 (weight-only, decoder layers)
+    quantize: str = "none"        # quantize.py: none, int8 (weight-only, decoder layers), gguf (the file's blocks)
     offload_budget: int = 0       # offload.py: bytes of weights kept on the device, the other layers streamed; 0: all
 
 
@@ -106,10 +107,11 @@ def setup_rank(spec: RankSpec, rank: int, world: int, local_rank: int, init_meth
     # the budget moves to the device (offload.py).
     model = load_stage(source, start, end, embedding=stage_idx == 0, head=stage_idx == p - 1,
                        tp_rank=tp_rank, tp_world=t, group=info.tp_group,
-                       device="cpu" if spec.offload_budget else device, dtype=DTYPES[spec.dtype])
+                       device="cpu" if spec.offload_budget else device, dtype=DTYPES[spec.dtype],
+                       keep_blocks=spec.quantize == "gguf")
     quantized = spec.quantize != "none"
     model.fuse_for_inference(huge_pages=not quantized)     # quantize_weights places them itself
-    quantize_weights(model, spec.quantize)                 # this rank's slices only
+    quantize_weights(model, spec.quantize, device)         # this rank's slices only
     if spec.offload_budget:
         apply_offload(model, spec.offload_budget, device)
     stats = {"rank": rank, "stage": stage_idx, "tp_rank": tp_rank, "layers": [start, end],
@@ -119,6 +121,20 @@ def setup_rank(spec: RankSpec, rank: int, world: int, local_rank: int, init_meth
     dist.all_gather_object(loaded, stats)        # doubles as the "every rank has loaded" barrier
     return RankContext(spec, info, Stage(model, info, device, spec.decode), source.config,
                        context_length(spec, source.config), loaded)
+
+
+def teacher_forced_nll(ctx: RankContext, ids: list[int]) -> float:
+    """Mean negative log-likelihood of ids[1:] given what precedes each (its exp is the
+    perplexity), through the real stages: each token fed as a decode step of one request, the
+    last stage's logits of that step scored. Rank 0 of a local runtime calls it; the quantized
+    formats' quality bound is measured with it (tests, benchmarks/quant_bench.py)."""
+    stage, slot = ctx.stage, torch.tensor([0])
+    stage.launch(OP_SETUP, batch=1, seq=ctx.max_seq)
+    rows = []
+    for pos, tok in enumerate(ids[:-1]):
+        stage.launch(OP_STEP, torch.tensor([[tok]]), torch.tensor([[pos]]), slot)
+        rows.append(stage.collect()[0].float().cpu())
+    return float(torch.nn.functional.cross_entropy(torch.stack(rows), torch.tensor(ids[1:])))
 
 
 def context_length(spec: RankSpec, config) -> int:
@@ -187,7 +203,24 @@ def validate(spec: RankSpec):
     spec.dtype = in_memory_dtype(spec.dtype, source.dtype, spec.device)
     decode_mode(spec.decode, spec.device, spec.tensor, spec.offload_budget > 0)   # one line now, not per rank
     check_method(spec.quantize)
+    if spec.quantize == "gguf":
+        check_gguf_blocks(source, spec.dtype)
     return source
+
+
+def check_gguf_blocks(source, dtype: str) -> None:
+    """`--quantize gguf` needs a GGUF file; its layer matrices of a type with no fast path are
+    dequantized, said in one line here (once, before any rank loads)."""
+    from .gguf_blocks import NATIVE
+    slow = getattr(source, "slow_matrices", None)
+    if slow is None:
+        raise WorkerError(f"--quantize gguf keeps a GGUF file's {', '.join(NATIVE)} blocks; "
+                          f"{source.path} is not a GGUF file (--quantize int8 works for any model)")
+    counts = slow()
+    if counts:
+        types = ", ".join(f"{n} {t}" for t, n in sorted(counts.items()))
+        print(f"notice: {types} layer matrices have no fast path and are dequantized to {dtype} "
+              f"(kept as stored: {', '.join(NATIVE)})", file=sys.stderr, flush=True)
 
 
 class LocalRuntime:

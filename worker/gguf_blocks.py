@@ -1,0 +1,165 @@
+"""A GGUF file's Q8_0, Q4_0 and Q4_1 blocks kept as they are stored (`--quantize gguf`).
+
+Without this the loader dequantizes every GGUF tensor (SmolLM2's 90 MB Q4_1 file becomes 540 MB
+of float32). With it, each decoder-layer matrix of a rank keeps its slice of the file's blocks,
+re-laid-out for torch's int4 weight-only matmul (`aten._weight_int4pack_mm_for_cpu`), whose
+weight is w = (v - 8) * scale + zero for 4-bit v and a scale and zero per block of 32 inputs:
+
+  Q4_0  w = (v - 8) * d                  scale d, zero 0
+  Q4_1  w = v * d + m                    scale d, zero m + 8d
+  Q8_0  w = d * q, q = 16 * hi + lo      two 4-bit planes over the same inputs: hi + 8 with
+        (hi = q >> 4 in -8..7,           scale 16d, zero 0, and lo with scale d, zero 8d; the
+         lo = q & 15 in 0..15)           matmul runs over [hi plane | lo plane] with x twice
+
+Every value is exact; the scales and zeros are held in bfloat16 (the kernel's fast dtype: its
+float32 and float16 variants run 30-45x slower on the development machine), so they round from
+the file's float16 like a bfloat16 model's weights do. Activations go through the kernel in
+bfloat16 and come back in the model's dtype. In memory that is 0.5 bytes a weight plus 4 bytes a
+block for Q4 (0.625) and twice that for Q8_0 (1.25): crds/modelshape.py GGUF_NATIVE_BYTES, the
+planner's rule, which the tests hold this layout to.
+
+Where the kernel does not run (a CUDA device, a torch build without it) the same values stay
+packed two a byte and each matmul dequantizes its matrix first, in the activation dtype (under
+`--decode compile` inductor fuses that into the matmul's reads).
+
+Other GGUF types (Q6_K, Q5_K, ...) have no fast path: the loader dequantizes those tensors, and
+runtime.validate says so in one line.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardwise.crds.modelshape import GGUF_NATIVE_BYTES
+
+BLOCK = 32                       # values per block, for all three types
+NATIVE = tuple(GGUF_NATIVE_BYTES)   # the types kept as stored: Q8_0, Q4_0, Q4_1
+_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+
+
+@dataclass
+class Blocks:
+    """One matrix (or a rank's slice of it) as the file stores it: `data` uint8 [rows, blocks *
+    block bytes], a whole number of blocks per row."""
+    qtype: str
+    data: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.data.shape[0], self.data.shape[1] // _BLOCK_BYTES[self.qtype] * BLOCK
+
+    def columns(self, start: int, stop: int) -> "Blocks | None":
+        """Inputs [start, stop) of every row (a row-parallel slice); None where the bounds are not
+        on block boundaries (then the loader dequantizes instead)."""
+        if start % BLOCK or stop % BLOCK:
+            return None
+        size = _BLOCK_BYTES[self.qtype]
+        return Blocks(self.qtype, self.data[:, start // BLOCK * size:stop // BLOCK * size])
+
+    @staticmethod
+    def concat(parts: list["Blocks"]) -> "Blocks":
+        """Rows of several matrices stacked (fused q/k/v, gate/up); all of one type."""
+        return Blocks(parts[0].qtype, np.concatenate([p.data for p in parts]))
+
+
+def int4_planes(blocks: Blocks) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """blocks -> (v uint8 [rows, inputs'] in 0..15, scale float32 [rows, inputs' / 32], zero
+    likewise) with w = (v - 8) * scale + zero per block (see the module docstring); inputs' is
+    twice the inputs for Q8_0."""
+    rows = blocks.data.shape[0]
+    raw = blocks.data.reshape(rows, -1, _BLOCK_BYTES[blocks.qtype])
+    d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if blocks.qtype == "Q8_0":
+        q = raw[..., 2:34].copy().view(np.int8)
+        hi = (q >> 4).astype(np.uint8) + 8          # arithmetic shift: -8..7, then 0..15
+        lo = q.view(np.uint8) & 15
+        values = np.concatenate([hi.reshape(rows, -1), lo.reshape(rows, -1)], axis=1)
+        scale = np.concatenate([16 * d, d], axis=1)
+        zero = np.concatenate([np.zeros_like(d), 8 * d], axis=1)
+        return values, scale, zero
+    qs = raw[..., -16:]                             # element i in the low nibble, i + 16 in the high
+    values = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(rows, -1)
+    if blocks.qtype == "Q4_0":
+        return values, d, np.zeros_like(d)
+    m = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    return values, d, m + 8 * d
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_kernel_runs() -> bool:
+    """Whether aten._weight_int4pack_mm_for_cpu runs here and computes (v - 8) * scale + zero
+    (a private op: its presence and layout vary between torch releases)."""
+    rows = KERNEL_ROWS
+    v = torch.arange(rows * BLOCK, dtype=torch.int32).remainder(16).view(rows, BLOCK)
+    scale = torch.arange(1, rows + 1, dtype=torch.float32) / 4
+    zero = torch.arange(rows, dtype=torch.float32) - 3
+    try:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(v, 1)
+        sz = torch.stack([scale, zero], dim=-1)[None].to(torch.bfloat16)     # [blocks, rows, 2]
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(torch.ones(1, BLOCK, dtype=torch.bfloat16),
+                                                         packed, BLOCK, sz)
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+    want = ((v.float() - 8) * scale[:, None] + zero[:, None]).sum(dim=1)
+    return out.shape == (1, rows) and torch.allclose(out.float()[0], want, rtol=1e-2)
+
+
+KERNEL_ROWS = 16     # the kernel packs output rows in groups of 16; other slices take the fallback
+
+
+class BlockLinear(nn.Module):
+    """y = x @ w.T with w held in the file's blocks (see the module docstring); stands in for
+    model.InferenceLinear (forward for any leading dims, mm for 2-D x), as quantize.Int8Linear does.
+
+    Its tensors are parameters (requires_grad=False), so parallel.weight_bytes counts them and
+    offload.py packs them."""
+
+    def __init__(self, blocks: Blocks, device: str | torch.device = "cpu"):
+        super().__init__()
+        self.qtype = blocks.qtype
+        self.out_features, self.in_features = blocks.shape
+        self.twice = blocks.qtype == "Q8_0"          # the input runs once per plane
+        values, scale, zero = int4_planes(blocks)
+        v = torch.from_numpy(values)
+        # [blocks, rows, 2]: the kernel's layout of the scales and zeros
+        sz = torch.stack([torch.from_numpy(scale).t(), torch.from_numpy(zero).t()], dim=-1)
+        self.kernel = (torch.device(device).type == "cpu" and self.out_features % KERNEL_ROWS == 0
+                       and cpu_kernel_runs())
+        if self.kernel:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(v.to(torch.int32), 1)
+        else:
+            packed = (v[:, 0::2] | (v[:, 1::2] << 4)).to(device)    # two values a byte, ours
+        self.packed = nn.Parameter(packed, requires_grad=False)
+        self.scales_and_zeros = nn.Parameter(sz.to(device=device, dtype=torch.bfloat16).contiguous(),
+                                             requires_grad=False)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The [out, in] matrix these blocks stand for (the fallback path; tests)."""
+        if self.kernel:
+            eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.packed.device)
+            return self.mm(eye).t().to(dtype)
+        p = self.packed
+        v = torch.stack([p & 15, p >> 4], dim=-1).view(p.shape[0], -1).to(dtype)
+        sz = self.scales_and_zeros.to(dtype)
+        rows, blocks = v.shape[0], v.shape[1] // BLOCK
+        w = (v.view(rows, blocks, BLOCK) - 8) * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None]
+        w = w.view(rows, -1)
+        return w[:, :self.in_features] + w[:, self.in_features:] if self.twice else w
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in] -> [rows, out] in x's dtype."""
+        if not self.kernel:
+            return F.linear(x, self.dequantized(x.dtype))
+        xb = x.to(torch.bfloat16)
+        if self.twice:
+            xb = torch.cat([xb, xb], dim=1)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb.contiguous(), self.packed, BLOCK, self.scales_and_zeros)
+        return y.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mm(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
