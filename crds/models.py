@@ -330,7 +330,8 @@ class Quantization(str, Enum):
 
     NONE = "none"      # in spec.dtype
     INT8 = "int8"      # weight-only INT8: the decoder layers' matrices, one scale per output row
-    AUTO = "auto"      # int8 only when the GPUs cannot hold the model otherwise
+    GGUF = "gguf"      # a GGUF file's Q8_0, Q4_0 and Q4_1 blocks kept as stored (worker/gguf_blocks.py)
+    AUTO = "auto"      # gguf (a Q8_0/Q4_0/Q4_1 GGUF), then int8, only when the GPUs cannot hold the model otherwise
 
 
 class Serving(ApiModel):
@@ -339,8 +340,10 @@ class Serving(ApiModel):
         "Tokens of KV cache per replica the planner reserves GPU memory for."))
     quantization: Quantization = Field(Quantization.NONE, description=(
         "none: weights in spec.dtype; int8: the decoder layers' weight matrices in INT8 (one scale "
-        "per output row), half of bf16's memory; auto: int8 only when the GPUs available cannot "
-        "hold the model otherwise (the plan's notes say so)."))
+        "per output row), half of bf16's memory; gguf: a GGUF model's Q8_0, Q4_0 or Q4_1 blocks "
+        "kept as stored, 0.625 bytes a parameter for Q4_0/Q4_1 and 1.25 for Q8_0 (other models are "
+        "refused); auto: only when the GPUs available cannot hold the model otherwise, gguf (when "
+        "the model is such a GGUF) before int8 (the plan's notes say so)."))
     offload: bool = Field(False, description=(
         "When the GPUs available cannot hold the model's weights, keep the decoder layers that do not "
         "fit in host memory and stream each to its GPU ahead of its turn (slower: every step copies them "

@@ -21,9 +21,11 @@ from typing import Any, BinaryIO, Iterable
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1}
 # Bytes per weight of a decoder-layer matrix kept in a GGUF file's blocks (spec.serving.quantization
-# gguf, the worker's --quantize gguf), as worker/gguf_blocks.py holds them for torch's int4 matmul
-# kernel: 4-bit values packed two a byte plus a bfloat16 scale and zero per 32-value block
-# (0.5 + 4/32); Q8_0 as two such 4-bit planes (its high and low nibbles): 1 + 8/32.
+# gguf, the worker's --quantize gguf): the one definition of that layout's size, which the planner
+# sizes pods by and worker/gguf_blocks.py is tested against. The worker holds 4-bit values packed two
+# a byte plus a bfloat16 scale and zero per 32-value block: 0.5 + 4/32 = 0.625 bytes for Q4_0 and
+# Q4_1. Q8_0 is held as two such 4-bit planes (its high and low nibbles, each with a scale and zero
+# per block): 1 + 8/32 = 1.25 bytes. Both are what torch's int4 weight-only matmul kernel takes.
 GGUF_NATIVE_BYTES = {"Q8_0": 1.25, "Q4_0": 0.625, "Q4_1": 0.625}
 # The dtypes the worker computes in (worker/loader.py's DTYPES are these).
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
@@ -107,18 +109,30 @@ class ModelFacts:
     def quantized(self, method: str) -> ModelFacts:
         """These facts sized for weight-only quantization (spec.serving.quantization). int8: the
         decoder layers' weight matrices at 1 byte a parameter plus a float32 scale per output row;
+        gguf: those matrices kept in the GGUF file's own blocks, GGUF_NATIVE_BYTES[dtype] a
+        parameter (scales and zeros included), for a file stored as Q8_0, Q4_0 or Q4_1. Either way
         the embedding, the LM head and the norms stay at bytes_per_param (what the worker keeps in
         the compute dtype). bytes_per_param becomes the average over the whole model."""
         if method in ("", "none"):
             return self
-        if method != "int8":
-            raise ModelFactsError(f"quantization {method!r} is not one of none, int8")
+        if method == "int8":
+            return self._layer_matrices_at(1, row_bytes=4)
+        if method == "gguf":
+            if self.dtype not in GGUF_NATIVE_BYTES:
+                raise ModelFactsError(f"quantization gguf keeps a GGUF file's Q8_0, Q4_0 or Q4_1 blocks; "
+                                      f"this model is stored as {self.dtype or 'an unknown dtype'}")
+            return self._layer_matrices_at(GGUF_NATIVE_BYTES[self.dtype], row_bytes=0)
+        raise ModelFactsError(f"quantization {method!r} is not one of none, int8, gguf")
+
+    def _layer_matrices_at(self, element_bytes: float, row_bytes: float) -> ModelFacts:
+        """These facts with each decoder layer's weight matrices (q, k, v, o, gate, up, down) at
+        `element_bytes` an element plus `row_bytes` per output row, everything else kept."""
         kept = self.bytes_per_param
         norms = 2 * self.hidden
         matrices = self.layer_params - norms
         q_rows = self.heads * self.head_dim + 2 * self.kv_heads * self.head_dim
         rows = q_rows + self.hidden + 2 * self.intermediate + self.hidden   # qkv, o, gate+up, down
-        per_layer = matrices * 1 + rows * 4 + norms * kept
+        per_layer = matrices * element_bytes + rows * row_bytes + norms * kept
         outside = self.params - self.layers * self.layer_params
         total = self.layers * per_layer + outside * kept
         return replace(self, bytes_per_param=min(kept, total / self.params))

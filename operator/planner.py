@@ -27,7 +27,9 @@ How it decides
    first stage and the final norm + LM head on the last (crds/layout.py: the worker splits a
    local run the same way).
 Weights are sized in the dtype the worker will hold them in on a GPU (crds/modelshape.py
-in_memory_dtype: a quantized GGUF is dequantized, so it takes bfloat16's room, not its file's).
+in_memory_dtype: a quantized GGUF is dequantized, so it takes bfloat16's room, not its file's),
+or as spec.serving.quantization holds them (ModelFacts.quantized: int8, or gguf - a Q8_0, Q4_0 or
+Q4_1 file's layer matrices kept in its blocks, GGUF_NATIVE_BYTES).
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ from typing import Callable, Iterable, Sequence
 
 from shardwise.crds.layout import split_layers
 from shardwise.crds.models import PipelineSchedule, ShardedModelSpec
-from shardwise.crds.modelshape import ModelFacts
+from shardwise.crds.modelshape import GGUF_NATIVE_BYTES, ModelFacts, ModelFactsError
 from shardwise.crds.plan import ReplicaPlan, ShardPlan, StagePlacement
 from shardwise.operator.inventory import NodeInfo, usable
 
@@ -62,7 +64,9 @@ class PlanError(ValueError):
 
 
 class LayoutError(PlanError):
-    """The layout asked for cannot hold the model at all (no amount of capacity fixes it)."""
+    """The layout asked for cannot hold the model at all, or the spec asks for what this model
+    cannot have (quantization gguf of a model not stored as Q8_0, Q4_0 or Q4_1): no amount of
+    capacity fixes it."""
 
 
 @dataclass(frozen=True)
@@ -529,15 +533,20 @@ def plan(spec: ShardedModelSpec, facts: ModelFacts, nodes: Sequence[NodeInfo],
     pods *not* subtracted; `keep` are placements of this model's replicas that must stay where
     they are (the operator re-plans one replica at a time). Their GPUs are subtracted here.
 
-    Inference may hold the weights in INT8 (spec.serving.quantization) and stream layers from
-    host memory (spec.serving.offload). They are tried in `variants` order, the first plan that
-    places every replica taken, else the one placing most; a plan that is not the first variant's
-    says in its first note what it changed and why.
+    Inference may hold the weights quantized (spec.serving.quantization: a GGUF's own blocks or
+    INT8) and stream layers from host memory (spec.serving.offload). They are tried in `variants`
+    order, the first plan that places every replica taken, else the one placing most; a plan that
+    is not the first variant's says in its first note what it changed and why. A quantization the
+    model cannot have (gguf of a model not stored as Q8_0, Q4_0 or Q4_1) is a LayoutError.
     """
     tried: list[tuple[str, bool, ShardPlan | None, str]] = []
-    for quantization, offload in variants(spec):
+    for quantization, offload in variants(spec, facts):
         try:
-            result = _plan(spec, facts.quantized(quantization), nodes, keep, quantization, offload)
+            sized = facts.quantized(quantization)
+        except ModelFactsError as e:   # gguf asked of a model not stored in such blocks: name the field
+            raise LayoutError(f"serving.{e}") from None
+        try:
+            result = _plan(spec, sized, nodes, keep, quantization, offload)
         except LayoutError:
             raise                  # degrees that do not fit the model: no variant changes that
         except PlanError as e:
@@ -556,29 +565,36 @@ def plan(spec: ShardedModelSpec, facts: ModelFacts, nodes: Sequence[NodeInfo],
     return best
 
 
-def variants(spec: ShardedModelSpec) -> list[tuple[str, bool]]:
-    """(quantization, offload) pairs to plan with, preferred first: INT8 before streaming (it keeps
-    decode on the GPU's memory bandwidth; streaming is bound by the host link)."""
+def variants(spec: ShardedModelSpec, facts: ModelFacts) -> list[tuple[str, bool]]:
+    """(quantization, offload) pairs to plan with, preferred first. `auto`: the dtype, then a GGUF's
+    own blocks when the model is stored in Q8_0, Q4_0 or Q4_1 (no requantization, the file's own
+    values), then INT8; quantized before streaming (it keeps decode on the GPU's memory bandwidth;
+    streaming is bound by the host link)."""
     if spec.workload == "training":
         return [("none", False)]
     asked = spec.serving.quantization.value
-    quantizations = ["none", "int8"] if asked == "auto" else [asked]
+    if asked == "auto":
+        quantizations = ["none"] + (["gguf"] if facts.dtype in GGUF_NATIVE_BYTES else []) + ["int8"]
+    else:
+        quantizations = [asked]
     out = [(q, False) for q in quantizations]
-    if spec.serving.offload:
-        out.append((quantizations[-1], True))
+    if spec.serving.offload:   # streaming with the fewest bytes to stream (a Q4 GGUF's blocks beat INT8)
+        out.append((min(quantizations[1:], key=lambda q: facts.quantized(q).bytes_per_param)
+                    if len(quantizations) > 1 else quantizations[0], True))
     return out
 
 
 def _variant_note(spec: ShardedModelSpec, facts: ModelFacts, quantization: str, offload: bool,
                   result: ShardPlan, why: str) -> str:
     changes = []
-    if quantization == "int8" and spec.serving.quantization.value == "auto":
-        changes.append(f"int8 weights (serving.quantization auto; {facts.bytes_per_param:g} -> "
-                       f"{facts.quantized('int8').bytes_per_param:.2f} bytes a parameter)")
+    asked = spec.serving.quantization.value
+    if quantization != "none" and asked == "auto":
+        changes.append(f"{quantization} weights (serving.quantization auto; {facts.bytes_per_param:g} -> "
+                       f"{facts.quantized(quantization).bytes_per_param:.2f} bytes a parameter)")
     if offload:
         changes.append(f"{result.offload_budget / GiB:.1f} GiB of weights resident per GPU, the other decoder "
                        f"layers streamed from host memory (serving.offload)")
-    first = "in int8" if spec.serving.quantization.value == "int8" else f"at dtype {spec.dtype}"
+    first = f"in {asked}" if asked in ("int8", "gguf") else f"at dtype {spec.dtype}"
     return f"{' and '.join(changes)}, since {first}: {why}"
 
 

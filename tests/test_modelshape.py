@@ -6,6 +6,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,32 @@ def test_real_quantized_gguf():
     assert facts.params == 134_515_008                      # SmolLM2-135M, tied embeddings
     assert facts.dtype == "Q4_1" and 0.5 < facts.file_bytes / facts.params < 1   # with some F32 norms
     assert facts.bytes_per_param == 2                       # dequantized to bfloat16 on a GPU
+
+
+@pytest.mark.skipif(not SMOL_GGUF.exists(), reason="SmolLM2 GGUF not installed")
+def test_kept_q4_1_blocks_take_the_files_own_bytes_for_the_layer_matrices():
+    """spec.serving.quantization gguf: a Q4_1 file's layer matrices stay as small in memory as in the
+    file (20 bytes a 32-value block either way); the embedding and norms take the dtype's room."""
+    facts = modelfacts.from_gguf(SMOL_GGUF)
+    _, tensors = modelfacts.read_gguf_header(SMOL_GGUF)
+    layer_matrices = [(kind, dims[0] * dims[1]) for name, dims, kind in tensors
+                      if name.startswith("blk.") and len(dims) == 2]
+    in_file = sum(modelfacts._stored_bytes(kind, count) for kind, count in layer_matrices)
+    elements = sum(count for _, count in layer_matrices)
+    kept = facts.quantized("gguf")
+    assert kept.weight_bytes == pytest.approx(in_file + (facts.params - elements) * 2, abs=1)
+    assert facts.quantized("int8").weight_bytes > kept.weight_bytes
+
+
+@pytest.mark.parametrize("dtype,named", [("bfloat16", "bfloat16"), ("Q6_K", "Q6_K"), ("", "an unknown dtype")])
+def test_gguf_quantization_of_another_dtype_is_one_line(dtype, named):
+    facts = replace(modelfacts.from_hf_config(CONFIG), dtype=dtype)
+    with pytest.raises(ModelFactsError) as e:
+        facts.quantized("gguf")
+    assert str(e.value) == ("quantization gguf keeps a GGUF file's Q8_0, Q4_0 or Q4_1 blocks; "
+                            f"this model is stored as {named}")
+    with pytest.raises(ModelFactsError, match="'int4' is not one of none, int8, gguf$"):
+        facts.quantized("int4")
 
 
 def test_damaged_gguf_is_one_line_error(tmp_path):

@@ -1,15 +1,18 @@
 """Fitting a model onto fewer or smaller GPUs: spec.serving.quantization (the planner sizes INT8
-weights by the worker's rule, and with `auto` quantizes only when the GPUs cannot hold the model in
-spec.dtype) and spec.serving.offload (layers streamed from host memory, only when nothing else
-places every replica); a plan that uses either says so in its first note."""
+weights and a GGUF's kept Q8_0/Q4_0/Q4_1 blocks by the worker's rule, and with `auto` quantizes only
+when the GPUs cannot hold the model in spec.dtype, a GGUF's own blocks before INT8) and
+spec.serving.offload (layers streamed from host memory, only when nothing else places every
+replica); a plan that uses either says so in its first note."""
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 from pydantic import ValidationError
 
 from shardwise.crds.models import ShardedModelSpec
 from shardwise.crds.modelshape import from_hf_config
-from shardwise.operator.planner import CUDA_OVERHEAD, GiB, USABLE_FRACTION, PlanError, plan
+from shardwise.operator.planner import CUDA_OVERHEAD, GiB, USABLE_FRACTION, LayoutError, PlanError, plan
 from tests.test_planner import LLAMA_70B, SMOL, node
 
 LLAMA_8B = dict(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, hidden_size=4096,
@@ -117,3 +120,74 @@ def test_training_never_streams():
         "checkpoint": {"claim": "c"}, "serving": {"offload": True, "quantization": "int8"}})
     with pytest.raises(PlanError):
         plan(spec, LLAMA_70B, [node("n1", 1, memory_gib=48)])
+
+
+# ---------------------------------------------------------------- gguf: a GGUF file's own blocks
+
+# 70B as a Q4_1 GGUF: the shape and the dtype from_gguf reports for such a file, held in bf16 otherwise
+LLAMA_70B_Q4_1 = replace(LLAMA_70B, dtype="Q4_1")
+
+
+def brute_force_gguf_bytes(cfg: dict, tied: bool, block_bytes: float) -> float:
+    """Every tensor of a transformers Llama with these shapes, built on the meta device and counted
+    one by one: the decoder layers' 2-D weights at `block_bytes` an element, everything else
+    (embedding, LM head, norms) in bf16; a tied head is the embedding, counted once."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg, tie_word_embeddings=tied))
+    total = 0.0
+    for name, tensor in model.named_parameters():
+        in_layer_matrix = name.startswith("model.layers.") and tensor.dim() == 2
+        total += tensor.numel() * (block_bytes if in_layer_matrix else 2)
+    return total
+
+
+@pytest.mark.parametrize("qtype,block_bytes", [("Q4_1", 0.625), ("Q4_0", 0.625), ("Q8_0", 1.25)])
+@pytest.mark.parametrize("cfg,tied", [(LLAMA_8B, False), (dict(LLAMA_8B, hidden_size=2048, intermediate_size=8192,
+                                                                 num_hidden_layers=16), True)])
+def test_gguf_sizing_matches_every_tensor_counted(cfg, tied, qtype, block_bytes):
+    facts = replace(from_hf_config(dict(cfg, tie_word_embeddings=tied), "auto"), dtype=qtype)
+    assert facts.bytes_per_param == 2                      # dequantized, a GGUF would take bf16's room
+    gguf = facts.quantized("gguf")
+    assert gguf.weight_bytes == pytest.approx(brute_force_gguf_bytes(cfg, tied, block_bytes), rel=1e-6)
+    # Q4 blocks take less than INT8; Q8_0, held as two 4-bit planes, a little more
+    assert (gguf.weight_bytes < facts.quantized("int8").weight_bytes) == (qtype != "Q8_0")
+
+
+def test_auto_keeps_a_ggufs_blocks_before_int8_and_says_why():
+    nodes = [node("n1", 2, memory_gib=48)]       # 70B fits two 48 GiB GPUs in its Q4_1 blocks or int8, not bf16
+    with pytest.raises(PlanError, match="needs"):
+        plan(serving("none"), LLAMA_70B_Q4_1, nodes)
+    assert plan(serving("int8"), LLAMA_70B_Q4_1, nodes).quantization == "int8"
+    result = plan(serving("auto"), LLAMA_70B_Q4_1, nodes)
+    assert result.quantization == "gguf" and result.tensor * result.pipeline <= 2
+    assert result.memory_per_gpu < plan(serving("int8"), LLAMA_70B_Q4_1, nodes).memory_per_gpu
+    assert result.notes[0].startswith("gguf weights (serving.quantization auto; 2 -> 0.6")
+    assert "since at dtype auto: needs" in result.notes[0]
+
+
+def test_auto_on_a_bf16_model_never_keeps_gguf_blocks():
+    bf16 = replace(LLAMA_70B, dtype="bfloat16")
+    result = plan(serving("auto"), bf16, [node("n1", 2, memory_gib=48)])
+    assert result.quantization == "int8" and not any("gguf" in n for n in result.notes)
+    streamed = plan(serving("auto", offload=True), bf16, [node("n1", 1, memory_gib=48)])
+    assert streamed.quantization == "int8" and streamed.offload_budget > 0
+
+
+def test_streaming_a_q4_gguf_streams_its_blocks():
+    # one 48 GiB GPU holds 70B neither in Q4_1 blocks nor in int8: stream the fewer bytes, the blocks
+    result = plan(serving("auto", offload=True), LLAMA_70B_Q4_1, [node("n1", 1, memory_gib=48)])
+    assert result.quantization == "gguf" and result.offload_budget > 0
+    assert result.notes[0].startswith("gguf weights (serving.quantization auto; 2 -> 0.6")
+
+
+def test_gguf_for_a_model_not_stored_in_such_blocks_is_one_line():
+    bf16 = replace(SMOL, dtype="bfloat16")
+    with pytest.raises(LayoutError) as e:        # the operator reports it as an invalid spec, not short capacity
+        plan(serving("gguf"), bf16, [node("n1", 8)])
+    assert str(e.value) == ("serving.quantization gguf keeps a GGUF file's Q8_0, Q4_0 or Q4_1 blocks; "
+                            "this model is stored as bfloat16")
+    with pytest.raises(LayoutError, match="this model is stored as Q6_K$"):
+        plan(serving("gguf"), replace(SMOL, dtype="Q6_K"), [node("n1", 8)])
+    assert plan(serving("gguf"), replace(SMOL, dtype="Q8_0"), [node("n1", 8)]).quantization == "gguf"
