@@ -32,9 +32,13 @@ class Request:
     top_k: int = 0
     seed: int | None = None
     stop_ids: tuple[int, ...] = ()
+    logprobs: int | None = None          # None: none; k >= 0: each token's log-probability and the top k
     on_token: Callable[["Request", int], None] | None = None   # called on the engine thread
     id: int = field(default_factory=lambda: next(_ids))
     token_ids: list[int] = field(default_factory=list)        # generated tokens only
+    # with logprobs set: per generated token, (its log-probability, [(token id, log-probability)] of
+    # the top `logprobs` tokens, most likely first)
+    token_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
     created: float = field(default_factory=time.perf_counter)
@@ -81,6 +85,31 @@ def choose(logits: torch.Tensor, reqs: list[Request]) -> list[int]:
         return logits.argmax(-1).tolist()
     logits = logits.cpu()
     return [sample(logits[row], req) for row, req in enumerate(reqs)]
+
+
+def logprobs_of(logits: torch.Tensor, reqs: list[Request], tokens: list[int]) -> None:
+    """Appends to each request that asked (logprobs is not None) the log-probability of its chosen
+    token and its top-k alternatives, of the distribution the token was drawn from: log_softmax of
+    the logits divided by the temperature (of the raw logits for greedy rows; top-p/top-k
+    truncation is not applied). Only the rows that ask are computed, on the logits' own device;
+    rows that do not ask cost one attribute check."""
+    rows = [i for i, r in enumerate(reqs) if r.logprobs is not None]
+    if not rows:
+        return
+    asking = [reqs[i] for i in rows]
+    x = (logits if len(rows) == len(reqs) else logits[torch.tensor(rows, device=logits.device)]).float()
+    temps = torch.tensor([r.temperature if r.temperature > 0 else 1.0 for r in asking],
+                         dtype=torch.float32, device=x.device)
+    lsm = torch.log_softmax(x / temps[:, None], dim=-1)
+    chosen = torch.tensor([tokens[i] for i in rows], device=x.device)
+    picked = lsm.gather(1, chosen[:, None])[:, 0].tolist()
+    k = min(max(r.logprobs for r in asking), lsm.shape[-1])
+    if k > 0:
+        top = torch.topk(lsm, k, dim=-1)
+        values, ids = top.values.tolist(), top.indices.tolist()
+    for j, r in enumerate(asking):
+        alts = list(zip(ids[j][:r.logprobs], values[j][:r.logprobs])) if k > 0 and r.logprobs else []
+        r.token_logprobs.append((picked[j], alts))
 
 
 class Engine:
@@ -169,6 +198,7 @@ class Engine:
         else:
             self.stats["decode_tokens"] += len(reqs)
         tokens = choose(logits, reqs)
+        logprobs_of(logits, reqs, tokens)
         now = time.perf_counter()
         for req, token in zip(reqs, tokens):
             req.token_ids.append(token)

@@ -1,6 +1,8 @@
 """The OpenAI-compatible server on a TP=2 x PP=2 launch of a tiny model: answers equal
 transformers' greedy continuation, concurrent requests are batched without changing answers,
-SSE streams add up to the same text, bad requests get 4xx JSON and the server keeps serving."""
+logprobs equal transformers' log_softmax at every step, SSE streams add up to the same text, bad
+requests get 4xx JSON in OpenAI's one error shape and the server keeps serving. (The official
+`openai` client against a `shardwise serve` process: test_openai_client.py.)"""
 from __future__ import annotations
 
 import json
@@ -123,15 +125,55 @@ def test_chat_completion_streams_deltas(served):
     ("/v1/completions", b'[1, 2]', 400, "JSON object"),
     ("/v1/chat/completions", b'{"messages": "hi"}', 400, "messages"),
     ("/v1/completions", json.dumps({"prompt": "fox " * 400}).encode(), 400, "context"),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": 200}', 400, "maximum context length is 128 tokens"),
+    ("/v1/completions", b'{"prompt": "x", "model": "llama"}', 404, "'llama' does not exist"),
+    ("/v1/completions", b'{"prompt": "x", "n": 0}', 400, "from 1 to 16"),
+    ("/v1/completions", b'{"prompt": "x", "logprobs": 21}', 400, "from 0 to 20"),
+    ("/v1/completions", b'{"prompt": "x", "seed": 18446744073709551616}', 400, "'seed'"),
+    ("/v1/completions", b'{"prompt": "x", "echo": true}', 400, "'echo' is not supported"),
+    ("/v1/completions", b'{"prompt": "x", "stream_options": {"include_usage": true}}', 400, "'stream' is true"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "robot", "content": "x"}]}', 400,
+     "valid roles are: system, developer, user, assistant, tool"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', 400,
+     "only text"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}', 400,
+     "requires 'logprobs': true"),
+    ("/v1/completions", b'{"prompt": "a\\ud800b"}', 400, "surrogate"),
     ("/v1/nothing", b'{}', 404, "no route"),
 ])
 def test_bad_requests_get_4xx_json_and_the_server_keeps_serving(served, path, raw, status, words):
     base, _, _, _ = served
     got, body = _post(base + path, None, raw=raw)
     assert got == status
-    assert words in json.loads(body)["error"]["message"]
+    error = json.loads(body)["error"]
+    assert words in error["message"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
     ok, _ = _post(base + "/v1/completions", {"prompt": "the", "max_tokens": 2})
     assert ok == 200
+
+
+def test_logprobs_equal_transformers_at_every_step_while_batched(served):
+    """Under TP and PP, batched with requests that ask for none: each token's logprob and its top
+    alternatives are transformers' log_softmax of the same weights, step after step."""
+    from transformers import LlamaForCausalLM
+    base, path, app, _ = served
+    hf = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    body = {"prompt": PROMPTS[2], "max_tokens": 5, "temperature": 0, "logprobs": 3}
+    with ThreadPoolExecutor(3) as pool:
+        plain = [pool.submit(_post, base + "/v1/completions", {**body, "prompt": p, "logprobs": None})
+                 for p in PROMPTS[:2]]
+        status, raw = _post(base + "/v1/completions", body)
+        assert all(json.loads(f.result()[1])["choices"][0]["logprobs"] is None for f in plain)
+    assert status == 200
+    lp = json.loads(raw)["choices"][0]["logprobs"]
+    ids = app.tokenizer.encode(PROMPTS[2])
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0,
+                          output_logits=True, return_dict_in_generate=True)
+    for step, logits in enumerate(out.logits):
+        ref = torch.log_softmax(logits[0], -1)
+        assert lp["token_logprobs"][step] == pytest.approx(ref.max().item(), abs=1e-4)
+        assert list(lp["top_logprobs"][step].values()) == pytest.approx(ref.topk(3).values.tolist(), abs=1e-4)
 
 
 def test_metrics_report_latency_ttft_tokens_weights_and_communication(served):
