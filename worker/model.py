@@ -33,6 +33,8 @@ from torch import nn
 
 from shardwise.crds.modelshape import ModelFacts
 
+from .moe import MoEFeedForward
+
 
 @dataclass
 class ModelConfig:
@@ -51,6 +53,11 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     architecture: str = "llama"
+    # Mixture of experts (moe.py); num_experts 0: a dense model.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
 
     def __post_init__(self) -> None:
         if not self.head_dim:
@@ -67,7 +74,9 @@ class ModelConfig:
     def num_params(self) -> int:
         h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
         q = self.num_heads * self.head_dim
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size + 2 * h
+        mlp = (self.num_experts * 3 * h * self.moe_intermediate_size + h * self.num_experts
+               if self.num_experts else 3 * h * self.intermediate_size)
+        per_layer = h * (q + 2 * kv) + q * h + mlp + 2 * h
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + emb + h
 
@@ -446,7 +455,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attention = Attention(config)
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.feed_forward = FeedForward(config)
+        self.feed_forward = MoEFeedForward(config) if config.num_experts else FeedForward(config)
         # The tensor-parallel all-reduce of the attention and MLP outputs, set by parallel.py.
         # Module calls get it from forward hooks; decode below calls the
         # submodules' methods directly, so it applies it itself.

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .model import transposed_for_inference
+from .moe import MoEFeedForward, expert_degrees
 from .shm_allreduce import ShmAllReduce, connect
 
 
@@ -166,10 +167,15 @@ def tp_degrees(num_heads: int, num_kv_heads: int, limit: int = 64) -> list[int]:
 
 
 def check_tensor_parallel(config, tp: int) -> None:
+    degrees = tp_degrees(config.num_heads, config.num_kv_heads)
     if tp < 1 or config.num_heads % tp or config.num_kv_heads % tp:
-        ok = ", ".join(map(str, tp_degrees(config.num_heads, config.num_kv_heads)))
         raise ValueError(f"tensor parallel degree {tp} does not divide the model's {config.num_heads} "
-                         f"attention heads and {config.num_kv_heads} key/value heads; use one of: {ok}")
+                         f"attention heads and {config.num_kv_heads} key/value heads; use one of: "
+                         f"{', '.join(map(str, degrees))}")
+    if config.num_experts and config.num_experts % tp:
+        ok = ", ".join(map(str, expert_degrees(config.num_experts, degrees)))
+        raise ValueError(f"expert parallel degree {tp} (the tensor parallel degree: experts split across "
+                         f"its group) does not divide the model's {config.num_experts} experts; use one of: {ok}")
 
 
 def apply_tensor_parallel(model: nn.Module, rank: int, world: int, group=None) -> nn.Module:
@@ -183,10 +189,18 @@ def apply_tensor_parallel(model: nn.Module, rank: int, world: int, group=None) -
     col, row = Shard(0, rank, world), Shard(1, rank, world)
     for idx, block in model.layers.items():
         att, ffn = block.attention, block.feed_forward
-        for name, lin, shard in (("attention.wq", att.wq, col), ("attention.wk", att.wk, col),
-                                 ("attention.wv", att.wv, col), ("attention.wo", att.wo, row),
-                                 ("feed_forward.w1", ffn.w1, col), ("feed_forward.w3", ffn.w3, col),
-                                 ("feed_forward.w2", ffn.w2, row)):
+        linears = [("attention.wq", att.wq, col), ("attention.wk", att.wk, col),
+                   ("attention.wv", att.wv, col), ("attention.wo", att.wo, row)]
+        if isinstance(ffn, MoEFeedForward):
+            # Expert parallel over the same group: whole experts per rank (moe.py says why).
+            for name in ("w1", "w3", "w2"):
+                setattr(ffn, name, _narrow_param(getattr(ffn, name), col))
+                shards[f"layers.{idx}.feed_forward.{name}"] = col
+            ffn.expert_start = col.bounds(ffn.num_experts)[0]
+        else:
+            linears += [("feed_forward.w1", ffn.w1, col), ("feed_forward.w3", ffn.w3, col),
+                        ("feed_forward.w2", ffn.w2, row)]
+        for name, lin, shard in linears:
             lin.weight = _narrow_param(lin.weight, shard)
             lin.in_features, lin.out_features = lin.weight.shape[1], lin.weight.shape[0]
             shards[f"layers.{idx}.{name}.weight"] = shard

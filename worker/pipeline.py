@@ -37,7 +37,8 @@ OP_STEP, OP_SETUP, OP_STOP = 1, 2, 3
 DECODE_MODES = ("auto", "eager", "graphs", "compile")
 
 
-def decode_mode(requested: str, device_type: str, tensor: int, streamed: bool = False) -> str:
+def decode_mode(requested: str, device_type: str, tensor: int, streamed: bool = False,
+                experts: bool = False) -> str:
     """How a stage runs its decode steps (one new token per row):
       eager    each op launched from Python;
       graphs   CUDA only: each step replayed as a CUDA graph (cuda_graphs.py);
@@ -46,7 +47,9 @@ def decode_mode(requested: str, device_type: str, tensor: int, streamed: bool = 
       auto     graphs on CUDA, eager on CPU.
     Tensor-parallel CUDA stages stay eager: their all-reduces sit inside the step. So do stages
     that stream layers from host memory (`streamed`, offload.py): a graph would replay one step's
-    copies and slot bindings, not the next one's."""
+    copies and slot bindings, not the next one's. And so do mixture-of-experts stages (`experts`,
+    moe.py): which tokens each expert runs is decided on the host every step, a data-dependent
+    shape no graph can replay."""
     if requested not in DECODE_MODES:
         raise WorkerError(f"unknown decode mode {requested!r} (use one of: {', '.join(DECODE_MODES)})")
     if requested == "graphs" and device_type != "cuda":
@@ -54,7 +57,10 @@ def decode_mode(requested: str, device_type: str, tensor: int, streamed: bool = 
     if streamed and requested in ("graphs", "compile"):
         raise WorkerError(f"--decode {requested} cannot run layers streamed from host memory "
                           f"(--offload-budget); use --decode eager or auto")
-    if streamed:
+    if experts and requested in ("graphs", "compile"):
+        raise WorkerError(f"--decode {requested} cannot run a mixture-of-experts model (its tokens "
+                          f"are routed to experts on the host each step); use --decode eager or auto")
+    if streamed or experts:
         return "eager"
     if requested == "auto":
         requested = "graphs" if device_type == "cuda" else "eager"
@@ -142,7 +148,8 @@ class Stage:
         self.pending: deque = deque()        # rank 0: launched steps whose logits are not back yet
         # gloo moves CPU tensors, NCCL device tensors.
         self.comm_device = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
-        self.decode = decode_mode(decode, self.device.type, info.tensor, model.before_layer is not None)
+        self.decode = decode_mode(decode, self.device.type, info.tensor, model.before_layer is not None,
+                                  model.config.num_experts > 0)
         self.graphed: GraphedDecode | None = None
         if self.decode in ("graphs", "compile") and self.device.type == "cuda":
             # Decode is launch-bound on a GPU: replay each step as a CUDA graph (cuda_graphs.py).

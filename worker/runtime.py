@@ -201,7 +201,8 @@ def validate(spec: RankSpec):
     if spec.dtype != "auto" and spec.dtype not in DTYPES:
         raise WorkerError(f"unknown dtype {spec.dtype!r} (use one of: auto, {', '.join(DTYPES)})")
     spec.dtype = in_memory_dtype(spec.dtype, source.dtype, spec.device)
-    decode_mode(spec.decode, spec.device, spec.tensor, spec.offload_budget > 0)   # one line now, not per rank
+    decode_mode(spec.decode, spec.device, spec.tensor, spec.offload_budget > 0,   # one line now, not per rank
+                source.config.num_experts > 0)
     check_method(spec.quantize)
     if spec.quantize == "gguf":
         check_gguf_blocks(source, spec.dtype)

@@ -225,6 +225,9 @@ class Trainer:
         self.emit = emit or (lambda rec: None)
         source = self.source = open_model(opts.model)
         self.config = source.config
+        if self.config.num_experts:
+            raise WorkerError(f"{opts.model}: training mixture-of-experts models is not supported yet "
+                              f"(serving them is: shardwise generate / serve)")
         check_layout(self.config, opts.tensor, opts.pipeline)
         problem = opts.problem(self.config.num_layers)
         if problem:

@@ -1,0 +1,112 @@
+"""Mixture-of-experts models (worker/moe.py): greedy parity with transformers for random-weight
+Mixtral-shaped models under expert parallel (EP = TP) x pipeline stages, what a rank holds of the
+experts, and one-line errors on bad input. Real processes talking torch.distributed throughout."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from shardwise.worker.errors import WorkerError
+from shardwise.worker.runtime import LocalRuntime, RankSpec, generate_local, validate
+
+PROMPTS = [[1, 5, 9, 22, 7, 40, 3], [3, 4], [100, 2, 77, 61]]
+NEW_TOKENS = 12
+
+# name -> (experts, experts per token, kv heads). Odd and non-power-of-two expert counts, top-2
+# (Mixtral's own) and top-8.
+SHAPES = {"8e-top2": (8, 2, 4), "5e-top2": (5, 2, 2), "12e-top8": (12, 8, 4)}
+
+
+def _mixtral(tmp_path_factory, name: str) -> tuple[str, list[list[int]]]:
+    from transformers import MixtralConfig, MixtralForCausalLM
+    experts, top_k, kv = SHAPES[name]
+    torch.manual_seed(len(name) + experts)
+    config = MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=kv, num_local_experts=experts,
+                           num_experts_per_tok=top_k, max_position_embeddings=128)
+    model = MixtralForCausalLM(config).eval()
+    with torch.no_grad():     # a router that prefers some experts, as trained ones do
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.mul_(4)
+    path = tmp_path_factory.mktemp(name)
+    model.save_pretrained(path)
+    ref = []
+    with torch.no_grad():
+        for p in PROMPTS:
+            out = model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)
+            ref.append(out[0, len(p):].tolist())
+    return str(path), ref
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return {name: _mixtral(tmp_path_factory, name) for name in SHAPES}
+
+
+@pytest.mark.parametrize("name,ep,pp", [("8e-top2", 1, 1), ("8e-top2", 2, 1), ("8e-top2", 4, 1),
+                                        ("8e-top2", 2, 2), ("8e-top2", 4, 2), ("5e-top2", 1, 2),
+                                        ("12e-top8", 2, 1), ("12e-top8", 4, 2)])
+def test_mixtral_greedy_tokens_match_transformers(models, name, ep, pp):
+    path, ref = models[name]
+    got, _ = generate_local(RankSpec(path, ep, pp, max_batch=len(PROMPTS), max_seq=64), PROMPTS, NEW_TOKENS)
+    assert got == ref
+
+
+def test_a_rank_holds_its_share_of_the_experts(models):
+    path, _ = models["8e-top2"]
+    stacks = {}
+    for ep in (1, 4):
+        with LocalRuntime(RankSpec(path, ep, 1, max_batch=1, max_seq=16)) as ctx:
+            ffn = ctx.stage.model.layers["0"].feed_forward
+            stacks[ep] = ffn.w1.numel() + ffn.w2.numel() + ffn.w3.numel()
+            assert ffn.w1.shape[0] == 8 // ep and ffn.expert_start == 0       # rank 0: the first experts
+    assert stacks[4] * 4 == stacks[1]
+
+
+def test_expert_counts_follow_the_router(models):
+    """Every token goes to top-k experts: the counts over the experts held sum to tokens x k."""
+    path, _ = models["8e-top2"]
+    with LocalRuntime(RankSpec(path, 1, 1, max_batch=1, max_seq=32)) as ctx:
+        from shardwise.worker.engine import Engine, Request
+        Engine(ctx.stage, 1, ctx.max_seq, []).generate([Request(PROMPTS[0], max_new_tokens=4)])
+        counts = ctx.stage.model.layers["0"].feed_forward.tokens_per_expert
+        # 7 prompt tokens, then 3 decode steps of one token (the 4th token is never fed back)
+        assert int(counts.sum()) == (len(PROMPTS[0]) + 3) * 2
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_expert_degree_that_does_not_divide_lists_the_ones_that_do(models):
+    path, _ = models["5e-top2"]
+    with pytest.raises(WorkerError) as e:
+        validate(RankSpec(path, 2, 1))
+    assert str(e.value) == ("expert parallel degree 2 (the tensor parallel degree: experts split across its "
+                            "group) does not divide the model's 5 experts; use one of: 1")
+    path, _ = models["12e-top8"]
+    with pytest.raises(WorkerError) as e:
+        validate(RankSpec(path, 8, 1))
+    assert "does not divide the model's 4 attention heads" in str(e.value)
+
+
+def test_unsupported_moe_architecture_is_named_in_one_line(tmp_path):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    config = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, num_experts=4,
+                            num_experts_per_tok=2)
+    Qwen3MoeForCausalLM(config).save_pretrained(tmp_path)
+    p = subprocess.run([sys.executable, "-m", "shardwise", "generate", "--model", str(tmp_path), "--prompt", "x"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "Traceback" not in p.stderr
+    assert f"{tmp_path}: unsupported architecture 'Qwen3MoeForCausalLM' (supported: LlamaForCausalLM, " \
+           f"MixtralForCausalLM)" in p.stderr
+
+
+def test_graphs_on_a_moe_model_is_refused_in_one_line(models):
+    path, _ = models["8e-top2"]
+    with pytest.raises(WorkerError) as e:
+        validate(RankSpec(path, decode="compile"))
+    assert "cannot run a mixture-of-experts model" in str(e.value)

@@ -1,0 +1,77 @@
+"""Mixture-of-experts feed-forward (Mixtral, Qwen-MoE): a router picks `k` of `E` SwiGLU experts
+for each token and the token's output is their weighted sum.
+
+The experts' weights are stacked along a leading expert dimension (w1, w3 [E, I, H]; w2
+[E, H, I]), so expert parallelism is a split of that dimension, recorded like tensor
+parallelism's splits (parallel.apply_tensor_parallel): each rank of a tensor-parallel group holds
+E / degree whole experts, and the loader reads only those experts' tensors.
+
+Why no all-to-all: attention's output is all-reduced, so every rank of the group already holds
+every token. Each rank routes all of them (the router is replicated and deterministic), runs the
+tokens that chose its own experts, and the partial sums are all-reduced with the same hook as a
+dense MLP's row-parallel output: one all-reduce of [tokens, hidden] per layer, the bytes a dense
+TP layer moves, and no dispatch step. An all-to-all pays off when tokens are sharded across ranks
+(sequence or data parallel inside the group), which inference here does not do.
+
+Routing follows transformers' Mixtral and Qwen-MoE: softmax over all experts in float32, the top
+k, renormalised to sum to one when the checkpoint says so (`norm_topk_prob`; Mixtral always does).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def expert_degrees(num_experts: int, tensor_degrees: list[int]) -> list[int]:
+    """The tensor-parallel degrees that also split `num_experts` evenly (EP = TP)."""
+    return [d for d in tensor_degrees if num_experts % d == 0]
+
+
+class MoEFeedForward(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        h, i, e = config.hidden_size, config.moe_intermediate_size, config.num_experts
+        self.top_k = config.experts_per_token
+        self.norm_topk_prob = config.norm_topk_prob
+        self.num_experts = e                      # all of them: the router scores every expert
+        self.expert_start = 0                     # the first expert this rank holds (set by parallel.py)
+        self.router = nn.Linear(h, e, bias=False)
+        self.w1 = nn.Parameter(torch.empty(e, i, h))     # gate
+        self.w3 = nn.Parameter(torch.empty(e, i, h))     # up
+        self.w2 = nn.Parameter(torch.empty(e, h, i))     # down
+        # Tokens routed to each expert since the model was loaded (load balance): this rank
+        # counts its own experts. A plain tensor, made on first use: the model is built on meta.
+        self.tokens_per_expert: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        """model.fuse_for_inference: nothing to concatenate (each expert runs on its own tokens)."""
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (weights [T, k] in x's dtype, experts [T, k] global expert indices)."""
+        probs = torch.softmax(F.linear(x, self.router.weight).float(), dim=-1)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), experts
+
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> this rank's experts' share of the output [T, H] (all-reduced by the caller
+        under expert parallelism)."""
+        weights, experts = self.route(x)
+        out = torch.zeros_like(x)
+        local = experts - self.expert_start
+        held = self.w1.shape[0]
+        counts = torch.bincount(local[(local >= 0) & (local < held)], minlength=held)
+        if self.tokens_per_expert is None:
+            self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.long, device=x.device)
+        self.tokens_per_expert[self.expert_start:self.expert_start + held] += counts
+        for e in counts.nonzero().flatten().tolist():          # only experts that got tokens
+            token, slot = (local == e).nonzero(as_tuple=True)
+            h = x[token]
+            y = (F.silu(h @ self.w1[e].t()) * (h @ self.w3[e].t())) @ self.w2[e].t()
+            out.index_add_(0, token, y * weights[token, slot, None])
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decode(x.reshape(-1, x.shape[-1])).view(x.shape)
