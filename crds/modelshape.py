@@ -72,6 +72,13 @@ class ModelFacts:
     source: str = ""
     dtype: str = ""                # as stored: "bfloat16", "float32", a GGUF quantization ("Q4_1"); "" unknown
     file_bytes: int = 0            # the weights as stored (a quantized GGUF's own size); 0 unknown
+    experts: int = 0               # mixture of experts: experts per layer (0: a dense model)
+
+    def tensor_fits(self, tensor: int) -> bool:
+        """Whether a tensor-parallel degree splits the model: it divides the attention and KV
+        heads and, for a mixture of experts, the experts (expert parallel runs on the same group)."""
+        return tensor >= 1 and self.heads % tensor == 0 and self.kv_heads % tensor == 0 \
+            and (not self.experts or self.experts % tensor == 0)
 
     @property
     def head_dim(self) -> int:
@@ -115,6 +122,8 @@ class ModelFacts:
         the compute dtype). bytes_per_param becomes the average over the whole model."""
         if method in ("", "none"):
             return self
+        if self.experts and method in ("int8", "gguf"):   # the worker quantizes dense layers only
+            raise ModelFactsError(f"quantization {method} does not cover mixture-of-experts layers yet; use none")
         if method == "int8":
             return self._layer_matrices_at(1, row_bytes=4)
         if method == "gguf":
@@ -173,10 +182,14 @@ def _checked(name: str, value: Any, kind: str) -> Any:
 
 
 def llama_params(layers: int, heads: int, kv_heads: int, hidden: int, intermediate: int, vocab: int,
-                 tied: bool) -> int:
-    head_dim = hidden // heads
+                 tied: bool, head_dim: int = 0, experts: int = 0) -> int:
+    """Parameters of a Llama-family model; with `experts`, each layer's MLP is that many SwiGLU
+    experts of `intermediate` plus a router (Mixtral). The worker counts its models with this too."""
+    head_dim = head_dim or hidden // heads
     attention = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2  # q, o, k, v
     mlp = 3 * hidden * intermediate                                               # gate, up, down
+    if experts:
+        mlp = experts * mlp + hidden * experts                                    # experts, router
     layer = attention + mlp + 2 * hidden                                          # two RMSNorms
     return vocab * hidden + layers * layer + hidden + (0 if tied else vocab * hidden)
 
@@ -192,11 +205,13 @@ def from_hf_config(config: dict[str, Any], dtype: str = "auto", source: str = "c
         raise ModelFactsError(f"{source}: missing or bad {e} (expected a Llama-family config)") from None
     kv_heads = int(config.get("num_key_value_heads") or heads)
     intermediate = int(config.get("intermediate_size") or 4 * hidden)
+    experts = int(config.get("num_local_experts") or 0)        # Mixtral: each expert of intermediate_size
     tied = bool(config.get("tie_word_embeddings", False))
     stored = hf_dtype(config)
-    params = llama_params(layers, heads, kv_heads, hidden, intermediate, vocab, tied)
+    params = llama_params(layers, heads, kv_heads, hidden, intermediate, vocab, tied,
+                          int(config.get("head_dim") or 0), experts)
     return ModelFacts(layers=layers, heads=heads, kv_heads=kv_heads, hidden=hidden, vocab=vocab,
-                      intermediate=intermediate, params=params,
+                      intermediate=intermediate, params=params, experts=experts,
                       bytes_per_param=DTYPE_BYTES[in_memory_dtype(dtype, stored, "cuda")],
                       tied_embeddings=tied, source=source, dtype=stored,
                       file_bytes=params * DTYPE_BYTES.get(stored, 0))

@@ -207,8 +207,7 @@ def candidate_layouts(spec: ShardedModelSpec, facts: ModelFacts, nodes: Sequence
     if spec.parallelism.tensor:
         tensors = [spec.parallelism.tensor]
     else:
-        tensors = [t for t in range(1, max(1, largest_block) + 1)
-                   if facts.heads % t == 0 and facts.kv_heads % t == 0]
+        tensors = [t for t in range(1, max(1, largest_block) + 1) if facts.tensor_fits(t)]
     if spec.parallelism.pipeline:
         return [make_layout(facts, spec, t, spec.parallelism.pipeline, roomy(t, spec.parallelism.pipeline)) for t in tensors]
     single, multi = [], []
@@ -574,7 +573,8 @@ def variants(spec: ShardedModelSpec, facts: ModelFacts) -> list[tuple[str, bool]
         return [("none", False)]
     asked = spec.serving.quantization.value
     if asked == "auto":
-        quantizations = ["none"] + (["gguf"] if facts.dtype in GGUF_NATIVE_BYTES else []) + ["int8"]
+        quantizations = ["none"] + ([] if facts.experts else            # (MoE layers: not quantized yet)
+                                    (["gguf"] if facts.dtype in GGUF_NATIVE_BYTES else []) + ["int8"])
     else:
         quantizations = [asked]
     out = [(q, False) for q in quantizations]
@@ -671,9 +671,10 @@ def _check_layout(spec: ShardedModelSpec, facts: ModelFacts) -> None:
     """The degrees the spec names must fit the model's heads and layers, whatever the capacity:
     one line naming the spec's field and what would work."""
     if spec.parallelism.tensor:
-        for name, count in (("attention heads", facts.heads), ("KV heads", facts.kv_heads)):
-            if count % spec.parallelism.tensor:
-                fitting = ", ".join(map(str, _divisors(math.gcd(facts.heads, facts.kv_heads))))
+        for name, count in (("attention heads", facts.heads), ("KV heads", facts.kv_heads),
+                            ("experts (expert parallel splits them over the tensor group)", facts.experts)):
+            if count and count % spec.parallelism.tensor:
+                fitting = ", ".join(map(str, _divisors(math.gcd(facts.heads, facts.kv_heads, facts.experts))))
                 raise LayoutError(f"parallelism.tensor {spec.parallelism.tensor} does not divide the model's "
                                   f"{count} {name}; use one of {fitting}")
     if spec.parallelism.pipeline and spec.parallelism.pipeline > facts.layers:
@@ -720,7 +721,8 @@ def _layouts(spec: ShardedModelSpec, facts: ModelFacts, pool, kept: dict[int, li
     if not layouts:
         raise LayoutError(f"no tensor degree up to the largest free block of "
                           f"{max(n.free for n in pool.nodes)} GPUs divides the model's "
-                          f"{facts.heads} attention and {facts.kv_heads} KV heads")
+                          f"{facts.heads} attention and {facts.kv_heads} KV heads"
+                          + (f" and {facts.experts} experts" if facts.experts else ""))
     return _fit_schedule(spec, facts, layouts)
 
 
@@ -829,4 +831,5 @@ def _explain_layout(spec: ShardedModelSpec, facts: ModelFacts, layout: Layout, n
     return (f"tensor {layout.tensor} ({how(spec.parallelism.tensor)}) × pipeline {layout.pipeline} "
             f"({how(spec.parallelism.pipeline)}): {facts.params / 1e9:.2f}B "
             f"parameters at {facts.bytes_per_param:.2f} bytes need {layout.memory / GiB:.1f} GiB per GPU "
-            f"({spec.workload}); tensor divides {facts.heads} heads and {facts.kv_heads} KV heads")
+            f"({spec.workload}); tensor divides {facts.heads} heads and {facts.kv_heads} KV heads"
+            + (f" and {facts.experts} experts" if facts.experts else ""))

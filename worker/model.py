@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardwise.crds.modelshape import ModelFacts
+from shardwise.crds.modelshape import ModelFacts, llama_params
 
 from .moe import MoEFeedForward
 
@@ -72,13 +72,9 @@ class ModelConfig:
 
     @property
     def num_params(self) -> int:
-        h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
-        q = self.num_heads * self.head_dim
-        mlp = (self.num_experts * 3 * h * self.moe_intermediate_size + h * self.num_experts
-               if self.num_experts else 3 * h * self.intermediate_size)
-        per_layer = h * (q + 2 * kv) + q * h + mlp + 2 * h
-        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + emb + h
+        return llama_params(self.num_layers, self.num_heads, self.num_kv_heads, self.hidden_size,
+                            self.moe_intermediate_size if self.num_experts else self.intermediate_size,
+                            self.vocab_size, self.tie_word_embeddings, self.head_dim, self.num_experts)
 
     def facts(self) -> ModelFacts:
         """This model's shape as the planner sees it, so that the worker splits layers with the
@@ -87,7 +83,7 @@ class ModelConfig:
         return ModelFacts(layers=self.num_layers, heads=self.num_heads, kv_heads=self.num_kv_heads,
                           hidden=self.hidden_size, vocab=self.vocab_size, intermediate=self.intermediate_size,
                           params=self.num_params, bytes_per_param=0, tied_embeddings=self.tie_word_embeddings,
-                          source="worker model config")
+                          source="worker model config", experts=self.num_experts)
 
 
 class RMSNorm(nn.Module):

@@ -204,6 +204,8 @@ def validate(spec: RankSpec):
     decode_mode(spec.decode, spec.device, spec.tensor, spec.offload_budget > 0,   # one line now, not per rank
                 source.config.num_experts > 0)
     check_method(spec.quantize)
+    if spec.quantize != "none" and source.config.num_experts:
+        raise WorkerError(f"--quantize {spec.quantize} does not cover mixture-of-experts layers yet; use none")
     if spec.quantize == "gguf":
         check_gguf_blocks(source, spec.dtype)
     return source

@@ -110,3 +110,10 @@ def test_graphs_on_a_moe_model_is_refused_in_one_line(models):
     with pytest.raises(WorkerError) as e:
         validate(RankSpec(path, decode="compile"))
     assert "cannot run a mixture-of-experts model" in str(e.value)
+
+
+def test_quantizing_a_moe_model_is_refused_in_one_line(models):
+    path, _ = models["8e-top2"]
+    with pytest.raises(WorkerError) as e:
+        validate(RankSpec(path, quantize="int8"))
+    assert str(e.value) == "--quantize int8 does not cover mixture-of-experts layers yet; use none"
