@@ -40,8 +40,9 @@ class MoEFeedForward(nn.Module):
         self.w1 = nn.Parameter(torch.empty(e, i, h))     # gate
         self.w3 = nn.Parameter(torch.empty(e, i, h))     # up
         self.w2 = nn.Parameter(torch.empty(e, h, i))     # down
-        # Tokens routed to each expert since the model was loaded (load balance): this rank
-        # counts its own experts. A plain tensor, made on first use: the model is built on meta.
+        # Tokens routed to each expert of the layer since the model was loaded (load balance;
+        # /metrics). Every rank of the group routes every token, so each counts all experts, not
+        # only its own. A plain tensor, made on first use: the model is built on meta.
         self.tokens_per_expert: torch.Tensor | None = None
 
     def fuse(self) -> None:
@@ -62,11 +63,12 @@ class MoEFeedForward(nn.Module):
         out = torch.zeros_like(x)
         local = experts - self.expert_start
         held = self.w1.shape[0]
-        counts = torch.bincount(local[(local >= 0) & (local < held)], minlength=held)
+        counts = torch.bincount(experts.flatten(), minlength=self.num_experts)
         if self.tokens_per_expert is None:
             self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.long, device=x.device)
-        self.tokens_per_expert[self.expert_start:self.expert_start + held] += counts
-        for e in counts.nonzero().flatten().tolist():          # only experts that got tokens
+        self.tokens_per_expert += counts
+        mine = counts[self.expert_start:self.expert_start + held]
+        for e in mine.nonzero().flatten().tolist():             # only experts that got tokens
             token, slot = (local == e).nonzero(as_tuple=True)
             h = x[token]
             y = (F.silu(h @ self.w1[e].t()) * (h @ self.w3[e].t())) @ self.w2[e].t()
@@ -75,3 +77,19 @@ class MoEFeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.decode(x.reshape(-1, x.shape[-1])).view(x.shape)
+
+
+def expert_load(model: nn.Module) -> dict[str, list[int]]:
+    """Tokens routed to each expert so far, by layer name, for the MoE layers `model` holds."""
+    out = {}
+    for name, layer in getattr(model, "layers", {}).items():
+        ffn = getattr(layer, "feed_forward", None)
+        if isinstance(ffn, MoEFeedForward) and ffn.tokens_per_expert is not None:
+            out[name] = ffn.tokens_per_expert.tolist()
+    return out
+
+
+def imbalance(counts: list[int]) -> float:
+    """max / mean tokens per expert: 1 when every expert gets the same share, E when one gets all."""
+    total = sum(counts)
+    return max(counts) * len(counts) / total if total else 1.0

@@ -58,6 +58,31 @@ class BadRequest(Exception):
         self.status, self.param, self.code = status, param, code
 
 
+class ExpertLoad:
+    """Prometheus collector of a mixture-of-experts model's load balance, read at scrape time from
+    the layers rank 0 holds (with pipeline stages: the first stage's layers):
+    shardwise_expert_tokens_total{layer,expert} and shardwise_expert_imbalance{layer} (max/mean)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        from .moe import expert_load, imbalance
+        tokens = CounterMetricFamily("shardwise_expert_tokens", "Tokens routed to each expert",
+                                     labels=["layer", "expert"])
+        ratio = GaugeMetricFamily("shardwise_expert_imbalance",
+                                  "Most tokens any expert got over the mean per expert (1: balanced)",
+                                  labels=["layer"])
+        model = self.model()
+        for layer, counts in (expert_load(model) if model is not None else {}).items():
+            for e, n in enumerate(counts):
+                tokens.add_metric([layer, str(e)], n)
+            ratio.add_metric([layer], imbalance(counts))
+        return [tokens, ratio]
+
+
 class Metrics:
     def __init__(self):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -79,6 +104,8 @@ class Metrics:
         self.running = Gauge("shardwise_running_requests", "Requests being decoded", registry=r)
         self.waiting = Gauge("shardwise_waiting_requests", "Requests waiting for a cache slot", registry=r)
         self.ready = Gauge("shardwise_ready", "1 once every rank has loaded", registry=r)
+        self.model = None          # rank 0's stage, for the mixture-of-experts load (ExpertLoad)
+        r.register(ExpertLoad(lambda: self.model))
         self._window: deque = deque()
         self._lock = threading.Lock()
 
@@ -219,6 +246,7 @@ class App:
             self.metrics.weight_bytes.labels(rank=str(r["rank"]), stage=str(r["stage"]),
                                              tp_rank=str(r["tp_rank"])).set(r["weight_bytes"])
         self.engine = engine
+        self.metrics.model = engine.stage.model
         self.ready.set()
         self.metrics.ready.set(1)
 

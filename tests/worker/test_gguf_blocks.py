@@ -108,7 +108,7 @@ def smollm2_files(tmp_path_factory):
 
 
 @pytest.mark.parametrize("qtype,tp,pp", [("Q4_1", 1, 1), ("Q4_1", 1, 2), ("Q4_1", 3, 1), ("Q4_1", 3, 2),
-                                         ("Q8_0", 1, 1), ("Q8_0", 3, 2)])
+                                         ("Q8_0", 1, 1), ("Q8_0", 1, 2), ("Q8_0", 3, 1), ("Q8_0", 3, 2)])
 def test_smollm2_blocks_match_the_dequantized_model(smollm2_files, qtype, tp, pp):
     prompts, text, files, refs = smollm2_files
     ref_tokens, ref_ppl, ref_bytes = refs[qtype]

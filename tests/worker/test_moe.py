@@ -3,6 +3,7 @@ Mixtral-shaped models under expert parallel (EP = TP) x pipeline stages, what a 
 experts, and one-line errors on bad input. Real processes talking torch.distributed throughout."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -67,7 +68,7 @@ def test_a_rank_holds_its_share_of_the_experts(models):
 
 
 def test_expert_counts_follow_the_router(models):
-    """Every token goes to top-k experts: the counts over the experts held sum to tokens x k."""
+    """Every token goes to top-k experts: the counts over all experts sum to tokens x k."""
     path, _ = models["8e-top2"]
     with LocalRuntime(RankSpec(path, 1, 1, max_batch=1, max_seq=32)) as ctx:
         from shardwise.worker.engine import Engine, Request
@@ -117,3 +118,57 @@ def test_quantizing_a_moe_model_is_refused_in_one_line(models):
     with pytest.raises(WorkerError) as e:
         validate(RankSpec(path, quantize="int8"))
     assert str(e.value) == "--quantize int8 does not cover mixture-of-experts layers yet; use none"
+
+
+# ---------------------------------------------------------------- load balance in /metrics
+
+
+def test_metrics_show_tokens_per_expert_and_the_imbalance(tmp_path):
+    """A served Mixtral-shaped model under EP 2: /metrics counts, per layer, the tokens routed to
+    every expert (rank 0 routes all tokens, so it counts the experts it does not hold too) and the
+    max/mean imbalance."""
+    import re
+    import shutil
+    import threading
+
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from shardwise.worker.server import App, Server, run_engine
+    from shardwise.worker.tiny import write_tiny_model
+    from shardwise.worker.tokenizer import load_tokenizer
+
+    from .test_server import TEXT, _get, _post
+    tiny = write_tiny_model(tmp_path / "tiny", TEXT, layers=1)           # for its tokenizer
+    vocab = json.loads((tiny / "config.json").read_text())["vocab_size"]
+    torch.manual_seed(0)
+    MixtralForCausalLM(MixtralConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=4, num_local_experts=4,
+                                     num_experts_per_tok=2)).save_pretrained(tmp_path / "moe")
+    shutil.copy(tiny / "tokenizer.json", tmp_path / "moe")
+    runtime = LocalRuntime(RankSpec(str(tmp_path / "moe"), 2, 1, max_batch=2, max_seq=64))
+    app = App("moe", load_tokenizer(runtime.source))
+    server = Server(app, "127.0.0.1", 0).start()
+    stop = threading.Event()
+    loop = threading.Thread(target=run_engine, args=(app, runtime.start(), stop, 2), daemon=True)
+    loop.start()
+    try:
+        assert app.ready.wait(60)
+        base = f"http://127.0.0.1:{server.port}"
+        status, body = _post(base + "/v1/completions", {"prompt": "the quick brown fox", "max_tokens": 6,
+                                                        "temperature": 0})
+        assert status == 200, body
+        usage = json.loads(body)["usage"]
+        fed = usage["prompt_tokens"] + usage["completion_tokens"] - 1     # the last token is never fed back
+        status, text = _get(base + "/metrics")
+        text = text.decode()
+        for layer in ("0", "1"):
+            counts = [int(float(n)) for e in range(4) for n in re.findall(
+                rf'^shardwise_expert_tokens_total{{expert="{e}",layer="{layer}"}} (\S+)$', text, re.M)]
+            assert len(counts) == 4 and sum(counts) == fed * 2, (layer, counts, text)
+            ratio = float(re.search(rf'^shardwise_expert_imbalance{{layer="{layer}"}} (\S+)$', text, re.M).group(1))
+            assert ratio == pytest.approx(max(counts) / (sum(counts) / 4))
+    finally:
+        stop.set()
+        loop.join(30)
+        runtime.stop()
+        server.close()
