@@ -19,6 +19,8 @@ from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, BinaryIO, Iterable
 
+# HF model types whose attention normalises each query and key head (the worker: ModelConfig.qk_norm)
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1}
 # Bytes per weight of a decoder-layer matrix kept in a GGUF file's blocks (spec.serving.quantization
 # gguf, the worker's --quantize gguf): the one definition of that layout's size, which the planner
@@ -182,7 +184,7 @@ def _checked(name: str, value: Any, kind: str) -> Any:
 
 
 def llama_params(layers: int, heads: int, kv_heads: int, hidden: int, intermediate: int, vocab: int,
-                 tied: bool, head_dim: int = 0, experts: int = 0) -> int:
+                 tied: bool, head_dim: int = 0, experts: int = 0, qk_norm: bool = False) -> int:
     """Parameters of a Llama-family model; with `experts`, each layer's MLP is that many SwiGLU
     experts of `intermediate` plus a router (Mixtral). The worker counts its models with this too."""
     head_dim = head_dim or hidden // heads
@@ -190,7 +192,7 @@ def llama_params(layers: int, heads: int, kv_heads: int, hidden: int, intermedia
     mlp = 3 * hidden * intermediate                                               # gate, up, down
     if experts:
         mlp = experts * mlp + hidden * experts                                    # experts, router
-    layer = attention + mlp + 2 * hidden                                          # two RMSNorms
+    layer = attention + mlp + 2 * hidden + (2 * head_dim if qk_norm else 0)       # RMSNorms (Qwen3: q, k too)
     return vocab * hidden + layers * layer + hidden + (0 if tied else vocab * hidden)
 
 
@@ -205,11 +207,15 @@ def from_hf_config(config: dict[str, Any], dtype: str = "auto", source: str = "c
         raise ModelFactsError(f"{source}: missing or bad {e} (expected a Llama-family config)") from None
     kv_heads = int(config.get("num_key_value_heads") or heads)
     intermediate = int(config.get("intermediate_size") or 4 * hidden)
-    experts = int(config.get("num_local_experts") or 0)        # Mixtral: each expert of intermediate_size
+    # Mixtral: num_local_experts of intermediate_size; Qwen-MoE: num_experts of moe_intermediate_size
+    experts = int(config.get("num_local_experts") or config.get("num_experts") or 0)
+    if experts and config.get("moe_intermediate_size"):
+        intermediate = int(config["moe_intermediate_size"])
     tied = bool(config.get("tie_word_embeddings", False))
     stored = hf_dtype(config)
     params = llama_params(layers, heads, kv_heads, hidden, intermediate, vocab, tied,
-                          int(config.get("head_dim") or 0), experts)
+                          int(config.get("head_dim") or 0), experts,
+                          config.get("model_type") in QK_NORM_MODEL_TYPES)
     return ModelFacts(layers=layers, heads=heads, kv_heads=kv_heads, hidden=hidden, vocab=vocab,
                       intermediate=intermediate, params=params, experts=experts,
                       bytes_per_param=DTYPE_BYTES[in_memory_dtype(dtype, stored, "cuda")],

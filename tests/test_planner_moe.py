@@ -21,13 +21,21 @@ def spec(quantization: str = "none", **parallelism) -> ShardedModelSpec:
                                             "serving": {"quantization": quantization}})
 
 
-def test_facts_count_every_expert_as_transformers_does():
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_facts_count_every_expert_as_transformers_does(family):
     import torch
-    from transformers import MixtralConfig, MixtralForCausalLM
-    small = dict(MIXTRAL, num_hidden_layers=2, hidden_size=256, intermediate_size=512, vocab_size=1000)
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    small = dict(num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, hidden_size=256,
+                 intermediate_size=512, vocab_size=1000, num_experts_per_tok=2)
+    if family == "mixtral":
+        config = MixtralConfig(**small, num_local_experts=6)
+        build = MixtralForCausalLM
+    else:   # its own expert width, q/k norms, a head_dim other than hidden / heads
+        config = Qwen3MoeConfig(**small, num_experts=6, moe_intermediate_size=128, head_dim=64)
+        build = Qwen3MoeForCausalLM
     with torch.device("meta"):
-        model = MixtralForCausalLM(MixtralConfig(**{k: v for k, v in small.items() if k != "architectures"}))
-    facts = from_hf_config(small)
+        model = build(config)
+    facts = from_hf_config(config.to_dict())
     assert facts.experts == 6
     assert facts.params == sum(p.numel() for p in model.parameters())
 

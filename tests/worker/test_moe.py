@@ -1,5 +1,5 @@
 """Mixture-of-experts models (worker/moe.py): greedy parity with transformers for random-weight
-Mixtral-shaped models under expert parallel (EP = TP) x pipeline stages, what a rank holds of the
+Mixtral- and Qwen3-MoE-shaped models under expert parallel (EP = TP) x pipeline stages, what a rank holds of the
 experts, and one-line errors on bad input. Real processes talking torch.distributed throughout."""
 from __future__ import annotations
 
@@ -16,22 +16,33 @@ from shardwise.worker.runtime import LocalRuntime, RankSpec, generate_local, val
 PROMPTS = [[1, 5, 9, 22, 7, 40, 3], [3, 4], [100, 2, 77, 61]]
 NEW_TOKENS = 12
 
-# name -> (experts, experts per token, kv heads). Odd and non-power-of-two expert counts, top-2
-# (Mixtral's own) and top-8.
-SHAPES = {"8e-top2": (8, 2, 4), "5e-top2": (5, 2, 2), "12e-top8": (12, 8, 4)}
+# name -> (family, experts, experts per token, kv heads). Odd and non-power-of-two expert counts,
+# top-2 (Mixtral's own) and top-8; Qwen3-MoE with and without renormalised top-k weights, its
+# per-head q/k norms, and a head_dim that is not hidden / heads.
+SHAPES = {"8e-top2": ("mixtral", 8, 2, 4), "5e-top2": ("mixtral", 5, 2, 2), "12e-top8": ("mixtral", 12, 8, 4),
+          "qwen3-6e-top2": ("qwen3_moe", 6, 2, 2), "qwen3-12e-top8-norm": ("qwen3_moe", 12, 8, 4)}
 
 
-def _mixtral(tmp_path_factory, name: str) -> tuple[str, list[list[int]]]:
-    from transformers import MixtralConfig, MixtralForCausalLM
-    experts, top_k, kv = SHAPES[name]
+def _moe(tmp_path_factory, name: str) -> tuple[str, list[list[int]]]:
+    family, experts, top_k, kv = SHAPES[name]
     torch.manual_seed(len(name) + experts)
-    config = MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                           num_attention_heads=4, num_key_value_heads=kv, num_local_experts=experts,
-                           num_experts_per_tok=top_k, max_position_embeddings=128)
-    model = MixtralForCausalLM(config).eval()
-    with torch.no_grad():     # a router that prefers some experts, as trained ones do
+    common = dict(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=kv, num_experts_per_tok=top_k, max_position_embeddings=128)
+    if family == "mixtral":
+        from transformers import MixtralConfig, MixtralForCausalLM
+        model = MixtralForCausalLM(MixtralConfig(**common, intermediate_size=96, num_local_experts=experts))
+    else:
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**common, intermediate_size=96, moe_intermediate_size=48,
+                                                   num_experts=experts, head_dim=32,
+                                                   norm_topk_prob=name.endswith("norm")))
+    model.eval()
+    with torch.no_grad():     # a router that prefers some experts, and q/k norms that are not all ones
         for layer in model.model.layers:
             layer.mlp.gate.weight.mul_(4)
+            for norm in ("q_norm", "k_norm"):
+                if hasattr(layer.self_attn, norm):
+                    getattr(layer.self_attn, norm).weight.uniform_(0.5, 1.5)
     path = tmp_path_factory.mktemp(name)
     model.save_pretrained(path)
     ref = []
@@ -44,13 +55,15 @@ def _mixtral(tmp_path_factory, name: str) -> tuple[str, list[list[int]]]:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    return {name: _mixtral(tmp_path_factory, name) for name in SHAPES}
+    return {name: _moe(tmp_path_factory, name) for name in SHAPES}
 
 
 @pytest.mark.parametrize("name,ep,pp", [("8e-top2", 1, 1), ("8e-top2", 2, 1), ("8e-top2", 4, 1),
                                         ("8e-top2", 2, 2), ("8e-top2", 4, 2), ("5e-top2", 1, 2),
-                                        ("12e-top8", 2, 1), ("12e-top8", 4, 2)])
-def test_mixtral_greedy_tokens_match_transformers(models, name, ep, pp):
+                                        ("12e-top8", 2, 1), ("12e-top8", 4, 2),
+                                        ("qwen3-6e-top2", 1, 1), ("qwen3-6e-top2", 2, 2),
+                                        ("qwen3-12e-top8-norm", 2, 1), ("qwen3-12e-top8-norm", 4, 2)])
+def test_greedy_tokens_match_transformers(models, name, ep, pp):
     path, ref = models[name]
     got, _ = generate_local(RankSpec(path, ep, pp, max_batch=len(PROMPTS), max_seq=64), PROMPTS, NEW_TOKENS)
     assert got == ref
@@ -94,16 +107,16 @@ def test_expert_degree_that_does_not_divide_lists_the_ones_that_do(models):
 
 
 def test_unsupported_moe_architecture_is_named_in_one_line(tmp_path):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-    config = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, num_experts=4,
-                            num_experts_per_tok=2)
-    Qwen3MoeForCausalLM(config).save_pretrained(tmp_path)
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+    config = Qwen2MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                            shared_expert_intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                            num_key_value_heads=2, num_experts=4, num_experts_per_tok=2)
+    Qwen2MoeForCausalLM(config).save_pretrained(tmp_path)
     p = subprocess.run([sys.executable, "-m", "shardwise", "generate", "--model", str(tmp_path), "--prompt", "x"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "Traceback" not in p.stderr
-    assert f"{tmp_path}: unsupported architecture 'Qwen3MoeForCausalLM' (supported: LlamaForCausalLM, " \
-           f"MixtralForCausalLM)" in p.stderr
+    assert f"{tmp_path}: unsupported architecture 'Qwen2MoeForCausalLM' (supported: LlamaForCausalLM, " \
+           f"MixtralForCausalLM, Qwen3MoeForCausalLM)" in p.stderr
 
 
 def test_graphs_on_a_moe_model_is_refused_in_one_line(models):
