@@ -124,14 +124,35 @@ class ModelSource(ApiModel):
 
 
 class Parallelism(ApiModel):
+    model_config = ConfigDict(json_schema_extra=_cel(
+        ("!has(self.expert) || !has(self.tensor) || self.expert == self.tensor",
+         "parallelism.expert must equal parallelism.tensor (the experts are split across the tensor group)",
+         ".expert"),
+    ))
+
     tensor: Optional[int] = Field(None, ge=1, le=64, description=(
         "Tensor-parallel degree: GPUs per pipeline stage, always on one node. Omitted: the planner "
-        "chooses the smallest degree that fits. Must divide the model's attention and KV heads."))
+        "chooses the smallest degree that fits. Must divide the model's attention and KV heads (and "
+        "a mixture of experts' experts)."))
+    expert: Optional[int] = Field(None, ge=1, le=64, description=(
+        "Expert-parallel degree of a mixture-of-experts model: its experts split across the ranks of "
+        "the tensor group, inside one node (EP = TP). Given alone it sets the tensor degree; given "
+        "with tensor it must equal it. Omitted: the planner chooses, as for tensor. Must divide the "
+        "experts."))
     pipeline: Optional[int] = Field(None, ge=1, le=512, description=(
         "Pipeline stages per replica, one pod each. Omitted: the planner chooses."))
     replicas: int = Field(1, ge=0, le=10000, description=(
         "Independent copies of the model (data parallel). Behind the scale subresource, so "
         "`kubectl scale sm/NAME --replicas=N` and HPA work."))
+
+    @model_validator(mode="after")
+    def _expert_is_the_tensor_group(self) -> "Parallelism":
+        if self.expert is not None:
+            if self.tensor is not None and self.tensor != self.expert:
+                raise ValueError(f"parallelism.expert {self.expert} must equal parallelism.tensor {self.tensor} "
+                                 f"(the experts are split across the tensor group)")
+            self.tensor = self.expert
+        return self
 
 
 class GPU(ApiModel):

@@ -670,6 +670,9 @@ def _plan(spec: ShardedModelSpec, facts: ModelFacts, nodes: Sequence[NodeInfo],
 def _check_layout(spec: ShardedModelSpec, facts: ModelFacts) -> None:
     """The degrees the spec names must fit the model's heads and layers, whatever the capacity:
     one line naming the spec's field and what would work."""
+    if spec.parallelism.expert and not facts.experts:
+        raise LayoutError(f"parallelism.expert {spec.parallelism.expert} is for mixture-of-experts models; "
+                          f"this model has no experts (use parallelism.tensor)")
     if spec.parallelism.tensor:
         for name, count in (("attention heads", facts.heads), ("KV heads", facts.kv_heads),
                             ("experts (expert parallel splits them over the tensor group)", facts.experts)):

@@ -58,3 +58,19 @@ def test_quantization_is_not_offered_for_experts_yet():
     with pytest.raises(LayoutError, match="quantization int8 does not cover mixture-of-experts layers yet"):
         plan(spec("int8"), facts, [node("n1", 8, memory_gib=80)])
     assert plan(spec("auto"), facts, [node("n1", 8, memory_gib=80)]).quantization == "none"
+
+
+def test_parallelism_expert_is_the_tensor_degree():
+    nodes = [node("n1", 8, memory_gib=80)]
+    facts = from_hf_config(MIXTRAL)
+    assert plan(spec(expert=2), facts, nodes).tensor == 2
+    with pytest.raises(ValueError, match="parallelism.expert 2 must equal parallelism.tensor 3"):
+        spec(expert=2, tensor=3)
+    with pytest.raises(LayoutError) as e:
+        plan(spec(expert=4), facts, nodes)
+    assert "does not divide the model's 6 experts" in str(e.value)
+    dense = from_hf_config({k: v for k, v in MIXTRAL.items() if k != "num_local_experts"})
+    with pytest.raises(LayoutError) as e:
+        plan(spec(expert=2), dense, nodes)
+    assert str(e.value) == ("parallelism.expert 2 is for mixture-of-experts models; this model has no experts "
+                            "(use parallelism.tensor)")

@@ -55,7 +55,7 @@ def test_a_mixture_of_experts_model_answers_a_completion(cluster, namespace, kub
     with cluster.operator(namespace, tmp_path / "operator.log"):
         sm = {"apiVersion": "shardwise.dev/v1alpha1", "kind": "ShardedModel", "metadata": {"name": "moe"},
               "spec": {"model": {"uri": f"file://{model}"},
-                       "parallelism": {"tensor": TENSOR, "pipeline": PIPELINE, "replicas": 1},
+                       "parallelism": {"expert": TENSOR, "pipeline": PIPELINE, "replicas": 1},
                        "placement": {"nodeSelector": label},
                        "recovery": {"backoffSeconds": 1, "maxRestarts": 3}}}
         kubectl("apply", "-f", "-", input=json.dumps(sm))
