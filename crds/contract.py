@@ -21,6 +21,12 @@ from shardwise.crds.models import (Checkpoint, ModelSource, Serving, ShardedMode
                                    describe_validation_error)
 from shardwise.crds.plan import ShardPlan
 
+# A serving pod's terminationGracePeriodSeconds, and how long of it the worker spends draining: on
+# SIGTERM it turns unready and finishes its in-flight requests for up to DRAIN_SECONDS, then ends
+# what is left and exits, inside the grace period (worker/server.py run_engine).
+SERVING_GRACE_SECONDS = 10
+DRAIN_SECONDS = SERVING_GRACE_SECONDS - 2
+
 # The spec's own types: the contract accepts exactly the values the API accepts.
 Workload = ShardedModelSpec.model_fields["workload"].annotation
 Dtype = ShardedModelSpec.model_fields["dtype"].annotation

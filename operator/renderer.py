@@ -23,7 +23,8 @@ from typing import Any, Mapping
 
 from pydantic import ValidationError
 
-from shardwise.crds.contract import ContractError, ModelContract, PodContract, ServingContract
+from shardwise.crds.contract import (SERVING_GRACE_SECONDS, ContractError, ModelContract, PodContract,
+                                     ServingContract)
 from shardwise.crds.models import Serving, ShardedModel, ShardedModelSpec
 from shardwise.crds.plan import ShardPlan, StagePlacement
 
@@ -48,7 +49,6 @@ TERMINATION_LOG = "/dev/termination-log"
 MASTER_PORT = 29500
 DEFAULT_PORT = Serving.model_fields["port"].default   # for pods that do not name their http port
 DEFAULT_IMAGE = "ghcr.io/shardwise/worker:0.1.0-cuda"
-SERVING_GRACE_SECONDS = 10    # a served replica drains its requests; training: spec.training's own
 
 
 # --- names ---------------------------------------------------------------------------------------
@@ -273,7 +273,8 @@ def local_checkpoint_dir(model: ShardedModel) -> str:
 
 
 def grace_seconds(spec: ShardedModelSpec) -> int:
-    """terminationGracePeriodSeconds: a training rank saves a shared checkpoint on SIGTERM."""
+    """terminationGracePeriodSeconds: a training rank saves a shared checkpoint on SIGTERM; a
+    serving pod drains its requests (crds/contract.py DRAIN_SECONDS)."""
     return spec.training.termination_grace_period_seconds if spec.training is not None else SERVING_GRACE_SECONDS
 
 

@@ -152,7 +152,11 @@ def _run(args) -> int:
     health = None
     if stage != 0:
         health = _StageHealth(plan.tensor, host, contract.serving.port)
-    return _supervise(procs, loaded_q, health)
+    # graceful: SIGTERM goes on to the ranks; rank 0 drains its requests (server.run_engine) and
+    # then stops the pipeline, whose other ranks exit when the stop reaches them. The pod waits
+    # for them all (its grace period bounds the wait).
+    return _supervise(procs, loaded_q, health, graceful=True,
+                      stopping="stopping: rank 0 finishes its requests, then stops the pipeline")
 
 
 def _start_ranks(count: int, target, args_of):
@@ -171,13 +175,32 @@ def _start_ranks(count: int, target, args_of):
 _STOPPED = (130, 143)
 
 
-def _supervise(procs, loaded_q, health, stopped_code: int = 0, graceful: bool = False) -> int:
+def _exitcode(p) -> int | None:
+    """A rank process's exit status, None while it runs. When the fork server that started the
+    ranks is gone (a SIGTERM to the pod's whole process group, as local nodes send it), its
+    children live on, but multiprocessing reports 255 for every one of them: those are looked up
+    by pid instead."""
+    code = p.exitcode
+    if code == 255:
+        try:
+            os.kill(p.pid, 0)
+        except ProcessLookupError:
+            return code
+        except PermissionError:
+            pass
+        return None
+    return code
+
+
+def _supervise(procs, loaded_q, health, stopped_code: int = 0, graceful: bool = False,
+               stopping: str = "stopping: the ranks finish their step and save a checkpoint") -> int:
     """Wait for the ranks; report their loading; stop them all when one fails or on SIGTERM.
     0 when every rank exited 0, 1 when one failed, `stopped_code` when a signal stopped them.
 
-    `graceful` (training): a signal is forwarded to the ranks, which stop by themselves at an
-    agreed step after a checkpoint, and the pod waits for all of them (the pod's grace period
-    bounds the wait); a rank that exits with a stop status (130/143) is waited out the same way."""
+    `graceful`: a signal is forwarded to the ranks, which stop by themselves (training: at an
+    agreed step after a checkpoint; serving: rank 0 drains its requests, then stops the pipeline),
+    and the pod waits for all of them (the pod's grace period bounds the wait); a rank that exits
+    with a stop status (130/143) is waited out the same way."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -192,30 +215,30 @@ def _supervise(procs, loaded_q, health, stopped_code: int = 0, graceful: bool = 
             break
         if stop.is_set() and not forwarded:
             forwarded = True
-            _say("stopping: the ranks finish their step and save a checkpoint")
+            _say(stopping)
             for p in procs:
-                if p.exitcode is None:
+                if _exitcode(p) is None:
                     os.kill(p.pid, signal.SIGTERM)
-        dead = [p for p in procs if p.exitcode is not None]
-        if graceful and (forwarded or any(p.exitcode in _STOPPED for p in dead)):
+        dead = [p for p in procs if _exitcode(p) is not None]
+        if graceful and (forwarded or any(_exitcode(p) in _STOPPED for p in dead)):
             if len(dead) == len(procs):
                 # stopped (a signal); else a rank failed while the others stopped
-                if not all(p.exitcode == 0 or p.exitcode in _STOPPED for p in procs):
-                    code = next(p.exitcode for p in procs if p.exitcode not in (0, *_STOPPED))
-                elif any(p.exitcode in _STOPPED for p in procs):
+                if not all(_exitcode(p) == 0 or _exitcode(p) in _STOPPED for p in procs):
+                    code = next(_exitcode(p) for p in procs if _exitcode(p) not in (0, *_STOPPED))
+                elif any(_exitcode(p) in _STOPPED for p in procs):
                     stop.set()
                 break
         elif dead:
             # the first non-zero status, killed by a signal (negative) included
-            code = next((p.exitcode for p in dead if p.exitcode), 0)
+            code = next((_exitcode(p) for p in dead if _exitcode(p)), 0)
             if code or len(dead) == len(procs):
                 break
         time.sleep(0.2)
     # A signal stopped the pod before its ranks were all done.
-    stopped = stop.is_set() and not code and not all(p.exitcode == 0 for p in procs)
+    stopped = stop.is_set() and not code and not all(_exitcode(p) == 0 for p in procs)
     # Rank 0 first: it stops the pipeline in order (STOP travels down the stages) before exiting.
     for p in procs:
-        if p.exitcode is None:
+        if _exitcode(p) is None:
             p.terminate()
             p.join(10)
     if health is not None:
@@ -291,6 +314,9 @@ def _rank_main(spec, rank, world, local_rank, host, port, model_name, loaded_q, 
     from .runtime import finish_rank, run_rank, setup_rank
     try:
         if rank != 0:
+            # A serving rank other than 0 stops when rank 0 stops the pipeline, after draining its
+            # requests; a SIGTERM of its own (the pod deleted) would cut those requests off.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             run_rank(spec, rank, world, local_rank, "env://", spec.tensor,
                      on_loaded=lambda ctx: loaded_q.put(ctx.loaded[rank]))
             return

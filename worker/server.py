@@ -26,6 +26,8 @@ from collections import deque
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from shardwise.crds.contract import DRAIN_SECONDS
+
 from .engine import Request
 from .errors import WorkerError
 
@@ -229,6 +231,7 @@ class App:
         self.engine = None
         self.loaded: list[dict] = []
         self.ready = threading.Event()
+        self.draining = threading.Event()      # set on SIGTERM: finish what runs, take nothing new
         self.failed: str | None = None
         self.metrics = Metrics()
         self.max_tokens_default = max_tokens_default    # /v1/completions without max_tokens
@@ -508,6 +511,8 @@ def make_handler(app: App):
             self.send_response(status)
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(body)))
+            if status == 503 and app.draining.is_set():
+                self.send_header("Retry-After", "1")      # another replica, or this one's successor
             self.end_headers()
             self.wfile.write(body)
             app.metrics.requests.labels(endpoint=endpoint or self.path, code=str(status)).inc()
@@ -522,7 +527,10 @@ def make_handler(app: App):
         def do_GET(self):
             path = self.path.split("?", 1)[0]
             if path == "/healthz":
-                if app.ready.is_set():
+                if app.draining.is_set():      # unready first, so that the endpoints drop this pod
+                    self._json(503, {"status": "draining", "running": app.engine.running if app.engine else 0},
+                               "/healthz")
+                elif app.ready.is_set():
                     self._json(200, {"status": "ok", "model": app.model_name, "ranks": len(app.loaded)},
                                "/healthz")
                 else:
@@ -550,6 +558,8 @@ def make_handler(app: App):
                 return self._error(404, f"no route POST {path}", "other")
             try:
                 body = self._read_json()
+                if app.draining.is_set():
+                    raise BadRequest("the server is shutting down; retry on another replica", 503)
                 if not app.ready.is_set():
                     raise BadRequest(app.failed or "model is still loading", 503)
                 self._complete(path, app.build_request(body, chat=path.endswith("chat/completions")))
@@ -751,14 +761,32 @@ class Server:
         self.httpd.server_close()
 
 
-def run_engine(app: App, ctx, stop: threading.Event, max_batch: int, micro_batches: int = 0) -> None:
-    """Rank 0's main loop once loaded: mark ready and step the engine until `stop` is set."""
+def run_engine(app: App, ctx, stop: threading.Event, max_batch: int, micro_batches: int = 0,
+               drain_seconds: float = DRAIN_SECONDS) -> None:
+    """Rank 0's main loop once loaded: mark ready and step the engine until `stop` is set, then
+    drain: /healthz turns 503 (a readiness probe takes the pod out of its Service's endpoints), new
+    requests get 503 with Retry-After, and the running and queued ones go on to their end for up
+    to `drain_seconds`. What is still running then ends with finish_reason "error" and a message
+    saying why, rather than a connection cut mid-stream."""
     from .engine import Engine
     engine = Engine(ctx.stage, max_batch, ctx.max_seq, app.tokenizer.eos_ids, micro_batches)
     app.loaded = ctx.loaded
     app.set_ready(engine, ctx.loaded)
+    drained = threading.Event()
+
+    def drain() -> None:
+        stop.wait()
+        app.draining.set()
+        deadline = time.monotonic() + drain_seconds
+        while (engine.running or engine.waiting) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        drained.set()
+
+    threading.Thread(target=drain, name="drain", daemon=True).start()
     try:
-        engine.run_forever(stop)
+        engine.run_forever(drained)
+        if engine.running or engine.waiting:
+            engine.fail_all(f"the server shut down before this request finished (drained for {drain_seconds:g} s)")
     except Exception as e:  # noqa: BLE001 - a rank died: fail requests, report unhealthy, exit
         msg = f"pipeline failed: {type(e).__name__}: {e}"
         app.set_failed(msg)
