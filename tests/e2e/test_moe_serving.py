@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from .test_operator_worker import CRD, complete, wait
+from .test_operator_worker import CRD, complete, serving_ip, wait
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.slow, pytest.mark.timeout(600)]
 TENSOR, PIPELINE, EXPERTS = 2, 2, 4
@@ -60,16 +60,8 @@ def test_a_mixture_of_experts_model_answers_a_completion(cluster, namespace, kub
                        "recovery": {"backoffSeconds": 1, "maxRestarts": 3}}}
         kubectl("apply", "-f", "-", input=json.dumps(sm))
 
-        def serving_ip():
-            if json.loads(kubectl("get", "sm", "moe", "-o", "json")).get("status", {}).get("phase") != "Ready":
-                return None
-            pods = json.loads(kubectl("get", "pods", "-l", "shardwise.dev/model=moe,shardwise.dev/stage=0",
-                                      "-o", "json"))["items"]
-            live = [p for p in pods if not p["metadata"].get("deletionTimestamp") and p["status"].get("podIP")]
-            return live[0]["status"]["podIP"] if live else None
-
         t0 = time.monotonic()
-        ip = wait(serving_ip, 300, "moe Ready")
+        ip = wait(lambda: serving_ip(kubectl, "moe"), 300, "moe Ready")
         plan = json.loads(kubectl("get", "sm", "moe", "-o", "json"))["status"]["plan"]
         print(f"created -> Ready in {time.monotonic() - t0:.1f}s: tensor {plan['tensor']} x pipeline {plan['pipeline']}")
         assert (plan["tensor"], plan["pipeline"]) == (TENSOR, PIPELINE)     # 2 experts a rank, 2 stages

@@ -35,6 +35,16 @@ def wait(predicate, timeout: float, what: str, interval: float = 0.5):
     return wait_until(predicate, timeout, what, interval, retry_on=(AssertionError, OSError, ValueError))
 
 
+def serving_ip(kubectl, name: str) -> str | None:
+    """The IP of the ShardedModel's stage-0 pod (its endpoint) once the model is Ready, else None."""
+    if json.loads(kubectl("get", "sm", name, "-o", "json")).get("status", {}).get("phase") != "Ready":
+        return None
+    pods = json.loads(kubectl("get", "pods", "-l", f"shardwise.dev/model={name},shardwise.dev/stage=0",
+                              "-o", "json"))["items"]
+    live = [p for p in pods if not p["metadata"].get("deletionTimestamp") and p["status"].get("podIP")]
+    return live[0]["status"]["podIP"] if live else None
+
+
 def complete(ip: str, prompt: str) -> str:
     body = json.dumps({"prompt": prompt, "max_tokens": 8, "temperature": 0}).encode()
     req = urllib.request.Request(f"http://{ip}:8000/v1/completions", data=body,
@@ -64,17 +74,8 @@ def test_operator_serves_smollm2_on_local_nodes_and_survives_a_node_loss(cluster
         def model():
             return json.loads(kubectl("get", "sm", "smol", "-o", "json"))
 
-        def serving_ip():
-            st = model().get("status", {})
-            if st.get("phase") != "Ready":
-                return None
-            pods = json.loads(kubectl("get", "pods", "-l", "shardwise.dev/model=smol,shardwise.dev/stage=0",
-                                      "-o", "json"))["items"]
-            live = [p for p in pods if not p["metadata"].get("deletionTimestamp") and p["status"].get("podIP")]
-            return live[0]["status"]["podIP"] if live else None
-
         t0 = time.monotonic()
-        ip = wait(serving_ip, 300, "smol Ready")
+        ip = wait(lambda: serving_ip(kubectl, "smol"), 300, "smol Ready")
         print(f"created -> Ready (TP={TENSOR} PP={PIPELINE} ranks loaded) in {time.monotonic() - t0:.1f}s")
         first = complete(ip, "The capital of France is")
         assert first.strip()
@@ -93,7 +94,7 @@ def test_operator_serves_smollm2_on_local_nodes_and_survives_a_node_loss(cluster
             st = model()["status"]
             if st["phase"] != "Ready" or lost in {p["node"] for p in st["plan"]["placements"]}:
                 return None
-            return serving_ip()
+            return serving_ip(kubectl, "smol")
         ip = wait(serving_elsewhere, 360, "smol Ready again without the lost node")
         print(f"node down -> Ready again in {time.monotonic() - t0:.1f}s, "
               f"restarts={model()['status']['restarts']} (before: {restarts_before})")

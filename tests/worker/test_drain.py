@@ -16,7 +16,7 @@ from pathlib import Path
 
 from shardwise.worker.tiny import write_tiny_model
 
-from .test_server import TEXT, _get, _post
+from .test_server import TEXT, _get
 
 ROOT = Path(__file__).resolve().parents[2]
 NEW_TOKENS = 120
