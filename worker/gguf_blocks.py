@@ -35,11 +35,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
 from shardwise.crds.modelshape import GGUF_NATIVE_BYTES
 
-BLOCK = 32                       # values per block, for all three types
 NATIVE = tuple(GGUF_NATIVE_BYTES)   # the types kept as stored: Q8_0, Q4_0, Q4_1
-_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+# (values, bytes) per block of each, from the gguf package's table of ggml types
+_SIZES = {name: GGML_QUANT_SIZES[GGMLQuantizationType[name]] for name in NATIVE}
+BLOCK = 32                          # values per block, for all three types
+assert all(values == BLOCK for values, _ in _SIZES.values())
+_BLOCK_BYTES = {name: nbytes for name, (_, nbytes) in _SIZES.items()}
 
 
 @dataclass

@@ -374,7 +374,6 @@ class GGUFSource(ModelSource):
             out = out[:, a:b].contiguous()
         return _pad_rows(out, shard, shape[0])
 
-
     def read_blocks(self, name: str, shard: Shard | None):
         """This rank's slice of a weight matrix as the file's blocks (gguf_blocks.Blocks), not
         dequantized; None where the tensor's type has no fast path (gguf_blocks.NATIVE) or a

@@ -23,11 +23,6 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def expert_degrees(num_experts: int, tensor_degrees: list[int]) -> list[int]:
-    """The tensor-parallel degrees that also split `num_experts` evenly (EP = TP)."""
-    return [d for d in tensor_degrees if num_experts % d == 0]
-
-
 class MoEFeedForward(nn.Module):
     def __init__(self, config):
         super().__init__()

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .model import transposed_for_inference
-from .moe import MoEFeedForward, expert_degrees
+from .moe import MoEFeedForward
 from .shm_allreduce import ShmAllReduce, connect
 
 
@@ -173,7 +173,8 @@ def check_tensor_parallel(config, tp: int) -> None:
                          f"attention heads and {config.num_kv_heads} key/value heads; use one of: "
                          f"{', '.join(map(str, degrees))}")
     if config.num_experts and config.num_experts % tp:
-        ok = ", ".join(map(str, expert_degrees(config.num_experts, degrees)))
+        facts = config.facts()      # the planner's rule for a degree that splits the model
+        ok = ", ".join(str(d) for d in degrees if facts.tensor_fits(d))
         raise ValueError(f"expert parallel degree {tp} (the tensor parallel degree: experts split across "
                          f"its group) does not divide the model's {config.num_experts} experts; use one of: {ok}")
 
