@@ -165,8 +165,10 @@ def _steps(work: Path, log) -> list[_Step]:
         return _Step(name, work / name, go_mod + go_mod_extra, packages, ldflags, **options)
 
     return [
+        # go build names a /vN module's binary after the element before the suffix ("server");
+        # earlier Go releases named it after the suffix ("v3").
         step("etcd", "go.etcd.io/etcd/server/v3", ETCD, ["go.etcd.io/etcd/server/v3"],
-             renames={"v3": "etcd"}),
+             renames={"server": "etcd", "v3": "etcd"}),
         step("kubernetes", "k8s.io/kubernetes", KUBERNETES,
              [f"k8s.io/kubernetes/cmd/{b}" for b in (*K8S_BINARIES, *KIND_NODE_BINARIES)],
              _k8s_ldflags(), _kubernetes_replaces(work, log)),
