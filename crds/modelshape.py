@@ -21,6 +21,9 @@ from typing import Any, BinaryIO, Iterable
 
 # HF model types whose attention normalises each query and key head (the worker: ModelConfig.qk_norm)
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
+# HF model types whose q, k and v projections carry biases (o has none): Qwen2 always, Qwen2-MoE
+# unless its config turns qkv_bias off. See hf_qkv_bias.
+QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1}
 # Bytes per weight of a decoder-layer matrix kept in a GGUF file's blocks (spec.serving.quantization
 # gguf, the worker's --quantize gguf): the one definition of that layout's size, which the planner
@@ -75,12 +78,14 @@ class ModelFacts:
     dtype: str = ""                # as stored: "bfloat16", "float32", a GGUF quantization ("Q4_1"); "" unknown
     file_bytes: int = 0            # the weights as stored (a quantized GGUF's own size); 0 unknown
     experts: int = 0               # mixture of experts: experts per layer (0: a dense model)
+    shared_intermediate: int = 0   # a shared expert's intermediate size (Qwen2-MoE); 0: none
 
     def tensor_fits(self, tensor: int) -> bool:
         """Whether a tensor-parallel degree splits the model: it divides the attention and KV
-        heads and, for a mixture of experts, the experts (expert parallel runs on the same group)."""
+        heads and, for a mixture of experts, the experts (expert parallel runs on the same group)
+        and the shared expert's intermediate size (split like a dense MLP's)."""
         return tensor >= 1 and self.heads % tensor == 0 and self.kv_heads % tensor == 0 \
-            and (not self.experts or self.experts % tensor == 0)
+            and (not self.experts or self.experts % tensor == 0) and self.shared_intermediate % tensor == 0
 
     @property
     def head_dim(self) -> int:
@@ -184,16 +189,35 @@ def _checked(name: str, value: Any, kind: str) -> Any:
 
 
 def llama_params(layers: int, heads: int, kv_heads: int, hidden: int, intermediate: int, vocab: int,
-                 tied: bool, head_dim: int = 0, experts: int = 0, qk_norm: bool = False) -> int:
+                 tied: bool, head_dim: int = 0, experts: int = 0, qk_norm: bool = False,
+                 qkv_bias: bool = False, shared_intermediate: int = 0) -> int:
     """Parameters of a Llama-family model; with `experts`, each layer's MLP is that many SwiGLU
-    experts of `intermediate` plus a router (Mixtral). The worker counts its models with this too."""
+    experts of `intermediate` plus a router (Mixtral), and with `shared_intermediate` a shared
+    SwiGLU expert of that size and its [1, hidden] gate too (Qwen2-MoE). `qkv_bias`: q, k and v
+    have biases (Qwen2). The worker counts its models with this too."""
     head_dim = head_dim or hidden // heads
     attention = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2  # q, o, k, v
+    if qkv_bias:
+        attention += (heads + 2 * kv_heads) * head_dim
     mlp = 3 * hidden * intermediate                                               # gate, up, down
     if experts:
         mlp = experts * mlp + hidden * experts                                    # experts, router
+    if shared_intermediate:
+        mlp += 3 * hidden * shared_intermediate + hidden                          # shared expert, its gate
     layer = attention + mlp + 2 * hidden + (2 * head_dim if qk_norm else 0)       # RMSNorms (Qwen3: q, k too)
     return vocab * hidden + layers * layer + hidden + (0 if tied else vocab * hidden)
+
+
+def hf_qkv_bias(config: dict[str, Any]) -> bool:
+    """Whether an HF config's q, k and v projections have biases (see QKV_BIAS_MODEL_TYPES)."""
+    return config.get("model_type") in QKV_BIAS_MODEL_TYPES and bool(config.get("qkv_bias", True))
+
+
+def hf_shared_expert_size(config: dict[str, Any]) -> int:
+    """The intermediate size of an HF MoE config's shared expert (Qwen2-MoE); 0 without one."""
+    if not (config.get("num_local_experts") or config.get("num_experts")):
+        return 0
+    return int(config.get("shared_expert_intermediate_size") or 0)
 
 
 def from_hf_config(config: dict[str, Any], dtype: str = "auto", source: str = "config.json") -> ModelFacts:
@@ -213,11 +237,12 @@ def from_hf_config(config: dict[str, Any], dtype: str = "auto", source: str = "c
         intermediate = int(config["moe_intermediate_size"])
     tied = bool(config.get("tie_word_embeddings", False))
     stored = hf_dtype(config)
+    shared = hf_shared_expert_size(config)
     params = llama_params(layers, heads, kv_heads, hidden, intermediate, vocab, tied,
                           int(config.get("head_dim") or 0), experts,
-                          config.get("model_type") in QK_NORM_MODEL_TYPES)
+                          config.get("model_type") in QK_NORM_MODEL_TYPES, hf_qkv_bias(config), shared)
     return ModelFacts(layers=layers, heads=heads, kv_heads=kv_heads, hidden=hidden, vocab=vocab,
-                      intermediate=intermediate, params=params, experts=experts,
+                      intermediate=intermediate, params=params, experts=experts, shared_intermediate=shared,
                       bytes_per_param=DTYPE_BYTES[in_memory_dtype(dtype, stored, "cuda")],
                       tied_embeddings=tied, source=source, dtype=stored,
                       file_bytes=params * DTYPE_BYTES.get(stored, 0))

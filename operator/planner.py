@@ -675,9 +675,11 @@ def _check_layout(spec: ShardedModelSpec, facts: ModelFacts) -> None:
                           f"this model has no experts (use parallelism.tensor)")
     if spec.parallelism.tensor:
         for name, count in (("attention heads", facts.heads), ("KV heads", facts.kv_heads),
-                            ("experts (expert parallel splits them over the tensor group)", facts.experts)):
+                            ("experts (expert parallel splits them over the tensor group)", facts.experts),
+                            ("shared expert width (intermediate size, split like a dense MLP)", facts.shared_intermediate)):
             if count and count % spec.parallelism.tensor:
-                fitting = ", ".join(map(str, _divisors(math.gcd(facts.heads, facts.kv_heads, facts.experts))))
+                fitting = ", ".join(map(str, _divisors(math.gcd(facts.heads, facts.kv_heads, facts.experts,
+                                                                facts.shared_intermediate))))
                 raise LayoutError(f"parallelism.tensor {spec.parallelism.tensor} does not divide the model's "
                                   f"{count} {name}; use one of {fitting}")
     if spec.parallelism.pipeline and spec.parallelism.pipeline > facts.layers:

@@ -21,23 +21,42 @@ def spec(quantization: str = "none", **parallelism) -> ShardedModelSpec:
                                             "serving": {"quantization": quantization}})
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen2_moe", "qwen2"])
 def test_facts_count_every_expert_as_transformers_does(family):
     import torch
-    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import (MixtralConfig, MixtralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig,
+                              Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
     small = dict(num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, hidden_size=256,
                  intermediate_size=512, vocab_size=1000, num_experts_per_tok=2)
     if family == "mixtral":
         config = MixtralConfig(**small, num_local_experts=6)
         build = MixtralForCausalLM
-    else:   # its own expert width, q/k norms, a head_dim other than hidden / heads
+    elif family == "qwen3_moe":   # its own expert width, q/k norms, a head_dim other than hidden / heads
         config = Qwen3MoeConfig(**small, num_experts=6, moe_intermediate_size=128, head_dim=64)
         build = Qwen3MoeForCausalLM
+    elif family == "qwen2_moe":   # a shared expert of its own width and its gate, q/k/v biases
+        config = Qwen2MoeConfig(**small, num_experts=6, moe_intermediate_size=128, shared_expert_intermediate_size=384)
+        build = Qwen2MoeForCausalLM
+    else:                         # dense, q/k/v biases
+        config = Qwen2Config(**{k: v for k, v in small.items() if k != "num_experts_per_tok"})
+        build = Qwen2ForCausalLM
     with torch.device("meta"):
         model = build(config)
     facts = from_hf_config(config.to_dict())
-    assert facts.experts == 6
+    assert facts.experts == (0 if family == "qwen2" else 6)
+    assert facts.shared_intermediate == (384 if family == "qwen2_moe" else 0)
     assert facts.params == sum(p.numel() for p in model.parameters())
+
+
+def test_a_tensor_degree_that_does_not_split_the_shared_expert_is_one_line():
+    qwen = dict(MIXTRAL, architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", num_local_experts=None,
+                num_experts=8, moe_intermediate_size=1408, shared_expert_intermediate_size=5636)
+    facts = from_hf_config(qwen)
+    with pytest.raises(LayoutError) as e:
+        plan(spec(tensor=8), facts, [node("n1", 8, memory_gib=80)])
+    assert str(e.value) == ("parallelism.tensor 8 does not divide the model's 5636 shared expert width "
+                            "(intermediate size, split like a dense MLP); use one of 1, 2, 4")
+    assert plan(spec(), facts, [node("n1", 8, memory_gib=80)]).tensor in (1, 2, 4)
 
 
 def test_the_chosen_tensor_degree_splits_the_experts():

@@ -124,7 +124,9 @@ class BlockLinear(nn.Module):
     Its tensors are parameters (requires_grad=False), so parallel.weight_bytes counts them and
     offload.py packs them."""
 
-    def __init__(self, blocks: Blocks, device: str | torch.device = "cpu"):
+    def __init__(self, blocks: Blocks, device: str | torch.device = "cpu", bias: torch.Tensor | None = None):
+        """bias: kept beside the blocks in its own dtype (the fused q/k/v of a model with
+        attention biases), added after the matmul."""
         super().__init__()
         self.qtype = blocks.qtype
         self.out_features, self.in_features = blocks.shape
@@ -142,12 +144,13 @@ class BlockLinear(nn.Module):
         self.packed = nn.Parameter(packed, requires_grad=False)
         self.scales_and_zeros = nn.Parameter(sz.to(device=device, dtype=torch.bfloat16).contiguous(),
                                              requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(device), requires_grad=False)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The [out, in] matrix these blocks stand for (the fallback path; tests)."""
         if self.kernel:
             eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.packed.device)
-            return self.mm(eye).t().to(dtype)
+            return self._matmul(eye).t().to(dtype)
         p = self.packed
         v = torch.stack([p & 15, p >> 4], dim=-1).view(p.shape[0], -1).to(dtype)
         sz = self.scales_and_zeros.to(dtype)
@@ -158,6 +161,10 @@ class BlockLinear(nn.Module):
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] -> [rows, out] in x's dtype."""
+        y = self._matmul(x)
+        return y if self.bias is None else y.add_(self.bias.to(x.dtype))
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if not self.kernel:
             return F.linear(x, self.dequantized(x.dtype))
         xb = x.to(torch.bfloat16)

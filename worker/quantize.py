@@ -9,7 +9,9 @@ output row of its own column slice: finer than slicing a whole-matrix quantizati
 What stays in the compute dtype: the norms, the token embedding and the LM head. That is the rule
 the planner sizes pods by (crds/modelshape.py ModelFacts.quantized), and a tied head is also the
 embedding table (model.InferenceEmbedding reads rows of it), which then needs no dequantized copy.
-The head is one matrix; the decoder layers hold most of a model's weights.
+The head is one matrix; the decoder layers hold most of a model's weights. Biases (Qwen2's q/k/v)
+stay too, added after the int8 matmul: a few values per output row, which the planner counts with
+their matrices.
 
 Activations keep the model's dtype (float32 on CPU, bfloat16 on CUDA); only the weights are int8.
 How a matrix is multiplied (Int8Linear.mm):
@@ -76,16 +78,18 @@ class Int8Linear(nn.Module):
     Both are parameters (requires_grad=False), so parallel.weight_bytes counts their bytes,
     place_in_huge_pages moves the int8 matrix like any 2-D weight, and offload.py packs them."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         q, scales = quantize_int8(weight)
         self.weight = nn.Parameter(q, requires_grad=False)
         self.scales = nn.Parameter(scales, requires_grad=False)
         self.packed = weight.device.type == "cpu" and packed_kernel_runs(weight.dtype)
+        # kept as it was (not quantized): a few values a row, added after the scaling
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     @classmethod
     def replacing(cls, linear: InferenceLinear) -> "Int8Linear":
-        return cls(linear.weight_t.t())
+        return cls(linear.weight_t.t(), linear.bias)
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] -> [rows, out] in x's dtype."""
@@ -93,8 +97,10 @@ class Int8Linear(nn.Module):
         if self.packed and x.shape[0] == 1 and not x.is_cuda:    # (quantized on CPU, then moved: offload)
             # More rows: the kernel's cost grows with each row (it is a matrix-vector loop; 64
             # rows took ~50x one row's time on the development machine), one cast does not.
-            return torch._weight_int8pack_mm(x, self.weight, scales)
-        return F.linear(x, self.weight.to(x.dtype)).mul_(scales)
+            y = torch._weight_int8pack_mm(x, self.weight, scales)
+        else:
+            y = F.linear(x, self.weight.to(x.dtype)).mul_(scales)
+        return y if self.bias is None else y.add_(self.bias.to(x.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mm(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
@@ -137,6 +143,10 @@ def _build_block_matrices(model: nn.Module, device: str) -> int:
         layer = model.layers[i]
         placed = layer.attention_norm.weight.device          # where the stage's weights are now
         parent_name, _, name = fused.rpartition(".")
-        setattr(layer.get_submodule(parent_name), name, BlockLinear(blocks.pop(key), device).to(placed))
+        parent = layer.get_submodule(parent_name)
+        # the fused matrix it replaces (built on meta from the kept parameters) may carry real
+        # biases, read like any other parameter: they stay beside the blocks
+        bias = getattr(getattr(parent, name), "bias", None)
+        setattr(parent, name, BlockLinear(blocks.pop(key), device, bias).to(placed))
     place_in_huge_pages(model)
     return count
