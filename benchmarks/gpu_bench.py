@@ -185,7 +185,7 @@ def teacher_forced_logits(worker: Worker, prompt: list[int], continuation: list[
     (not its own choices) one token per decode step: [len(continuation) + 1, V], float32."""
     from shardwise.worker.pipeline import OP_SETUP, OP_STEP
     stage = worker.ctx.stage
-    stage.launch(OP_SETUP, batch=1, seq=worker.max_seq)
+    stage.launch(OP_SETUP, cache_blocks=1, seq=worker.max_seq)
     slot = torch.tensor([0])
     stage.launch(OP_STEP, torch.tensor([prompt]), torch.arange(len(prompt))[None], slot)
     rows = [stage.collect()[0].cpu()]
@@ -308,14 +308,14 @@ def layer_errors(shape: str, hf, folder: str, device: str, prompt: list[int]) ->
         run("worker bf16, fused", lambda: model(ids))
         model.setup_caches(1, len(prompt) + 8)
         run("worker bf16, cached prefill", lambda: model(ids, positions=torch.arange(len(prompt), device=device)[None],
-                                                         cache_slots=torch.tensor([0], device=device)))
+                                                         blocks=torch.tensor([0], device=device)))
         # the last 16 prompt tokens as decode steps after a cached prefill of the rest (logits only:
         # TransformerBlock.decode runs no module hooks)
         k, m = 16, len(prompt) - 16
         model.setup_caches(1, len(prompt) + 8)
-        model(ids[:, :m], positions=torch.arange(m, device=device)[None], cache_slots=torch.tensor([0], device=device))
+        model(ids[:, :m], positions=torch.arange(m, device=device)[None], blocks=torch.tensor([0], device=device))
         steps = [model(ids[:, j:j + 1], positions=torch.tensor([[j]], device=device),
-                       cache_slots=torch.tensor([0], device=device))[0, -1].float().cpu() for j in range(m, m + k)]
+                       blocks=torch.tensor([0], device=device))[0, -1].float().cpu() for j in range(m, m + k)]
         hf_steps = hf(ids).logits[0, m:].float().cpu()
         rows["worker bf16, decode steps"] = ([float("nan")] * (n - 1), rel(torch.stack(steps), ref_logits[m:]))
         rows["transformers bf16, same rows"] = ([float("nan")] * (n - 1), rel(hf_steps, ref_logits[m:]))
@@ -419,7 +419,7 @@ def profile_decode(shape: str, folder: str, device: str, ceil: dict, prompt: lis
             replay_s = timer.median(graph.replay, repeats=50)
             with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(10):
-                    graphed.step(x_in, positions=ints_in[0].view(1, 1), cache_slots=ints_in[1], last_only=True)
+                    graphed.step(x_in, positions=ints_in[0].view(1, 1), blocks=ints_in[1], last_only=True)
                 torch.cuda.synchronize()
             table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60)
             kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
@@ -482,13 +482,13 @@ def offload_speed(shape: str, folder: str, device: str, prompt: list[int], new: 
         tokens = []
         with torch.no_grad():
             logits = model(torch.tensor([prompt], device=device), positions=torch.arange(len(prompt), device=device)[None],
-                           cache_slots=slot, last_only=True)
+                           blocks=slot, last_only=True)
             tokens.append(int(logits[0, -1].argmax()))
             timer.sync()
             t0 = time.perf_counter()
             for i in range(new - 1):
                 pos = torch.tensor([[len(prompt) + i]], device=device)
-                logits = model(torch.tensor([[tokens[-1]]], device=device), positions=pos, cache_slots=slot,
+                logits = model(torch.tensor([[tokens[-1]]], device=device), positions=pos, blocks=slot,
                                last_only=True)
                 tokens.append(int(logits[0, -1].argmax()))
             timer.sync()

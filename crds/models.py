@@ -358,7 +358,9 @@ class Quantization(str, Enum):
 class Serving(ApiModel):
     port: int = Field(8000, ge=1, le=65535, description="Port of the OpenAI-compatible HTTP API.")
     kv_cache_tokens: int = Field(8192, ge=0, description=(
-        "Tokens of KV cache per replica the planner reserves GPU memory for."))
+        "Tokens of KV cache per replica: the planner reserves memory for them and the workers' "
+        "paged cache holds that many, shared in blocks by the requests running (0: a whole "
+        "context per request)."))
     quantization: Quantization = Field(Quantization.NONE, description=(
         "none: weights in spec.dtype; int8: the decoder layers' weight matrices in INT8 (one scale "
         "per output row), half of bf16's memory; gguf: a GGUF model's Q8_0, Q4_0 or Q4_1 blocks "

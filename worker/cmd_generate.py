@@ -33,10 +33,36 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "scale per output row (embedding, LM head and norms stay in --dtype); "
                              "activations stay in --dtype; gguf: a GGUF file's Q8_0, Q4_0 and Q4_1 "
                              "layer matrices stay in their blocks, not dequantized (default none)")
+    add_cache_arguments(parser)
     parser.add_argument("--offload-budget", default="0", metavar="SIZE",
                         help="bytes of weights each rank keeps on its device (e.g. 6GiB); the decoder "
                              "layers beyond it stay in host memory and stream in ahead of their turn, "
                              "decoding eagerly (default 0: every weight on the device)")
+
+
+def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    """The KV cache's flags (engine.py): shared by generate, serve and worker."""
+    parser.add_argument("--kv-cache-tokens", type=int, default=0, metavar="N",
+                        help="tokens the KV cache holds, shared by all requests in blocks (default: "
+                             "--max-batch x --max-seq-len, a whole context per request)")
+    parser.add_argument("--kv-block-size", type=int, default=16, metavar="N",
+                        help="tokens per KV-cache block: requests take blocks as they grow and share "
+                             "the blocks of a common prompt prefix (default 16)")
+    parser.add_argument("--prefill-chunk", type=int, default=512, metavar="N",
+                        help="prompt tokens per prefill step; the running requests decode between "
+                             "a long prompt's chunks (default 512)")
+
+
+def cache_settings(args, kv_tokens: int = 0) -> dict:
+    """RankSpec fields of add_cache_arguments' flags, checked; `kv_tokens` where the flag is not
+    given (a pod: its ShardedModel's serving.kvCacheTokens, the tokens the planner sized it for)."""
+    from .errors import WorkerError
+    for flag, value in (("--kv-cache-tokens", args.kv_cache_tokens), ("--kv-block-size", args.kv_block_size),
+                        ("--prefill-chunk", args.prefill_chunk)):
+        if value < (0 if flag == "--kv-cache-tokens" else 1):
+            raise WorkerError(f"{flag} must be {'>= 0' if flag == '--kv-cache-tokens' else 'at least 1'}, not {value}")
+    return dict(kv_tokens=args.kv_cache_tokens or kv_tokens, kv_block=args.kv_block_size,
+                prefill_chunk=args.prefill_chunk)
 
 
 def spec_from_args(args):
@@ -46,7 +72,7 @@ def spec_from_args(args):
     return RankSpec(model=args.model, tensor=args.tensor_parallel, pipeline=args.pipeline_parallel,
                     device=args.device, dtype=args.dtype, max_batch=args.max_batch, max_seq=args.max_seq_len,
                     threads=args.threads, decode=args.decode, quantize=args.quantize,
-                    offload_budget=parse_bytes(args.offload_budget))
+                    offload_budget=parse_bytes(args.offload_budget), **cache_settings(args))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -103,7 +129,7 @@ def _run(args) -> int:
         load_s = time.perf_counter() - t0
         _say(f"loaded in {load_s:.1f}s; weight bytes per rank: "
              + ", ".join(f"{r['weight_bytes'] / 2**20:.1f} MiB" for r in ctx.loaded))
-        engine = Engine(ctx.stage, 1, ctx.max_seq, tokenizer.eos_ids)
+        engine = Engine.for_rank(ctx, tokenizer.eos_ids, rows=1)
         req = Request(prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                       top_p=args.top_p, seed=args.seed)
         engine.check(req)

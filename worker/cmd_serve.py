@@ -50,7 +50,7 @@ def run(args) -> int:
         runtime = LocalRuntime(spec, source)
         ctx = runtime.start()
         _say("ready; weight bytes per rank: " + ", ".join(str(r["weight_bytes"]) for r in ctx.loaded))
-        run_engine(app, ctx, stop, spec.max_batch, args.micro_batches)
+        run_engine(app, ctx, stop, args.micro_batches)
         _say("stopping")
         return 0
     except WorkerError as e:

@@ -35,6 +35,9 @@ import sys
 import threading
 import time
 
+from .cmd_generate import add_cache_arguments
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--contract", required=True, metavar="PATH",
                         help="pod contract JSON (the operator mounts /etc/shardwise/plan.json)")
@@ -45,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--max-seq-len", type=int, default=0)
     parser.add_argument("--max-batch", type=int, default=8)
+    add_cache_arguments(parser)
     parser.add_argument("--decode", choices=["auto", "eager", "graphs", "compile"], default="auto",
                         help="how decode steps run (as for serve); auto: CUDA graphs on cuda, eager on cpu")
     parser.add_argument("--quantize", choices=["none", "int8", "gguf"], default=None,
@@ -106,6 +110,7 @@ def _run(args) -> int:
     from shardwise.crds.layout import RankLayout
 
     from .errors import WorkerError
+    from .cmd_generate import cache_settings
     from .offload import parse_bytes
     from .runtime import RankSpec, validate
 
@@ -131,7 +136,8 @@ def _run(args) -> int:
                     device=device, dtype=contract.model.dtype,   # validate() resolves auto
                     max_batch=args.max_batch, max_seq=args.max_seq_len, decode=args.decode,
                     quantize=args.quantize or plan.quantization,
-                    offload_budget=plan.offload_budget if args.offload_budget is None else parse_bytes(args.offload_budget))
+                    offload_budget=plan.offload_budget if args.offload_budget is None else parse_bytes(args.offload_budget),
+                    **cache_settings(args, contract.serving.kv_cache_tokens))
     source = validate(spec)
     if source.config.num_layers != plan.num_layers:
         raise WorkerError(f"plan splits {plan.num_layers} layers but model {contract.model.path} has "
@@ -331,7 +337,7 @@ def _rank_main(spec, rank, world, local_rank, host, port, model_name, loaded_q, 
         ctx = setup_rank(spec, 0, world, local_rank, "env://", spec.tensor)
         loaded_q.put(ctx.loaded[0])
         try:
-            run_engine(app, ctx, stop, spec.max_batch)
+            run_engine(app, ctx, stop)
         finally:
             ctx.stage.stop()
             finish_rank(ctx)

@@ -8,10 +8,12 @@ launch.
 A graph replays fixed shapes and fixed addresses, so:
   * the model runs with `static_shapes` (Transformer.cache_step): attention over the whole cache,
     masked, and no host syncs inside the step;
+  * each request's cache is one block of the whole context (the engine keeps fixed rows under
+    graphs: a graph cannot replay another step's block tables of another shape);
   * each step's batch is padded up to a bucket size (powers of two up to the cache's rows, as
     serving engines do), with one graph per bucket captured on first use. Padding rows write
     their keys and values into a scratch cache row that no request owns (the Stage asks
-    setup_caches for one extra row), so they never touch a request's cache;
+    setup_caches for one extra block), so they never touch a request's cache;
   * inputs are copied into the graph's own input buffers before each replay, and its output
     buffer is reused by the next replay (the Stage clones what it keeps);
   * new caches (setup_caches) move the buffers the graphs captured: `reset` drops them.
@@ -36,8 +38,8 @@ def buckets(max_batch: int) -> list[int]:
 
 
 def padded_ints(positions: torch.Tensor, slots: torch.Tensor, n: int, scratch: int) -> torch.Tensor:
-    """int64 [2, n] on the host: the step's positions (row 0) and cache slots (row 1), padded to
-    `n` rows at position 0 of the `scratch` cache row."""
+    """int64 [2, n] on the host: the step's positions (row 0) and cache rows (row 1: each row's one
+    block), padded to `n` rows at position 0 of the `scratch` cache row."""
     b = slots.numel()
     ints = torch.zeros(2, n, dtype=torch.int64)
     ints[0, :b] = positions.reshape(-1).cpu()
@@ -83,7 +85,7 @@ class GraphedDecode:
         ints_in[1] = self.max_batch
 
         def run():
-            return self.step(x_in, positions=ints_in[0].view(n, 1), cache_slots=ints_in[1], last_only=True)
+            return self.step(x_in, positions=ints_in[0].view(n, 1), blocks=ints_in[1].view(n, 1), last_only=True)
 
         # Warm-up on a side stream, as capture requires: it runs torch.compile's compilation and
         # cuBLAS's workspace set-up, which must not happen inside the capture.

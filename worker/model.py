@@ -21,9 +21,9 @@ Parameter names are the contract with loaders and checkpoints (gpt-fast naming):
 
 Two ways to run it:
   * full-sequence causal forward (training, parity checks): `model(tokens)` with no cache set up;
-  * cached inference: `model.setup_caches(max_batch, max_seq)` then
-    `model(tokens, positions=..., cache_slots=...)` where each row of the batch is one request
-    living in cache row `cache_slots[b]` at positions `positions[b]`.
+  * cached inference: `model.setup_caches(blocks, max_seq, block_size)` then
+    `model(tokens, positions=..., blocks=...)` where each row of the batch is one request whose
+    positions `positions[b]` live in the cache blocks of its table `blocks[b]` (KVCache).
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ from torch import nn
 
 from shardwise.crds.modelshape import ModelFacts, llama_params
 
+from .kv_blocks import blocks_for
 from .moe import MoEFeedForward
 
 
@@ -171,45 +172,36 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class CacheStep:
     """What every layer of one cached step shares, worked out once per step (Transformer.forward).
 
-    index:  for each (batch row, kv head, token), its row in the cache viewed as [-1, head_dim]
+    index:  for each (batch row, kv head, token), its place in the cache viewed as [-1, head_dim]
             (one index_copy_ per layer writes the step's keys; an advanced-index put costs 2-3x that)
-    slots:  cache rows of the batch rows; None when they are rows 0..B-1 in order (no gather)
-    length: positions to attend over (the longest row's, or the whole cache for static shapes)
+    length: positions to attend over (the longest row's, or the whole context for static shapes)
     fresh:  a prefill that starts every row at position 0: causal attention over the new keys only
     mask:   [B, T, length], True = attend; None when every row attends to all `length` positions
+    start, stride: where the rows' positions lie when they can be read in place: row b's position
+            p at token slot start + b * stride + p (KVCache.read); None: they are gathered
+    gather: otherwise, for each (row, kv head, position < length), its place in the cache
     """
     index: torch.Tensor
-    slots: torch.Tensor | None
     length: int
     fresh: bool
     mask: torch.Tensor | None
+    start: int | None = 0
+    stride: int = 0
+    gather: torch.Tensor | None = None
 
 
 class KVCache(nn.Module):
-    def __init__(self, batch: int, kv_heads: int, seq: int, head_dim: int, dtype, device):
+    """The keys and values of one layer: a pool of blocks of token positions, [kv heads, blocks *
+    block_size, head_dim], shared by all requests (kv_blocks.py decides which block holds what).
+    Each head's positions are one run of token slots, so a request whose blocks are consecutive
+    is a plain slice, and rows whose slices are evenly spaced are one strided view: attention
+    reads them in place, as it did from one fixed row per request."""
+
+    def __init__(self, tokens: int, kv_heads: int, head_dim: int, dtype, device):
         super().__init__()
-        shape = (batch, kv_heads, seq, head_dim)
+        shape = (kv_heads, tokens, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-
-    @staticmethod
-    def step_index(slots: torch.Tensor, positions: torch.Tensor, kv_heads: int, seq: int) -> torch.Tensor:
-        """CacheStep.index for rows in cache `slots` [B] at `positions` [B, T]."""
-        heads = torch.arange(kv_heads, device=positions.device)
-        return ((slots[:, None, None] * kv_heads + heads[None, :, None]) * seq + positions[:, None, :]).reshape(-1)
-
-    @staticmethod
-    def decode_index(slots: list[int], positions: list[int], kv_heads: int, seq: int, device) -> torch.Tensor:
-        """step_index for one token per row, from host ints: one tensor instead of step_index's
-        ~7 small ops (~0.1 ms with the caches a decode step leaves cold)."""
-        return torch.tensor([(slot * kv_heads + head) * seq + pos
-                             for slot, pos in zip(slots, positions) for head in range(kv_heads)], device=device)
-
-    def update(self, step: CacheStep, k: torch.Tensor, v: torch.Tensor):
-        """Write k/v [B, kv, T, hd] where `step` says and return the first `step.length` positions
-        of the batch rows' cache."""
-        self.write(step, k, v)
-        return self.read(step, k.shape[0])
 
     def write(self, step: CacheStep, k: torch.Tensor, v: torch.Tensor) -> None:
         """k/v: [B, kv, T, hd], or [B, kv, hd] for one token per row."""
@@ -218,11 +210,47 @@ class KVCache(nn.Module):
         self.v.view(-1, d).index_copy_(0, step.index, v.reshape(-1, d))
 
     def read(self, step: CacheStep, b: int):
-        length = step.length
-        if step.slots is None:
-            return self.k[:b, :, :length], self.v[:b, :, :length]
-        return (self.k[:, :, :length].index_select(0, step.slots),
-                self.v[:, :, :length].index_select(0, step.slots))
+        """k/v [B, kv, length, hd] of the step's rows: views of the pool, or gathered copies."""
+        kv, tokens, d = self.k.shape
+        if step.gather is not None:
+            shape = (b, kv, step.length, d)
+            return (self.k.view(-1, d).index_select(0, step.gather).view(shape),
+                    self.v.view(-1, d).index_select(0, step.gather).view(shape))
+        size, strides = (b, kv, step.length, d), (step.stride * d, tokens * d, d, 1)
+        return (self.k.as_strided(size, strides, step.start * d),
+                self.v.as_strided(size, strides, step.start * d))
+
+
+def token_slots(blocks: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The token slots of `positions` [B, T] for rows with block tables `blocks` [B, nb]: device
+    ops only (no host sync), for prefill chunks and CUDA graphs."""
+    return torch.gather(blocks, 1, positions // block_size) * block_size + positions % block_size
+
+
+def cache_index(slots: torch.Tensor, kv_heads: int, tokens: int) -> torch.Tensor:
+    """Places in a KVCache viewed as [-1, head_dim] of token `slots` [B, T], ordered (row, kv head,
+    token) as k.reshape(-1, head_dim) of k [B, kv, T, hd]."""
+    heads = torch.arange(kv_heads, device=slots.device) * tokens
+    return (heads[None, :, None] + slots[:, None, :]).reshape(-1)
+
+
+def in_place(tables: list[list[int]], ends: list[int], length: int, block_size: int, tokens: int):
+    """(start, stride) when every row's first `ends[b]` positions lie on consecutive blocks and the
+    rows' first blocks are evenly spaced, so the batch reads as one strided view (KVCache.read)
+    of `length` positions per row; None otherwise. Positions past a row's own end read whatever
+    follows it in the pool and are masked."""
+    starts = []
+    for table, end in zip(tables, ends):
+        first, n = table[0], blocks_for(end, block_size)
+        if table[n - 1] != first + n - 1 or table[:n] != list(range(first, first + n)):
+            return None
+        starts.append(first * block_size)
+    stride = starts[1] - starts[0] if len(starts) > 1 else 0
+    if len(starts) > 1 and (stride <= 0 or any(b - a != stride for a, b in zip(starts, starts[1:]))):
+        return None
+    if starts[-1] + length > tokens:
+        return None
+    return starts[0], stride
 
 
 def transposed_for_inference(weight: torch.Tensor) -> nn.Parameter:
@@ -428,13 +456,12 @@ class Attention(nn.Module):
         if step is None or self.kv_cache is None:
             y = causal_attention(q, k, v)
         else:
-            kc, vc = self.kv_cache.update(step, k, v)
+            self.kv_cache.write(step, k, v)
             if step.fresh:      # prefill from position 0: the new keys are all there is
                 y = causal_attention(q, k, v)
-            elif step.mask is None:
-                y = decode_attention(q, kc, vc)
             else:
-                y = cached_attention(q, kc, vc, step.mask)
+                kc, vc = self.kv_cache.read(step, b)
+                y = decode_attention(q, kc, vc) if step.mask is None else cached_attention(q, kc, vc, step.mask)
         return self.wo(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
     def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: CacheStep) -> torch.Tensor:
@@ -532,7 +559,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False) if head else None
         self.tie_weights()
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.max_batch = self.max_seq = 0
+        self.max_seq = self.block_size = self.cache_tokens = 0      # see setup_caches
         # Fixed attention length (the whole cache) and no host syncs, so a decode step can be
         # captured as a CUDA graph; on CPU attending only up to the longest row is faster.
         self.static_shapes = False
@@ -573,20 +600,24 @@ class Transformer(nn.Module):
             if tied_here:
                 self.tok_embeddings = InferenceEmbedding(self.output.weight_t)
 
-    def setup_caches(self, max_batch: int, max_seq: int, dtype=None, device=None) -> None:
+    def setup_caches(self, blocks: int, max_seq: int, block_size: int = 0, dtype=None, device=None) -> None:
+        """A KV cache of `blocks` blocks of `block_size` positions per layer (0: one whole context,
+        max_seq, per block: a fixed row per request), for requests of up to `max_seq` positions."""
         ref = next(self.parameters())
         dtype, device = dtype or ref.dtype, device or ref.device
+        self.block_size = block_size or max_seq
+        self.cache_tokens = blocks * self.block_size
         for layer in self.layers.values():
             att = layer.attention
-            att.kv_cache = KVCache(max_batch, att.n_kv_heads, max_seq, att.head_dim, dtype, device)
-        self.max_batch, self.max_seq = max_batch, max_seq
+            att.kv_cache = KVCache(self.cache_tokens, att.n_kv_heads, att.head_dim, dtype, device)
+        self.max_seq = max_seq
         if self.compiled_decode is not None:     # new caches: guards must be checked again
             self.compile_decode()
 
     def clear_caches(self) -> None:
         for layer in self.layers.values():
             layer.attention.kv_cache = None
-        self.max_batch = self.max_seq = 0
+        self.max_seq = self.block_size = self.cache_tokens = 0
 
     def rope(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [B, 1, T, head_dim] for integer positions [B, T]; the table grows on demand.
@@ -607,40 +638,52 @@ class Transformer(nn.Module):
         cos, sin = self._rope
         return cos[positions][:, None].to(dtype), sin[positions][:, None].to(dtype)
 
-    def cache_step(self, positions: torch.Tensor, cache_slots: torch.Tensor | None, t: int) -> CacheStep:
-        """Where a cached step writes its keys and values and what each row attends to."""
-        b = positions.shape[0]
+    def cache_step(self, positions: torch.Tensor, blocks: torch.Tensor, t: int) -> CacheStep:
+        """Where a cached step writes its keys and values and what each row attends to; row b's
+        positions `positions[b]` live in the blocks of its table `blocks[b]`."""
+        first = next(iter(self.layers.values()), None)
+        kv_heads = first.attention.n_kv_heads if first is not None else 1
+        bs, tokens = self.block_size, self.cache_tokens
         if self.static_shapes:
-            # Fixed shapes and no host syncs, for CUDA graphs: attend over the whole cache, masked.
-            length, fresh, full = self.max_seq, False, False
-        else:
-            # The decisions below on host copies: one copy each instead of ~10 small ops and
-            # three syncs (0.1 ms of a ~22 ms CPU decode step).
-            rows = positions.tolist()
-            slot_list = list(range(b)) if cache_slots is None else cache_slots.tolist()
-            if cache_slots is not None and b <= self.max_batch and slot_list == list(range(b)):
-                cache_slots = None      # rows 0..B-1 in order: attend over cache rows without a gather
-            length = max(max(row) for row in rows) + 1
-            # A prefill that starts every row at position 0 needs only causal attention over its
-            # own keys; a decode step whose rows all sit at the last position attends to
-            # everything cached; otherwise row b attends to the cached positions up to its own.
-            fresh = t > 1 and all(row[0] == 0 for row in rows)
-            full = t == 1 and all(row[0] == length - 1 for row in rows)
+            # Fixed shapes and no host syncs, for CUDA graphs: every row gathered over the whole
+            # context, masked (each row is one block there: cuda_graphs.py).
+            length = self.max_seq
+            everything = torch.arange(length, device=positions.device)
+            mask = everything[None, None, :] <= positions[:, :, None]
+            gather = cache_index(token_slots(blocks, everything.expand(len(blocks), length), bs), kv_heads, tokens)
+            index = cache_index(token_slots(blocks, positions, bs), kv_heads, tokens)
+            return CacheStep(index, length, False, mask, None, 0, gather)
+        # The decisions below on host copies: one copy each instead of ~10 small ops and three
+        # syncs (0.1 ms of a ~22 ms CPU decode step).
+        rows, tables = positions.tolist(), blocks.tolist()
+        length = max(max(row) for row in rows) + 1
+        # A prefill that starts every row at position 0 needs only causal attention over its own
+        # keys; a decode step whose rows all sit at the last position attends to everything
+        # cached; otherwise row b attends to the cached positions up to its own.
+        fresh = t > 1 and all(row[0] == 0 for row in rows)
+        full = t == 1 and all(row[0] == length - 1 for row in rows)
         mask = None
         if not (fresh or full):
             mask = torch.arange(length, device=positions.device)[None, None, :] <= positions[:, :, None]
-        first = next(iter(self.layers.values()), None)
-        kv_heads = first.attention.n_kv_heads if first is not None else 1
-        if self.static_shapes or t > 1:
-            slots = torch.arange(b, device=positions.device) if cache_slots is None else cache_slots
-            index = KVCache.step_index(slots, positions, kv_heads, self.max_seq)
-        else:
-            index = KVCache.decode_index(slot_list, [row[0] for row in rows], kv_heads, self.max_seq,
-                                         positions.device)
-        return CacheStep(index, cache_slots, length, fresh, mask)
+        if t > 1:
+            index = cache_index(token_slots(blocks, positions, bs), kv_heads, tokens)
+        else:       # one token per row, from host ints: one tensor instead of several small ops
+            index = torch.tensor([head * tokens + table[p // bs] * bs + p % bs
+                                  for table, (p,) in zip(tables, rows) for head in range(kv_heads)],
+                                 device=positions.device)
+        if fresh:
+            return CacheStep(index, length, fresh, mask)
+        view = in_place(tables, [row[-1] + 1 for row in rows], length, bs, tokens)
+        if view is not None:
+            return CacheStep(index, length, fresh, mask, *view)
+        # Tables cover every row up to `length` (the engine pads them), so positions past a
+        # row's own end gather some block's slots, masked.
+        everything = torch.arange(length, device=positions.device).expand(len(rows), length)
+        gather = cache_index(token_slots(blocks, everything, bs), kv_heads, tokens)
+        return CacheStep(index, length, fresh, mask, None, 0, gather)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
-                cache_slots: torch.Tensor | None = None, return_hidden: bool = False,
+                blocks: torch.Tensor | None = None, return_hidden: bool = False,
                 last_only: bool = False) -> torch.Tensor:
         """x: token ids [B, T] on the first stage, hidden states [B, T, H] on later ones.
 
@@ -652,7 +695,9 @@ class Transformer(nn.Module):
         b, t = h.shape[:2]
         if positions is None:
             positions = torch.arange(t, device=h.device).expand(b, t)
-        step = self.cache_step(positions, cache_slots, t) if self.max_seq > 0 else None
+        if blocks is not None and blocks.dim() == 1:
+            blocks = blocks[:, None]        # one block per row: a fixed row of the whole context
+        step = self.cache_step(positions, blocks, t) if self.max_seq > 0 else None
         cos, sin = self.rope(positions, h.dtype)
         run = self.compiled_decode if step is not None and t == 1 and self.compiled_decode else self.run_layers
         return run(h, cos, sin, step, return_hidden, last_only)
@@ -710,7 +755,7 @@ class CompiledDecode:
         self.skip_guards.__exit__(None, None, None)
 
     def __call__(self, h, cos, sin, step: CacheStep, return_hidden: bool, last_only: bool):
-        single_row = h.shape[0] == 1 and step.mask is None and step.slots is None and step.length >= 2
+        single_row = h.shape[0] == 1 and step.mask is None and step.start == 0 and step.length >= 2
         if not (single_row and self.single_row_ran):
             out = self.compiled(h, cos, sin, step, return_hidden, last_only)
             self.single_row_ran = self.single_row_ran or single_row

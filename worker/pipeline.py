@@ -1,12 +1,13 @@
 """Pipeline parallelism: stages own contiguous layer ranges and pass hidden states with send/recv.
 
 Ranks: crds/layout.py RankLayout (a replica is its own world). Rank 0 (stage 0, TP rank 0) drives:
-it decides every step (which requests, which tokens, positions, cache slots), runs stage 0 and
+it decides every step (which requests, which tokens, positions, cache blocks), runs stage 0 and
 sends the step down the pipeline; the last stage returns last-position logits to rank 0.
 
 Every message between consecutive stages is
-    header  int64[4]  (op, batch, tokens per row, unused)
-    ints    int64[B*T + B]  positions then cache slots
+    header  int64[4]  STEP: (op, batch, tokens per row, blocks per row)
+                      SETUP: (op, cache blocks, context length, block size)
+    ints    int64[B*T + B*NB]  positions then each row's block table
     hidden  [B, T, H] in the model dtype                     (op == STEP only)
 and TP rank r of stage s talks to TP rank r of stage s+1 (after the row-parallel all-reduce,
 hidden states are identical on every TP rank of a stage). The TP peers of rank 0 get the step by
@@ -167,22 +168,22 @@ class Stage:
 
     # ---- shared by all ranks -------------------------------------------------------------
     def _compute(self, op: int, b: int, t: int, ints: torch.Tensor | None, x: torch.Tensor | None,
-                 positions: torch.Tensor | None = None, slots: torch.Tensor | None = None):
-        """SETUP or one step: positions [b, t] and slots [b] come packed in `ints` or, on a rank
-        alone, as they are."""
+                 positions: torch.Tensor | None = None, blocks: torch.Tensor | None = None, nb: int = 0):
+        """SETUP (b cache blocks of nb positions for contexts of t) or one step: positions [b, t]
+        and block tables [b, nb] come packed in `ints` or, on a rank alone, as they are."""
         if op == OP_SETUP:
-            # With graphs, one more cache row: the scratch row the padding rows write to.
-            self.model.setup_caches(b + (self.graphed is not None), t, device=self.device)
+            # With graphs, one more block: the scratch row the padding rows write to.
+            self.model.setup_caches(b + (self.graphed is not None), t, nb, device=self.device)
             if self.graphed is not None:
                 self.graphed.reset(b)
             return None
         if ints is not None:
-            positions, slots = ints[:b * t].view(b, t), ints[b * t:]
+            positions, blocks = ints[:b * t].view(b, t), ints[b * t:].view(b, -1)
         with torch.no_grad():
             if t == 1 and self.graphed is not None:
-                return self.graphed(x, positions, slots).clone()   # the graph reuses its output buffer
+                return self.graphed(x, positions, blocks).clone()   # the graph reuses its output buffer
             return self.model(x.to(self.device), positions=positions.to(self.device),
-                              cache_slots=slots.to(self.device), last_only=True)
+                              blocks=blocks.to(self.device), last_only=True)
 
     def _forward_next(self, header, ints, out) -> None:
         msgs = [header, ints] + ([out] if out is not None else [])
@@ -190,39 +191,46 @@ class Stage:
 
     # ---- rank 0 -----------------------------------------------------------------------------
     def launch(self, op: int, tokens: torch.Tensor | None = None, positions: torch.Tensor | None = None,
-               slots: torch.Tensor | None = None, batch: int = 0, seq: int = 0) -> None:
-        """Run one step (or a SETUP/STOP) on stage 0 and send it on; results come from `collect`."""
+               blocks: torch.Tensor | None = None, cache_blocks: int = 0, seq: int = 0,
+               block_size: int = 0) -> None:
+        """Run one step (or a SETUP/STOP) on stage 0 and send it on; results come from `collect`.
+        STEP: tokens and positions [B, T], block tables [B, NB]. SETUP: a cache of `cache_blocks`
+        blocks of `block_size` positions (0: one context, `seq`, each) for contexts of `seq`."""
         info = self.info
-        b, t = tokens.shape if op == OP_STEP else (batch, seq)
+        if op == OP_STEP:
+            blocks = blocks.view(len(blocks), -1)
+            (b, t), nb = tokens.shape, blocks.shape[1]
+        else:
+            b, t, nb = cache_blocks, seq, block_size
         out = None
         if info.tensor == 1 and info.pipeline == 1:
             # A rank alone sends nothing, so the step's tensors need no packing (~0.1 ms of a
             # ~22 ms CPU decode step, spent by Python with caches the weights have flushed).
             if op != OP_STOP:
-                out = self._compute(op, b, t, None, tokens, positions, slots)
+                out = self._compute(op, b, t, None, tokens, positions, blocks, nb)
         else:
-            out = self._send_and_compute(op, b, t, tokens, positions, slots)
+            out = self._send_and_compute(op, b, t, nb, tokens, positions, blocks)
         if op == OP_STEP:
             self.pending.append(out[:, -1].float() if info.pipeline == 1 else b)
 
-    def _send_and_compute(self, op: int, b: int, t: int, tokens, positions, slots) -> torch.Tensor | None:
+    def _send_and_compute(self, op: int, b: int, t: int, nb: int, tokens, positions, blocks) -> torch.Tensor | None:
         """launch with other ranks: the step packed as messages, broadcast to this stage's TP
         ranks, computed here, then sent on to the next stage."""
         info = self.info
         if op == OP_STEP:
-            ints = torch.cat([positions.reshape(-1), slots.reshape(-1)]).to(torch.int64).cpu()
+            ints = torch.cat([positions.reshape(-1), blocks.reshape(-1)]).to(torch.int64).cpu()
             tok_flat = tokens.reshape(-1).to(torch.int64).cpu()
         else:
             # gloo does not move empty tensors: SETUP/STOP carry one unused int.
             ints, tok_flat = torch.zeros(1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
-        header = self._c(torch.tensor([op, b, t, 0], dtype=torch.int64))
+        header = self._c(torch.tensor([op, b, t, nb], dtype=torch.int64))
         ints = self._c(ints)
         if info.tensor > 1:
             self._broadcast_step(header, self._c(torch.cat([tok_flat, ints.cpu()])) if op == OP_STEP else None)
         out = None
         if op != OP_STOP:
             x = tok_flat.view(b, t) if op == OP_STEP else None
-            out = self._compute(op, b, t, ints, x)
+            out = self._compute(op, b, t, ints, x, nb=nb)
         if info.pipeline > 1:
             self._forward_next(header, ints, self._c(out) if op == OP_STEP else None)
         return out
@@ -261,8 +269,8 @@ class Stage:
             if info.is_first:
                 t0 = time.perf_counter()
                 dist.broadcast(header, src=0, group=info.tp_group)
-                op, b, t = (int(v) for v in header[:3].tolist())
-                n = b * t * 2 + b if op == OP_STEP else 0
+                op, b, t, nb = (int(v) for v in header.tolist())
+                n = b * t * 2 + b * nb if op == OP_STEP else 0
                 both = torch.empty(n, dtype=torch.int64, device=cd)
                 if n:
                     dist.broadcast(both, src=0, group=info.tp_group)
@@ -271,8 +279,8 @@ class Stage:
                 ints = both[b * t:] if op == OP_STEP else torch.zeros(1, dtype=torch.int64, device=cd)
             else:
                 _recv(header, info.prev_rank)
-                op, b, t = (int(v) for v in header[:3].tolist())
-                ints = _recv(torch.empty(b * t + b if op == OP_STEP else 1, dtype=torch.int64, device=cd),
+                op, b, t, nb = (int(v) for v in header.tolist())
+                ints = _recv(torch.empty(b * t + b * nb if op == OP_STEP else 1, dtype=torch.int64, device=cd),
                              info.prev_rank)
                 x = None
                 if op == OP_STEP:
@@ -283,7 +291,7 @@ class Stage:
                     self._forward_next(header, ints, None)
                 self.sender.flush()
                 return
-            out = self._compute(op, b, t, ints, x)
+            out = self._compute(op, b, t, ints, x, nb=nb)
             if not info.is_last:
                 self._forward_next(header, ints, None if out is None else self._c(out))
             elif op == OP_STEP and info.tp_rank == 0:

@@ -52,6 +52,11 @@ class RankSpec:
     decode: str = "auto"          # pipeline.py decode_mode: auto, eager, graphs, compile
     quantize: str = "none"        # quantize.py: none, int8 (weight-only, decoder layers), gguf (the file's blocks)
     offload_budget: int = 0       # offload.py: bytes of weights kept on the device, the other layers streamed; 0: all
+    # The KV cache (engine.py, kv_blocks.py): its size in tokens (0: max_batch whole contexts),
+    # tokens per block, and prompt tokens per prefill step.
+    kv_tokens: int = 0
+    kv_block: int = 16
+    prefill_chunk: int = 512
 
 
 @dataclass
@@ -129,7 +134,7 @@ def teacher_forced_nll(ctx: RankContext, ids: list[int]) -> float:
     last stage's logits of that step scored. Rank 0 of a local runtime calls it; the quantized
     formats' quality bound is measured with it (tests, benchmarks/quant_bench.py)."""
     stage, slot = ctx.stage, torch.tensor([0])
-    stage.launch(OP_SETUP, batch=1, seq=ctx.max_seq)
+    stage.launch(OP_SETUP, cache_blocks=1, seq=ctx.max_seq)
     rows = []
     for pos, tok in enumerate(ids[:-1]):
         stage.launch(OP_STEP, torch.tensor([[tok]]), torch.tensor([[pos]]), slot)
@@ -299,6 +304,6 @@ def generate_local(spec: RankSpec, prompts: list[list[int]], max_new_tokens: int
     Returns the generated ids per prompt and each rank's load figures."""
     from .engine import Engine, Request
     with LocalRuntime(spec) as ctx:
-        engine = Engine(ctx.stage, spec.max_batch, ctx.max_seq, list(eos_ids))
+        engine = Engine.for_rank(ctx, list(eos_ids))
         reqs = engine.generate([Request(list(p), max_new_tokens=max_new_tokens) for p in prompts])
         return [r.token_ids for r in reqs], ctx.loaded

@@ -85,6 +85,34 @@ class ExpertLoad:
         return [tokens, ratio]
 
 
+class KVCacheUse:
+    """Prometheus collector of the paged KV cache (engine.py, kv_blocks.py), read at scrape time:
+    shardwise_kv_cache_blocks{state} (used: held by requests; cached: kept for prefix reuse,
+    reclaimable; free), shardwise_kv_cache_block_tokens, and counters of prompt tokens reused
+    from the cache and of preempted requests."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        engine = self.engine()
+        if engine is None:
+            return []
+        pool = engine.pool
+        blocks = GaugeMetricFamily("shardwise_kv_cache_blocks", "KV-cache blocks by state", labels=["state"])
+        blocks.add_metric(["used"], pool.used)
+        blocks.add_metric(["cached"], len(pool.evictable))
+        blocks.add_metric(["free"], len(pool.free))
+        size = GaugeMetricFamily("shardwise_kv_cache_block_tokens", "Token positions per KV-cache block",
+                                 value=pool.block_size)
+        reused = CounterMetricFamily("shardwise_prefix_reused_tokens", "Prompt tokens found in the KV "
+                                     "cache instead of prefilled", value=engine.stats["reused_tokens"])
+        preempted = CounterMetricFamily("shardwise_preempted_requests", "Requests preempted when the "
+                                        "KV cache ran out of blocks", value=engine.stats["preempted"])
+        return [blocks, size, reused, preempted]
+
+
 class Metrics:
     def __init__(self):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -108,6 +136,8 @@ class Metrics:
         self.ready = Gauge("shardwise_ready", "1 once every rank has loaded", registry=r)
         self.model = None          # rank 0's stage, for the mixture-of-experts load (ExpertLoad)
         r.register(ExpertLoad(lambda: self.model))
+        self.engine = None         # for the KV cache's use (KVCacheUse)
+        r.register(KVCacheUse(lambda: self.engine))
         self._window: deque = deque()
         self._lock = threading.Lock()
 
@@ -249,7 +279,7 @@ class App:
             self.metrics.weight_bytes.labels(rank=str(r["rank"]), stage=str(r["stage"]),
                                              tp_rank=str(r["tp_rank"])).set(r["weight_bytes"])
         self.engine = engine
-        self.metrics.model = engine.stage.model
+        self.metrics.model, self.metrics.engine = engine.stage.model, engine
         self.ready.set()
         self.metrics.ready.set(1)
 
@@ -761,7 +791,7 @@ class Server:
         self.httpd.server_close()
 
 
-def run_engine(app: App, ctx, stop: threading.Event, max_batch: int, micro_batches: int = 0,
+def run_engine(app: App, ctx, stop: threading.Event, micro_batches: int = 0,
                drain_seconds: float = DRAIN_SECONDS) -> None:
     """Rank 0's main loop once loaded: mark ready and step the engine until `stop` is set, then
     drain: /healthz turns 503 (a readiness probe takes the pod out of its Service's endpoints), new
@@ -769,7 +799,7 @@ def run_engine(app: App, ctx, stop: threading.Event, max_batch: int, micro_batch
     to `drain_seconds`. What is still running then ends with finish_reason "error" and a message
     saying why, rather than a connection cut mid-stream."""
     from .engine import Engine
-    engine = Engine(ctx.stage, max_batch, ctx.max_seq, app.tokenizer.eos_ids, micro_batches)
+    engine = Engine.for_rank(ctx, app.tokenizer.eos_ids, micro_batches)
     app.loaded = ctx.loaded
     app.set_ready(engine, ctx.loaded)
     drained = threading.Event()

@@ -54,11 +54,11 @@ class Driver:
             # pad tokens are arbitrary: the scratch row holds nothing anyone reads
             x = torch.tensor([row[0] for row in tokens] + [7] * (n - b))[:, None]
             with torch.no_grad():
-                out = self.model(x, positions=ints[0].view(n, 1), cache_slots=ints[1], last_only=True)
+                out = self.model(x, positions=ints[0].view(n, 1), blocks=ints[1], last_only=True)
             return out[:b, -1]
         with torch.no_grad():
             return self.model(torch.tensor(tokens), positions=torch.tensor(positions),
-                              cache_slots=torch.tensor(slots), last_only=True)[:, -1]
+                              blocks=torch.tensor(slots), last_only=True)[:, -1]
 
 
 def bucket_of(b: int, max_batch: int) -> int:

@@ -40,12 +40,12 @@ def run(model: Transformer, prompts: list[list[int]], new: int) -> list[torch.Te
     with torch.no_grad():
         for slot, seq in enumerate(seqs):
             logits = model(torch.tensor([seq]), positions=torch.arange(len(seq))[None],
-                           cache_slots=torch.tensor([slot]), last_only=True)[:, -1]
+                           blocks=torch.tensor([slot]), last_only=True)[:, -1]
             out.append(logits)
             seq.append(int(logits[0].argmax()))
         for _ in range(new):
             logits = model(torch.tensor([[s[-1]] for s in seqs]), positions=torch.tensor([[len(s) - 1] for s in seqs]),
-                           cache_slots=torch.arange(len(seqs)), last_only=True)[:, -1]
+                           blocks=torch.arange(len(seqs)), last_only=True)[:, -1]
             out.append(logits)
             for row, seq in enumerate(seqs):
                 seq.append(int(logits[row].argmax()))

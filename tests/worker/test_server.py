@@ -52,7 +52,7 @@ def served(tmp_path_factory):
     before = _get(base + "/healthz")
     ctx = runtime.start()
     stop = threading.Event()
-    loop = threading.Thread(target=run_engine, args=(app, ctx, stop, 4), daemon=True)
+    loop = threading.Thread(target=run_engine, args=(app, ctx, stop), daemon=True)
     loop.start()
     app.ready.wait(60)
     yield base, path, app, before
@@ -193,3 +193,7 @@ def test_metrics_report_latency_ttft_tokens_weights_and_communication(served):
     weights = [v for k, v in values.items() if k.startswith("shardwise_weight_bytes{")]
     assert len(weights) == 4 and all(w > 0 for w in weights)
     assert values['shardwise_communication_seconds_total{rank="0"}'] > 0
+    # the paged KV cache: every block in one state, the prompt's full blocks kept for reuse
+    blocks = {state: values[f'shardwise_kv_cache_blocks{{state="{state}"}}'] for state in ("used", "cached", "free")}
+    assert sum(blocks.values()) == 4 * 128 // values["shardwise_kv_cache_block_tokens"]
+    assert values["shardwise_prefix_reused_tokens_total"] >= 0 and values["shardwise_preempted_requests_total"] == 0
