@@ -218,7 +218,7 @@ def test_metrics_show_tokens_per_expert_and_the_imbalance(tmp_path):
     app = App("moe", load_tokenizer(runtime.source))
     server = Server(app, "127.0.0.1", 0).start()
     stop = threading.Event()
-    loop = threading.Thread(target=run_engine, args=(app, runtime.start(), stop, 2), daemon=True)
+    loop = threading.Thread(target=run_engine, args=(app, runtime.start(), stop), daemon=True)
     loop.start()
     try:
         assert app.ready.wait(60)
