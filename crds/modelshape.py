@@ -367,9 +367,15 @@ def from_gguf(path: str | Path, dtype: str = "auto") -> ModelFacts:
     stored = gguf_dtype(counts)
     heads, hidden = key("attention.head_count"), key("embedding_length")
     vocab = int(meta.get(f"{arch}.vocab_size") or meta.get("tokenizer.ggml.tokens") or 0)
-    return ModelFacts(layers=key("block_count"), heads=heads,
+    # a mixture of experts (Mixtral as arch llama, qwen3moe): experts of expert_feed_forward_length
+    # where the header gives one (Mixtral's are feed_forward_length)
+    experts = int(meta.get(f"{arch}.expert_count") or 0)
+    intermediate = key("feed_forward_length", 4 * hidden)
+    if experts and meta.get(f"{arch}.expert_feed_forward_length"):
+        intermediate = key("expert_feed_forward_length")
+    return ModelFacts(layers=key("block_count"), heads=heads, experts=experts,
                       kv_heads=int(meta.get(f"{arch}.attention.head_count_kv") or heads), hidden=hidden,
-                      vocab=vocab, intermediate=key("feed_forward_length", 4 * hidden),
+                      vocab=vocab, intermediate=intermediate,
                       params=sum(count for _, count in counts),
                       bytes_per_param=DTYPE_BYTES[in_memory_dtype(dtype, stored, "cuda")],
                       tied_embeddings=not any(name == "output.weight" for name, _, _ in tensors),

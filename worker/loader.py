@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 from dataclasses import dataclass
 from typing import Callable
@@ -123,6 +124,15 @@ def _hf_expert_names(name: str, arch: str, first: int, stop: int) -> list[str] |
     return [f"model.layers.{parts[1]}." + pattern.format(j=j, w=names[parts[3]]) for j in range(first, stop)]
 
 
+# GGUF architectures the loader reads: arch -> (HF-style model_type for ModelConfig.architecture
+# when it has experts, or when it always does)
+GGUF_ARCHITECTURES = {"llama": "mixtral", "qwen3moe": "qwen3_moe"}
+# A mixture of experts' tensors in a GGUF file (llama.cpp): the router, and the experts stacked
+# [E, ...] like moe.MoEFeedForward's parameters, so a rank's experts are a run of rows.
+_GGUF_MOE = {"feed_forward.router.weight": "ffn_gate_inp.weight", "feed_forward.w1": "ffn_gate_exps.weight",
+             "feed_forward.w3": "ffn_up_exps.weight", "feed_forward.w2": "ffn_down_exps.weight"}
+
+
 def _gguf_name(name: str) -> str:
     parts = name.split(".")
     if parts[0] == "tok_embeddings":
@@ -132,7 +142,10 @@ def _gguf_name(name: str) -> str:
     if parts[0] == "output":
         return "output.weight"
     i, rest = parts[1], ".".join(parts[2:])
+    if rest in _GGUF_MOE:
+        return f"blk.{i}.{_GGUF_MOE[rest]}"
     table = {"attention_norm.weight": "attn_norm.weight", "ffn_norm.weight": "ffn_norm.weight",
+             "attention.q_norm.weight": "attn_q_norm.weight", "attention.k_norm.weight": "attn_k_norm.weight",
              "attention.wq.weight": "attn_q.weight", "attention.wk.weight": "attn_k.weight",
              "attention.wv.weight": "attn_v.weight", "attention.wo.weight": "attn_output.weight",
              "feed_forward.w1.weight": "ffn_gate.weight", "feed_forward.w3.weight": "ffn_up.weight",
@@ -316,7 +329,8 @@ def _reverse_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 class GGUFSource(ModelSource):
-    """A GGUF file (llama architecture); quantized tensors are dequantized to float32."""
+    """A GGUF file (llama architecture, Mixtral's included, or qwen3moe); quantized tensors are
+    dequantized to float32."""
 
     def __init__(self, path: str):
         from .gguf_index import GGUFIndex
@@ -329,9 +343,12 @@ class GGUFSource(ModelSource):
         self.tensors = self.index.tensors
         self.dtype = gguf_dtype((t.qtype, math.prod(t.shape)) for t in self.tensors.values())
         arch = self.field("general.architecture")
-        if arch != "llama":
-            raise WorkerError(f"{path}: unsupported GGUF architecture {arch!r} (supported: llama)")
-        a = "llama."
+        if arch not in GGUF_ARCHITECTURES:
+            raise WorkerError(f"{path}: unsupported GGUF architecture {arch!r} "
+                              f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
+        # llama.cpp interleaves q/k rows for its RoPE in the llama architecture only
+        self.permuted_qk = arch == "llama"
+        a = arch + "."
         if "rope_freqs.weight" in self.tensors:
             raise WorkerError(f"{path}: GGUF rope frequency tables (Llama 3.1 scaling) are not supported; "
                               f"use the HF safetensors directory")
@@ -349,7 +366,25 @@ class GGUFSource(ModelSource):
             max_position_embeddings=int(self.field(a + "context_length") or 2048),
             tie_word_embeddings="output.weight" not in self.tensors,
             bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=[] if eos is None else [int(eos)])
+            eos_token_ids=[] if eos is None else [int(eos)], qk_norm=arch == "qwen3moe",
+            **self._moe_fields(arch))
+
+    def _moe_fields(self, arch: str) -> dict:
+        """ModelConfig's mixture-of-experts fields from the header; {} for a dense model."""
+        a = arch + "."
+        experts = int(self.field(a + "expert_count") or 0)
+        if not experts:
+            return {}
+        old = next((n for n in self.tensors if re.fullmatch(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight", n)), None)
+        if old is not None:
+            raise WorkerError(f"{self.path}: experts stored one tensor each ({old}, an older llama.cpp layout) "
+                              f"are not supported; convert the model again for stacked ffn_*_exps tensors")
+        # llama.cpp renormalises the top-k weights of Mixtral and Qwen3-MoE unless the header says not to
+        norm = self.field(a + "expert_weights_norm")
+        return {"num_experts": experts, "experts_per_token": int(self.field(a + "expert_used_count")),
+                "moe_intermediate_size": int(self.field(a + "expert_feed_forward_length")
+                                             or self.field(a + "feed_forward_length")),
+                "norm_topk_prob": True if norm is None else bool(norm), "architecture": GGUF_ARCHITECTURES[arch]}
 
     def field(self, key: str):
         return self.fields.get(key)
@@ -375,7 +410,10 @@ class GGUFSource(ModelSource):
         if shard is not None and shard.dim == 0:
             start, stop = shard.bounds(shape[0])
             stop = min(stop, shape[0])
-            data = data[start:stop]   # quantization blocks run along rows, so rows slice cleanly
+            # quantization blocks run along rows, so rows slice cleanly; a stack of experts
+            # [E, rows, cols] is E runs of rows, so a rank's experts are one run
+            per = math.prod(shape[1:-1])
+            data = data[start * per:stop * per]
         qtype = GGMLQuantizationType(t.qtype)
         if qtype == GGMLQuantizationType.F32:
             out = torch.from_numpy(data.view("float32").copy())
@@ -384,7 +422,7 @@ class GGUFSource(ModelSource):
         else:
             out = torch.from_numpy(dequantize(data, qtype).copy())
         out = out.reshape((stop - start,) + shape[1:]) if len(shape) > 1 else out.reshape(shape)
-        if name.endswith("attention.wq.weight") or name.endswith("attention.wk.weight"):
+        if self.permuted_qk and (name.endswith("attention.wq.weight") or name.endswith("attention.wk.weight")):
             out = _reverse_permute(out, out.shape[0] // self.config.head_dim)
         if shard is not None and shard.dim == 1:
             a, b = shard.bounds(shape[1])
@@ -410,7 +448,7 @@ class GGUFSource(ModelSource):
             blocks = Blocks(qtype, blocks.data[start:min(stop, t.shape[0])])
         if blocks is None or (shard is not None and shard.padded):
             return None
-        if name.endswith("attention.wq.weight") or name.endswith("attention.wk.weight"):
+        if self.permuted_qk and (name.endswith("attention.wq.weight") or name.endswith("attention.wk.weight")):
             # rows permuted whole: a row's blocks move with it
             rows = torch.from_numpy(np.array(blocks.data))      # a copy: the file is mapped read-only
             blocks = Blocks(qtype, _reverse_permute(rows, rows.shape[0] // self.config.head_dim).numpy())
