@@ -12,7 +12,10 @@ same engine, so the ratios compare like with like:
      requests: the most requests decoding together, paged (16-token blocks) against fixed rows
      (one whole context, --max-seq-len, per request), and the mix's tokens/s.
   3. Decode tokens/s with 1, 8 and 32 requests decoding together, paged against fixed rows.
-  4. The longest pause between two tokens of a running stream while a long prompt is prefilled,
+  4. Decode tokens/s of 8 requests that share the system prompt, and the cache they hold: paged
+     (the prefix's blocks shared; their rows are gathered for attention, not read in place)
+     against fixed rows (each request its own copy).
+  5. The longest pause between two tokens of a running stream while a long prompt is prefilled,
      in chunks (--prefill-chunk) against whole.
 """
 from __future__ import annotations
@@ -90,6 +93,24 @@ def decode_rate(ctx, concurrent: int, paged: bool, text: list[int], new_tokens: 
     return (sum(len(r.token_ids) for r in reqs) - done) / (time.perf_counter() - t0)
 
 
+def shared_prefix_decode(ctx, system: list[int], concurrent: int, paged: bool, new_tokens: int) -> tuple[float, int]:
+    """Decode tokens/s of `concurrent` requests that share `system`, and the cache positions they
+    hold at the end of their prefills."""
+    from shardwise.worker.engine import Request
+    eng = engine(ctx, concurrent, paged)
+    reqs = [Request(system + [20 + i, 30 + i], max_new_tokens=new_tokens) for i in range(concurrent)]
+    for r in reqs:
+        eng.submit(r)
+    while any(r.first_token_at is None for r in reqs):
+        eng.step()
+    held = eng.pool.used * eng.block_size if paged else sum(r.length for r in reqs)
+    done = sum(len(r.token_ids) for r in reqs)
+    t0 = time.perf_counter()
+    while eng.step():
+        pass
+    return (sum(len(r.token_ids) for r in reqs) - done) / (time.perf_counter() - t0), held
+
+
 def longest_pause(ctx, long_prompt: list[int], chunk: int) -> float:
     from shardwise.worker.engine import Engine, Request
     eng = Engine(ctx.stage, 2, ctx.max_seq, [], prefill_chunk=chunk)
@@ -148,14 +169,24 @@ def main() -> int:
         print(f"\n3. decode tokens/s ({args.new_tokens} new tokens per request, 32-token prompts):")
         print("   concurrent   fixed rows    paged    paged / fixed")
         for n in (1, 8, 32):
-            fixed = max(decode_rate(ctx, n, False, text, args.new_tokens) for _ in range(args.rounds))
-            paged = max(decode_rate(ctx, n, True, text, args.new_tokens) for _ in range(args.rounds))
+            rates = {False: [], True: []}
+            for _ in range(args.rounds):          # alternating, so that drift hits both alike
+                for paged in (False, True):
+                    rates[paged].append(decode_rate(ctx, n, paged, text, args.new_tokens))
+            fixed, paged = max(rates[False]), max(rates[True])
             print(f"   {n:>10}   {fixed:>10.1f}   {paged:>6.1f}    {paged / fixed:.2f}")
+
+        print(f"\n4. {8} requests sharing the {len(system)}-token system prompt, decode tokens/s:")
+        fixed, fixed_held = shared_prefix_decode(ctx, system, 8, False, args.new_tokens)
+        paged, paged_held = shared_prefix_decode(ctx, system, 8, True, args.new_tokens)
+        print(f"   fixed rows: {fixed:.1f} tok/s, {fixed_held} positions cached   paged: {paged:.1f} tok/s, "
+              f"{paged_held} positions cached   paged / fixed: {paged / fixed:.2f} tok/s, "
+              f"{paged_held / fixed_held:.2f} of the memory")
 
         long_prompt = text[:args.max_seq_len - 64]
         whole = longest_pause(ctx, long_prompt, args.max_seq_len)
         chunked = longest_pause(ctx, long_prompt, args.prefill_chunk)
-        print(f"\n4. longest pause of a running stream while a {len(long_prompt)}-token prompt is prefilled: "
+        print(f"\n5. longest pause of a running stream while a {len(long_prompt)}-token prompt is prefilled: "
               f"whole {whole * 1e3:.0f} ms   chunks of {args.prefill_chunk}: {chunked * 1e3:.0f} ms   "
               f"{whole / chunked:.1f}x shorter")
     return 0

@@ -224,7 +224,7 @@ class Engine:
                 seq = req.sequence()
                 shared = self.pool.match(seq)
                 need = blocks_for(len(seq), self.block_size) - len(shared)
-                if need > self.pool.available:
+                if need > self.pool.available or self._prefilling_same(seq, len(shared)):
                     self.pool.release(shared)
                     return
                 self.waiting.popleft()
@@ -233,6 +233,18 @@ class Engine:
             self.stats["reused_tokens"] += req.reused_tokens
             self.slots[slot] = req
             self._grow(req, len(seq))                     # fits: checked above
+
+    def _prefilling_same(self, seq: list[int], cached_blocks: int) -> bool:
+        """Whether a running request is prefilling the block of `seq` that follows its cached
+        ones: then `seq` waits for that prefill to register the blocks it shares, rather than
+        computing them a second time (requests with one system prompt often arrive together)."""
+        bs = self.block_size
+        start, end = cached_blocks * bs, (cached_blocks + 1) * bs
+        if end >= len(seq):
+            return False
+        block = seq[start:end]
+        return any(r.length - r._fed > 1 and r._fed < end <= r.length and r.sequence()[start:end] == block
+                   for r in self.slots if r is not None)
 
     def _grow(self, req: Request, tokens: int) -> bool:
         """Blocks for `req`'s first `tokens` positions, preempting others if none is free. False
@@ -334,10 +346,10 @@ class Engine:
             self.stats["decode_tokens"] += len(reqs)
         for req, n in zip(reqs, fed):
             req._fed += n
-        if reqs[0]._fed < reqs[0].length:        # a prefill chunk short of the prompt's end
+        if fed[0] > 1:                  # a prefill chunk: its full blocks are shareable at once
+            self.pool.register(reqs[0].sequence()[:reqs[0]._fed], reqs[0]._blocks)
+        if reqs[0]._fed < reqs[0].length:        # short of the prompt's end: no token yet
             return True
-        if fed[0] > 1:                            # a prompt now cached whole: shareable at once
-            self.pool.register(reqs[0].sequence(), reqs[0]._blocks)
         tokens = choose(logits, reqs)
         logprobs_of(logits, reqs, tokens)
         now = time.perf_counter()

@@ -140,6 +140,20 @@ def test_a_shared_system_prompt_is_prefilled_once(tiny):
         assert [r.token_ids for r in [first] + rest] == want
 
 
+def test_requests_that_arrive_together_with_one_system_prompt_prefill_it_once(tiny):
+    """The first request's prefill registers its blocks chunk by chunk; the others wait for them
+    instead of computing the same keys alongside it."""
+    system = _prompts(1, seed=3)[0] + _prompts(1, seed=4)[0]
+    questions = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    with LocalRuntime(RankSpec(tiny, 1, 2, max_batch=4, max_seq=MAX_SEQ)) as ctx:
+        want = _alone(ctx, [system + q for q in questions], 8)
+        engine = Engine(ctx.stage, 4, MAX_SEQ, [], block_size=8, prefill_chunk=32)
+        reqs = engine.generate([Request(system + q, max_new_tokens=8) for q in questions])
+        assert [r.token_ids for r in reqs] == want
+        assert [r.reused_tokens for r in reqs] == [0] + [len(system) // 8 * 8] * 2
+        assert engine.stats["prefill_tokens"] == len(system) + sum(map(len, questions)) + 2 * (len(system) % 8)
+
+
 def test_a_long_prompt_is_fed_in_chunks_between_the_running_streams_steps(tiny):
     long_prompt = (_prompts(1, seed=5)[0] * 3 + _prompts(1, seed=6)[0] * 3)[:100]
     with LocalRuntime(RankSpec(tiny, 1, 1, max_batch=2, max_seq=MAX_SEQ)) as ctx:
