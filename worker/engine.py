@@ -59,7 +59,7 @@ class Request:
     finished_at: float | None = None
     done: threading.Event = field(default_factory=threading.Event)
     cancelled: bool = False              # set by the caller: ends at its next step, its blocks freed
-    reused_tokens: int = 0               # prompt tokens found in the cache instead of prefilled
+    reused_tokens: int = 0               # prompt tokens found in the cache instead of prefilled (on admission)
     preemptions: int = 0
     _slot: int = -1
     _blocks: list[int] = field(default_factory=list)          # its block table
@@ -229,8 +229,10 @@ class Engine:
                     return
                 self.waiting.popleft()
             req._slot, req._blocks, req._admitted = slot, shared, next(self._admissions)
-            req._fed = req.reused_tokens = len(shared) * self.block_size
-            self.stats["reused_tokens"] += req.reused_tokens
+            req._fed = len(shared) * self.block_size
+            if not req.preemptions:         # what the prompt found cached, not a resumption's
+                req.reused_tokens = req._fed
+            self.stats["reused_tokens"] += req._fed
             self.slots[slot] = req
             self._grow(req, len(seq))                     # fits: checked above
 

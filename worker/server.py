@@ -753,7 +753,10 @@ def make_handler(app: App):
             # the prompt counts once however many choices were generated from it, as OpenAI counts
             prompt = len(job.reqs[0].prompt_ids)
             completion = sum(len(r.token_ids) for r in job.reqs)
-            return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+            # cached_tokens: the prompt's tokens found in the KV cache (prefix reuse), as OpenAI
+            # reports its prompt caching
+            return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                    "prompt_tokens_details": {"cached_tokens": job.reqs[0].reused_tokens}}
 
         def _sse(self, obj) -> None:
             self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")

@@ -1,8 +1,8 @@
 """A real `shardwise serve` process (a tiny model, one rank) as the official `openai` client sees
 it: completions and chat, plain and streamed; unknown models are NotFoundError; logprobs are the
 log-probabilities of the distribution each token was drawn from; n choices with seeds; invalid
-roles and over-long requests are BadRequestError naming the problem; include_usage; /v1/models
-reports the context length."""
+roles and over-long requests are BadRequestError naming the problem; include_usage; cached prompt
+tokens in usage; /v1/models reports the context length."""
 from __future__ import annotations
 
 import math
@@ -224,8 +224,21 @@ def test_include_usage_sends_a_final_usage_chunk(served):
     chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
     last = chunks[-1]
     assert last.choices == [] and last.usage is not None
-    assert last.usage.model_dump() == plain.usage.model_dump()
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert [getattr(last.usage, k) for k in counts] == [getattr(plain.usage, k) for k in counts]
+    # the same prompt again: what the first request left in the cache is reported as cached
+    assert last.usage.prompt_tokens_details.cached_tokens >= plain.usage.prompt_tokens_details.cached_tokens
     assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_a_repeated_prompt_prefix_is_reported_as_cached_tokens(served):
+    client, model = served
+    system = {"role": "system", "content": "pack my box with five dozen liquor jugs. " * 4}
+    first, second = (client.chat.completions.create(model=model, messages=[system] + _user(q), max_tokens=2,
+                                                    temperature=0) for q in ("the quick", "the lazy"))
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached > first.usage.prompt_tokens_details.cached_tokens      # the system prompt, once cached
+    assert cached % 16 == 0 and cached < second.usage.prompt_tokens       # whole blocks, short of the question
 
 
 def test_models_list_reports_the_context_length(served):
