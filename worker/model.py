@@ -227,6 +227,12 @@ def token_slots(blocks: torch.Tensor, positions: torch.Tensor, block_size: int) 
     return torch.gather(blocks, 1, positions // block_size) * block_size + positions % block_size
 
 
+def first_slots(blocks: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """The token slots of every row's positions 0..length-1 [B, length] (token_slots)."""
+    everything = torch.arange(length, device=blocks.device).expand(len(blocks), length)
+    return token_slots(blocks, everything, block_size)
+
+
 def cache_index(slots: torch.Tensor, kv_heads: int, tokens: int) -> torch.Tensor:
     """Places in a KVCache viewed as [-1, head_dim] of token `slots` [B, T], ordered (row, kv head,
     token) as k.reshape(-1, head_dim) of k [B, kv, T, hd]."""
@@ -648,9 +654,8 @@ class Transformer(nn.Module):
             # Fixed shapes and no host syncs, for CUDA graphs: every row gathered over the whole
             # context, masked (each row is one block there: cuda_graphs.py).
             length = self.max_seq
-            everything = torch.arange(length, device=positions.device)
-            mask = everything[None, None, :] <= positions[:, :, None]
-            gather = cache_index(token_slots(blocks, everything.expand(len(blocks), length), bs), kv_heads, tokens)
+            mask = torch.arange(length, device=positions.device)[None, None, :] <= positions[:, :, None]
+            gather = cache_index(first_slots(blocks, length, bs), kv_heads, tokens)
             index = cache_index(token_slots(blocks, positions, bs), kv_heads, tokens)
             return CacheStep(index, length, False, mask, None, 0, gather)
         # The decisions below on host copies: one copy each instead of ~10 small ops and three
@@ -678,8 +683,7 @@ class Transformer(nn.Module):
             return CacheStep(index, length, fresh, mask, *view)
         # Tables cover every row up to `length` (the engine pads them), so positions past a
         # row's own end gather some block's slots, masked.
-        everything = torch.arange(length, device=positions.device).expand(len(rows), length)
-        gather = cache_index(token_slots(blocks, everything, bs), kv_heads, tokens)
+        gather = cache_index(first_slots(blocks, length, bs), kv_heads, tokens)
         return CacheStep(index, length, fresh, mask, None, 0, gather)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
