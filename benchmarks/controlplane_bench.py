@@ -20,7 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from shardwise.e2e import build, controlplane as cp
+from shardwise.e2e import build
+
+from shardwise.e2e.localcluster import controlplane as cp
 
 TICK = os.sysconf("SC_CLK_TCK")
 

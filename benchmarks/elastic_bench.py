@@ -193,7 +193,7 @@ def main() -> int:
     if args.quick:
         args.steps, args.fail_at, args.shared_every, args.repair, args.after = 200, 13, 10, 20.0, 15.0
 
-    from shardwise.worker.tiny import write_tiny_model
+    from shardwise.worker.weights.tiny import write_tiny_model
     work = Path(tempfile.mkdtemp(prefix="elastic-bench-"))
     (work / "data.txt").write_text(_text())
     write_tiny_model(work / "model", _text(300))

@@ -40,7 +40,7 @@ import time
 
 import torch
 
-from shardwise.worker.parallel import weight_bytes   # bytes of a model's parameters, a tied pair once
+from shardwise.worker.distributed.tensor_parallel import weight_bytes   # bytes of a model's parameters, a tied pair once
 
 SHAPES = {
     # Llama-3.2-1B and Llama-3.1-8B (their config.json values), random weights
@@ -164,7 +164,7 @@ class Worker:
 
     def __init__(self, folder: str, device: str, dtype: str, decode: str, max_batch: int, max_seq: int,
                  quantize: str = "none"):
-        from shardwise.worker.runtime import LocalRuntime, RankSpec
+        from shardwise.worker.serving.rank import LocalRuntime, RankSpec
         self.rt = LocalRuntime(RankSpec(folder, device=device, dtype=dtype, decode=decode, quantize=quantize,
                                         max_batch=max_batch, max_seq=max_seq))
         t0 = time.perf_counter()
@@ -173,7 +173,7 @@ class Worker:
         self.max_seq = max_seq
 
     def engine(self, max_batch: int):
-        from shardwise.worker.engine import Engine
+        from shardwise.worker.serving.engine import Engine
         return Engine(self.ctx.stage, max_batch, self.max_seq, [])
 
     def stop(self) -> None:
@@ -183,7 +183,7 @@ class Worker:
 def teacher_forced_logits(worker: Worker, prompt: list[int], continuation: list[int]) -> torch.Tensor:
     """The worker's logits for each position from the prompt's last on, feeding `continuation`
     (not its own choices) one token per decode step: [len(continuation) + 1, V], float32."""
-    from shardwise.worker.pipeline import OP_SETUP, OP_STEP
+    from shardwise.worker.serving.pipeline import OP_SETUP, OP_STEP
     stage = worker.ctx.stage
     stage.launch(OP_SETUP, cache_blocks=1, seq=worker.max_seq)
     slot = torch.tensor([0])
@@ -198,7 +198,7 @@ def teacher_forced_logits(worker: Worker, prompt: list[int], continuation: list[
 # ------------------------------------------------------------------ parity
 
 def parity(shape: str, hf, folder: str, device: str, prompts: list[list[int]], new: int = 32) -> dict:
-    from shardwise.worker.engine import Request
+    from shardwise.worker.serving.engine import Request
     out: dict = {"prompts": len(prompts), "new_tokens": new}
     with torch.no_grad():
         hf_tokens, hf_gaps = [], []
@@ -279,7 +279,7 @@ def layer_errors(shape: str, hf, folder: str, device: str, prompt: list[int]) ->
     bf16, and the worker's model in bf16 run three ways (its plain forward as loaded; after
     fuse_for_inference; as a cached prefill, the engine's first step). Relative error of each
     layer's output (and of the logits) against transformers in fp32."""
-    from shardwise.worker.loader import load_stage, open_model
+    from shardwise.worker.weights.loader import load_stage, open_model
     ids = torch.tensor([prompt], device=device)
     n = SHAPES[shape]["num_hidden_layers"]
 
@@ -353,7 +353,7 @@ def hf_decode(hf, prompt: list[int], new: int, static: bool, device: str, rounds
 def worker_decode(folder: str, device: str, mode: str, prompt: list[int], new: int, rounds: int):
     """The worker at batch 1 (`mode`: a --decode value, with ":int8" for --quantize int8):
     (seconds per decode token, seconds to first token, weight bytes)."""
-    from shardwise.worker.engine import Request
+    from shardwise.worker.serving.engine import Request
     decode, _, quantize = mode.partition(":")
     w = Worker(folder, device, "bfloat16" if device == "cuda" else "float32", decode, max_batch=1,
                max_seq=len(prompt) + new + 8, quantize=quantize or "none")
@@ -406,7 +406,7 @@ def profile_decode(shape: str, folder: str, device: str, ceil: dict, prompt: lis
     against a contiguous [in, out] copy, for the model's matrix shapes."""
     from torch.profiler import ProfilerActivity, profile
 
-    from shardwise.worker.engine import Request
+    from shardwise.worker.serving.engine import Request
     out: dict = {}
     timer = Timer(device)
     for mode in modes:
@@ -458,13 +458,13 @@ def profile_decode(shape: str, folder: str, device: str, ceil: dict, prompt: lis
 # ------------------------------------------------------------------ offload
 
 def offload_speed(shape: str, folder: str, device: str, prompt: list[int], new: int = 64) -> dict:
-    """Decode with half of the model's weights streamed from pinned host memory (worker/offload.py)
+    """Decode with half of the model's weights streamed from pinned host memory (worker/weights/offload.py)
     against the model held whole, eager both (a graph cannot capture the streaming): the same
     tokens, the slowdown, and the overlap reached between copying and computing:
         overlap = (copy time + compute time - step time) / the smaller of the two,
     1 when the smaller hides entirely behind the larger, 0 when they run one after the other."""
-    from shardwise.worker.loader import load_stage, open_model
-    from shardwise.worker.offload import apply_offload, tensor_bytes
+    from shardwise.worker.weights.loader import load_stage, open_model
+    from shardwise.worker.weights.offload import apply_offload, tensor_bytes
     source = open_model(folder)
     n = source.config.num_layers
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -529,7 +529,7 @@ def offload_speed(shape: str, folder: str, device: str, prompt: list[int], new: 
 
 def batched(folder: str, device: str, decode: str, batches: list[int], prompt: list[int], new: int,
             long_prompt: list[int]) -> dict:
-    from shardwise.worker.engine import Request
+    from shardwise.worker.serving.engine import Request
     top = max(batches)
     w = Worker(folder, device, "bfloat16" if device == "cuda" else "float32", decode, max_batch=top,
                max_seq=max(len(prompt) + new, len(long_prompt) + 8) + 8)

@@ -23,8 +23,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from shardwise.e2e import build, images, nodeimage, registry  # noqa: E402
-from shardwise.e2e.kindcluster import KindCluster  # noqa: E402
+from shardwise.e2e import build  # noqa: E402
+
+from shardwise.e2e.kind import images
+
+from shardwise.e2e.kind import nodeimage
+
+from shardwise.e2e.kind import registry
+from shardwise.e2e.kind.cluster import KindCluster  # noqa: E402
 
 DEMO = ROOT / "examples" / "smollm2-demo.yaml"
 MODEL, NS = "smollm2-demo", "default"

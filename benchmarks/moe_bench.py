@@ -4,7 +4,7 @@
 
 A random-weight Mixtral-shaped model (8 experts, top-2; written once under
 ~/.cache/shardwise/bench) runs at each expert-parallel degree (EP = TP: the experts split across
-the tensor group, worker/moe.py). Per degree it prints prefill and batch-1 decode tokens/s (best
+the tensor group, worker/model/moe.py). Per degree it prints prefill and batch-1 decode tokens/s (best
 of --rounds), the expert weight bytes rank 0 holds, the bytes rank 0's collectives moved per
 decoded token (the one all-reduce per attention and per MoE layer), and the expert imbalance
 (max/mean tokens per expert, per layer) over the fixed text benchmarks/data/river.txt, fed as
@@ -37,10 +37,10 @@ def model_dir(cache: str) -> str:
 
 
 def measure(path: str, ep: int, prompt: list[int], text: list[int], new_tokens: int, rounds: int) -> dict:
-    from shardwise.worker import parallel
-    from shardwise.worker.engine import Engine, Request
-    from shardwise.worker.moe import expert_load, imbalance
-    from shardwise.worker.runtime import LocalRuntime, RankSpec
+    from shardwise.worker.distributed import tensor_parallel as parallel
+    from shardwise.worker.serving.engine import Engine, Request
+    from shardwise.worker.model.moe import expert_load, imbalance
+    from shardwise.worker.serving.rank import LocalRuntime, RankSpec
     spec = RankSpec(path, ep, 1, max_batch=1, max_seq=max(len(prompt) + new_tokens, len(text)) + 8)
     with LocalRuntime(spec) as ctx:
         engine = Engine(ctx.stage, 1, ctx.max_seq, [])

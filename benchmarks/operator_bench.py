@@ -140,7 +140,9 @@ def main() -> int:
     parser.add_argument("--racks", type=int, default=20)
     args = parser.parse_args()
 
-    from shardwise.e2e import build, controlplane as cp
+    from shardwise.e2e import build
+
+    from shardwise.e2e.localcluster import controlplane as cp
     bin_dir = build.bin_dir()
     if build.missing_binaries(bin_dir):
         print("operator_bench: Kubernetes binaries not built; run `shardwise dev build`", file=sys.stderr)

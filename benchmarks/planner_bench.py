@@ -23,8 +23,8 @@ import time
 
 from shardwise.crds.models import ShardedModelSpec
 from shardwise.crds.modelshape import ModelFacts, from_hf_config
-from shardwise.operator import inventory
-from shardwise.operator.planner import plan
+from shardwise.operator.planning import inventory
+from shardwise.operator.planning.planner import plan
 
 LLAMA_70B = from_hf_config(dict(num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
                                 hidden_size=8192, intermediate_size=28672, vocab_size=128256), "bfloat16")

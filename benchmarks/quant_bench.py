@@ -3,7 +3,7 @@
     python benchmarks/quant_bench.py [--model smollm2] [--new-tokens 48] [--rounds 3] [--json]
 
 For one GGUF model (default: the built-in SmolLM2, a Q4_1 file) this makes its Q8_0 and Q4_0
-variants (worker/gguf_index.py write_requantized, cached under ~/.cache/shardwise/bench) and runs
+variants (worker/weights/gguf_index.py write_requantized, cached under ~/.cache/shardwise/bench) and runs
 one rank (TP 1, PP 1) in each format:
 
   fp32        the file dequantized to float32 (the reference: perplexity ratios are against it)
@@ -33,8 +33,8 @@ PROMPT = "Write a short story about a lighthouse keeper who finds a message in a
 
 def formats(model: str, cache: str) -> dict[str, tuple[str, str, str]]:
     """name -> (model path, dtype, --quantize)."""
-    from shardwise.worker.gguf_index import write_requantized
-    from shardwise.worker.loader import resolve_model
+    from shardwise.worker.weights.gguf_index import write_requantized
+    from shardwise.worker.weights.loader import resolve_model
     path = resolve_model(model)
     variants = {}
     for qtype in ("Q8_0", "Q4_0"):
@@ -55,8 +55,8 @@ def formats(model: str, cache: str) -> dict[str, tuple[str, str, str]]:
 def measure(path: str, dtype: str, quantize: str, prompt: list[int], text: list[int], new_tokens: int,
             threads: int, with_ppl: bool) -> dict:
     """One runtime: weight bytes, best-of-2 decode seconds a token and prefill seconds, perplexity."""
-    from shardwise.worker.engine import Engine, Request
-    from shardwise.worker.runtime import LocalRuntime, RankSpec, teacher_forced_nll
+    from shardwise.worker.serving.engine import Engine, Request
+    from shardwise.worker.serving.rank import LocalRuntime, RankSpec, teacher_forced_nll
     spec = RankSpec(path, 1, 1, dtype=dtype, max_batch=1, quantize=quantize, threads=threads,
                     max_seq=max(len(text), len(prompt) + new_tokens) + 8)
     with LocalRuntime(spec) as ctx:
@@ -85,8 +85,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    from shardwise.worker.loader import open_model
-    from shardwise.worker.tokenizer import load_tokenizer
+    from shardwise.worker.weights.loader import open_model
+    from shardwise.worker.weights.tokenizer import load_tokenizer
     tok = load_tokenizer(open_model(args.model))
     prompt, text = tok.encode(PROMPT), tok.encode(TEXT)
     fmts = formats(args.model, args.cache)

@@ -48,9 +48,9 @@ def _train(model: Path, data: Path, ckdir: Path, layout: tuple[int, int, int], s
 def _slices_for(config, folder: Path, tp: int, rank: int, stage: tuple[int, int] | None):
     """Model + optimizer slices one rank of a layout would load (built without processes): the
     rank's part of each full tensor by inference's split (parallel.py), in full-tensor coordinates."""
-    from shardwise.worker import checkpoint as ckpt
-    from shardwise.worker.model import Transformer
-    from shardwise.worker.parallel import apply_tensor_parallel
+    from shardwise.worker.training import checkpoint as ckpt
+    from shardwise.worker.model.llama import Transformer
+    from shardwise.worker.distributed.tensor_parallel import apply_tensor_parallel
 
     start, end = stage or (0, config.num_layers)
     with torch.device("meta"):
@@ -76,7 +76,7 @@ def _slices_for(config, folder: Path, tp: int, rank: int, stage: tuple[int, int]
 
 def _load_time(folder: Path, config, tp: int, pp: int) -> float:
     """Slowest rank's time to read its slices of `folder` under TP=tp x PP=pp (ranks in turn)."""
-    from shardwise.worker import checkpoint as ckpt
+    from shardwise.worker.training import checkpoint as ckpt
     from shardwise.crds.layout import split_layers
 
     times = []
@@ -102,9 +102,9 @@ def main() -> int:
     ap.add_argument("--layouts", default="1x1x1,2x1x1,1x2x1,1x1x2", help="TxPxD list")
     args = ap.parse_args()
 
-    from shardwise.worker import checkpoint as ckpt
-    from shardwise.worker.loader import open_model
-    from shardwise.worker.tiny import write_tiny_model
+    from shardwise.worker.training import checkpoint as ckpt
+    from shardwise.worker.weights.loader import open_model
+    from shardwise.worker.weights.tiny import write_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="train-bench-"))
     data = work / "data.txt"

@@ -15,7 +15,7 @@ on CPU, loopback):
     beside the formula (P-1)/(V*m+P-1). Stage compute is a fixed wall time that does not use the
     CPU (forward sleeps f ms, backward 2f ms; Interleaved's 2 virtual stages per rank sleep half as
     long each), so 4 processes sharing 2 cores do not distort it; the stages, schedules and
-    point-to-point sends are the real torch.distributed.pipelining ones built by worker/stages.py.
+    point-to-point sends are the real torch.distributed.pipelining ones built by worker/training/schedules.py.
   * compression: bytes per step this rank sends on the replicate axis and the loss after N steps,
     uncompressed against --compression int8 and --compression topk (density 0.01), DP=2 with
     --data-shard 1 (2 replicate groups), through `python -m shardwise train --json`; targets from
@@ -42,7 +42,7 @@ WORLD = 4
 
 
 def _text(n_lines: int = 300) -> str:
-    """tests/worker/test_train.py's text (n_lines of 12 words)."""
+    """tests/worker/training/test_train.py's text (n_lines of 12 words)."""
     rnd = random.Random(0)
     words = ("the quick brown fox jumps over a lazy dog while seven wizards quietly brew potent "
              "elixirs under the pale moon").split()
@@ -63,8 +63,8 @@ def _spawn(fn, args: tuple, world: int = WORLD) -> None:
     with torch and the trainer imported, so that a rank starts in a fraction of a second)."""
     import torch.multiprocessing as mp
 
-    from shardwise.worker.runtime import forkserver, free_port
-    forkserver("shardwise.worker.train")
+    from shardwise.worker.serving.rank import forkserver, free_port
+    forkserver("shardwise.worker.training.trainer")
     mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, join=True,
                        start_method="forkserver")
 
@@ -72,7 +72,7 @@ def _spawn(fn, args: tuple, world: int = WORLD) -> None:
 # ============================================================================ 1. memory per rank
 
 def _local_bytes(t: torch.Tensor) -> int:
-    from shardwise.worker.parallelize import local_region
+    from shardwise.worker.training.parallelize import local_region
     local = local_region(t)[0]
     return local.numel() * local.element_size()
 
@@ -132,7 +132,7 @@ class _GatheredProbe:
 def _memory_rank(rank: int, world: int, port: int, opts_kw: dict, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from shardwise.worker.train import Trainer, TrainOptions
+    from shardwise.worker.training.trainer import Trainer, TrainOptions
 
     _join_world(rank, world, port)
     opts = TrainOptions(**opts_kw)
@@ -170,8 +170,8 @@ def _mib(n: float) -> str:
 
 
 def part_memory(work: Path, args) -> None:
-    from shardwise.worker.loader import open_model
-    from shardwise.worker.tiny import write_tiny_model
+    from shardwise.worker.weights.loader import open_model
+    from shardwise.worker.weights.tiny import write_tiny_model
 
     data = work / "data.txt"
     model = write_tiny_model(work / "mem-model", _text(3000), layers=8, hidden=256, heads=8, kv_heads=4,
@@ -254,7 +254,7 @@ def _bubble_rank(rank: int, world: int, port: int, schedule: str, micro: int, f_
                  out_dir: str) -> None:
     import torch.distributed as dist
 
-    from shardwise.worker import stages as pipe
+    from shardwise.worker.training import schedules as pipe
 
     _join_world(rank, world, port)
     v = pipe.virtual_stages(schedule)
@@ -285,7 +285,7 @@ def _bubble_rank(rank: int, world: int, port: int, schedule: str, micro: int, f_
 
 
 def part_bubble(work: Path, args) -> None:
-    from shardwise.worker.stages import bubble_fraction, virtual_stages
+    from shardwise.worker.training.schedules import bubble_fraction, virtual_stages
 
     P, m, f = WORLD, args.micro_batches, args.stage_ms
     print(f"\n2. pipeline bubble: PP={P}, {m} micro-batches, stage compute a fixed sleep (forward {f:g} ms, "
@@ -333,7 +333,7 @@ def _train_cli(model: Path, data: Path, ckdir: Path, steps: int, lr: float, extr
 
 
 def part_compression(work: Path, args) -> None:
-    from shardwise.worker.tiny import write_tiny_model
+    from shardwise.worker.weights.tiny import write_tiny_model
 
     model = write_tiny_model(work / "cmp-model", _text())
     data = work / "data.txt"

@@ -50,7 +50,7 @@ class Bandwidth:
     def __init__(self, device: str, threads: int, mib: int = 512):
         import torch
 
-        from shardwise.worker.model import huge_page_buffer
+        from shardwise.worker.model.llama import huge_page_buffer
         self.device, self.threads = device, threads
         n = mib * 2**20 // 4
         buf = huge_page_buffer(n * 4) if device == "cpu" else None
@@ -90,7 +90,7 @@ class HFRunner:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from shardwise.worker.loader import resolve_model
+        from shardwise.worker.weights.loader import resolve_model
         path = resolve_model(model)
         if path.endswith(".gguf"):
             self.hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
@@ -116,9 +116,9 @@ def compare(model: str, layouts: list[tuple[int, int, bool]], prompt: list[int],
             dtype: str, rounds: int, threads: int, bandwidth: "Bandwidth", with_hf: bool, concurrent: int = 4) -> dict:
     """Ours per layout, with transformers measured in the same rounds (alternating, best of each),
     so both see the same load on a shared machine."""
-    from shardwise.worker.engine import Engine, Request
-    from shardwise.worker.loader import DTYPES
-    from shardwise.worker.runtime import LocalRuntime, RankSpec
+    from shardwise.worker.serving.engine import Engine, Request
+    from shardwise.worker.weights.loader import DTYPES
+    from shardwise.worker.serving.rank import LocalRuntime, RankSpec
     hf = HFRunner(model, prompt, DTYPES[dtype], bandwidth.threads) if with_hf else None
     results = {}
     for tp, pp, compiled in layouts:
@@ -197,8 +197,8 @@ def random_llama(path: str) -> str:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from shardwise.worker.loader import open_model
-    from shardwise.worker.tokenizer import load_tokenizer
+    from shardwise.worker.weights.loader import open_model
+    from shardwise.worker.weights.tokenizer import load_tokenizer
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                       num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
@@ -231,8 +231,8 @@ def main(argv=None) -> int:
 
     import torch
 
-    from shardwise.worker.loader import open_model
-    from shardwise.worker.tokenizer import load_tokenizer
+    from shardwise.worker.weights.loader import open_model
+    from shardwise.worker.weights.tokenizer import load_tokenizer
     threads = args.threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
     source = open_model(args.model)

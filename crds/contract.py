@@ -1,6 +1,6 @@
 """The pod contract: everything the operator tells a worker pod, in one validated file.
 
-The renderer (operator/renderer.py) writes it as `plan.json` in the model's ConfigMap, mounted in
+The renderer (operator/render/renderer.py) writes it as `plan.json` in the model's ConfigMap, mounted in
 every pod at /etc/shardwise/plan.json; `shardwise worker --contract PATH` reads it with
 `load_contract`. The ConfigMap is shared by all the pods of a model, so what differs from pod to
 pod stays in their environment: SHARDWISE_REPLICA, SHARDWISE_STAGE, MASTER_ADDR, MASTER_PORT (the
@@ -23,7 +23,7 @@ from shardwise.crds.plan import ShardPlan
 
 # A serving pod's terminationGracePeriodSeconds, and how long of it the worker spends draining: on
 # SIGTERM it turns unready and finishes its in-flight requests for up to DRAIN_SECONDS, then ends
-# what is left and exits, inside the grace period (worker/server.py run_engine).
+# what is left and exits, inside the grace period (worker/serving/http/server.py run_engine).
 SERVING_GRACE_SECONDS = 10
 DRAIN_SECONDS = SERVING_GRACE_SECONDS - 2
 

@@ -29,7 +29,7 @@ API_VERSION = f"{GROUP}/{VERSION}"
 DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
 DEFAULT_TOPOLOGY_KEYS = ["topology.shardwise.dev/rack", "topology.kubernetes.io/zone"]
 
-# The phases the operator reports in status.phase (operator/status.py says when each holds).
+# The phases the operator reports in status.phase (operator/decide/status.py says when each holds).
 # Ready: every inference replica serves; Running: a training job has all its ranks up; Succeeded:
 # a training job finished every step and committed its last checkpoint.
 PHASES = ("Pending", "Starting", "Ready", "Running", "Recovering", "Degraded", "Failed", "Succeeded")
@@ -351,7 +351,7 @@ class Quantization(str, Enum):
 
     NONE = "none"      # in spec.dtype
     INT8 = "int8"      # weight-only INT8: the decoder layers' matrices, one scale per output row
-    GGUF = "gguf"      # a GGUF file's Q8_0, Q4_0 and Q4_1 blocks kept as stored (worker/gguf_blocks.py)
+    GGUF = "gguf"      # a GGUF file's Q8_0, Q4_0 and Q4_1 blocks kept as stored (worker/weights/gguf_blocks.py)
     AUTO = "auto"      # gguf (a Q8_0/Q4_0/Q4_1 GGUF), then int8, only when the GPUs cannot hold the model otherwise
 
 
@@ -550,7 +550,7 @@ class TrainingProgress(ApiModel):
 
 
 class GroupPhase(str, Enum):
-    """Where one replica group is (operator/recovery.py:decide moves it between these)."""
+    """Where one replica group is (operator/decide/recovery.py:decide moves it between these)."""
 
     CREATING = "Creating"      # pods being created; missing pods are created, not counted as failures
     STARTING = "Starting"      # every pod exists; waiting for all of them to be Ready

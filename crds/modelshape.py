@@ -27,12 +27,12 @@ QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_moe")
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 1}
 # Bytes per weight of a decoder-layer matrix kept in a GGUF file's blocks (spec.serving.quantization
 # gguf, the worker's --quantize gguf): the one definition of that layout's size, which the planner
-# sizes pods by and worker/gguf_blocks.py is tested against. The worker holds 4-bit values packed two
+# sizes pods by and worker/weights/gguf_blocks.py is tested against. The worker holds 4-bit values packed two
 # a byte plus a bfloat16 scale and zero per 32-value block: 0.5 + 4/32 = 0.625 bytes for Q4_0 and
 # Q4_1. Q8_0 is held as two such 4-bit planes (its high and low nibbles, each with a scale and zero
 # per block): 1 + 8/32 = 1.25 bytes. Both are what torch's int4 weight-only matmul kernel takes.
 GGUF_NATIVE_BYTES = {"Q8_0": 1.25, "Q4_0": 0.625, "Q4_1": 0.625}
-# The dtypes the worker computes in (worker/loader.py's DTYPES are these).
+# The dtypes the worker computes in (worker/weights/loader.py's DTYPES are these).
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 
 

@@ -65,7 +65,7 @@ class ShardPlan(_Model):
         "spec.serving.quantization auto resolved)"))
     offload_budget: int = Field(0, ge=0, description=(
         "serving with spec.serving.offload: bytes of weights each GPU keeps resident, the other "
-        "decoder layers streamed from host memory (worker/offload.py); 0: every weight resident"))
+        "decoder layers streamed from host memory (worker/weights/offload.py); 0: every weight resident"))
     data_shard: int = Field(1, ge=1, description=(
         "training: the ZeRO-3 shard degree - data-parallel replicas that shard parameters, gradients "
         "and optimizer state among themselves (replicas = data_shard x data_replicate); 1 for serving"))

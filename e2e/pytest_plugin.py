@@ -7,7 +7,7 @@ Fixtures
   temporary state folder (2 simulated 8-GPU nodes in 2 racks, 1 local node with 8 GPUs) and stopped
   at the end; or, when SHARDWISE_KUBECONFIG is set, that cluster is used and left running.
   Attributes and helpers: `kubeconfig`, `bin_dir`, `state_dir`, `client` (a small JSON client,
-  shardwise.e2e.kapi), `install_crd(path)` / `wait_crd_established()`, `operator(namespace, log)`
+  shardwise.e2e.localcluster.kapi), `install_crd(path)` / `wait_crd_established()`, `operator(namespace, log)`
   (the operator running for a `with` block), `hostpath_claim(namespace, claim, folder)` (a shared
   claim on a folder of this machine, for a `with` block), `add_node(name, gpus=8, ...)` (a simulated GPU node, waits until Ready),
   `add_local_node(name, gpus=8, ...)` (a node whose pods run as local processes),
@@ -40,7 +40,11 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.e2e import build, controlplane as cp, kapi
+from shardwise.e2e import build
+
+from shardwise.e2e.localcluster import controlplane as cp
+
+from shardwise.e2e.localcluster import kapi
 
 SESSION_SPEC = cp.ClusterSpec(nodes=2, gpus_per_node=8, racks=2, zones=1, local_nodes=1)
 

@@ -12,17 +12,17 @@ import sys
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "plan": ("shardwise.operator.plan_cmd", "compute a topology-aware sharding plan for a ShardedModel"),
-    "crds": ("shardwise.crds.cmd", "generate or check the CRD YAML from the API models"),
-    "inspect": ("shardwise.crds.inspect_cmd", "print a model's shape and its size in GPU memory (no torch needed)"),
-    "operator": ("shardwise.operator.cmd", "run the Kubernetes operator"),
-    "generate": ("shardwise.worker.cmd_generate", "generate text with a sharded model on local processes"),
-    "serve": ("shardwise.worker.cmd_serve", "serve a sharded model over an OpenAI-compatible HTTP API"),
-    "train": ("shardwise.worker.cmd_train", "train a sharded model and write sharded checkpoints"),
-    "worker": ("shardwise.worker.cmd_worker", "run one ShardedModel pod's ranks (pod contract + rendezvous variables)"),
-    "dev": ("shardwise.e2e.dev_cmd", "start, inspect and stop the local Kubernetes control plane"),
-    "demo": ("shardwise.e2e.demo_cmd", "run the operator and a sharded SmolLM2 on a local cluster"),
-    "kind": ("shardwise.e2e.kind_cmd", "build the images and a kind cluster from package registries"),
+    "plan": ("shardwise.operator.cli.plan", "compute a topology-aware sharding plan for a ShardedModel"),
+    "crds": ("shardwise.crds.cli.crds", "generate or check the CRD YAML from the API models"),
+    "inspect": ("shardwise.crds.cli.inspect", "print a model's shape and its size in GPU memory (no torch needed)"),
+    "operator": ("shardwise.operator.cli.run", "run the Kubernetes operator"),
+    "generate": ("shardwise.worker.cli.generate", "generate text with a sharded model on local processes"),
+    "serve": ("shardwise.worker.cli.serve", "serve a sharded model over an OpenAI-compatible HTTP API"),
+    "train": ("shardwise.worker.cli.train", "train a sharded model and write sharded checkpoints"),
+    "worker": ("shardwise.worker.cli.pod", "run one ShardedModel pod's ranks (pod contract + rendezvous variables)"),
+    "dev": ("shardwise.e2e.cli.dev", "start, inspect and stop the local Kubernetes control plane"),
+    "demo": ("shardwise.e2e.cli.demo", "run the operator and a sharded SmolLM2 on a local cluster"),
+    "kind": ("shardwise.e2e.cli.kind", "build the images and a kind cluster from package registries"),
 }
 
 

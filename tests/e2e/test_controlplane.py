@@ -10,7 +10,9 @@ import sys
 
 import pytest
 
-from shardwise.e2e import build, controlplane as cp
+from shardwise.e2e import build
+
+from shardwise.e2e.localcluster import controlplane as cp
 from shardwise.e2e.pytest_plugin import wait_until
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.timeout(300)]

@@ -95,7 +95,7 @@ def elastic_job(cluster, namespace, kubectl, node_factory, tmp_path):
     """Two local nodes of one "GPU" (no spare), the shared checkpoint claim, the operator, and the
     job: 2 replicas, minReplicas 1, both checkpoint tiers."""
     pytest.importorskip("torch")
-    from shardwise.worker.tiny import write_tiny_model
+    from shardwise.worker.weights.tiny import write_tiny_model
 
     cluster.install_crd(CRD)
     model = write_tiny_model(tmp_path / "model", _corpus(), layers=4, hidden=64, heads=4, kv_heads=2)

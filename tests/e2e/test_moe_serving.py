@@ -24,7 +24,7 @@ def _moe_model(path):
     torch = pytest.importorskip("torch")
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    from shardwise.worker.tiny import write_tiny_model
+    from shardwise.worker.weights.tiny import write_tiny_model
     text = "the quick brown fox jumps over the lazy dog. pack my box with five dozen liquor jugs. " * 20
     tiny = write_tiny_model(path / "tiny", text, layers=1)
     vocab = json.loads((tiny / "config.json").read_text())["vocab_size"]
@@ -37,9 +37,9 @@ def _moe_model(path):
 
 
 def _local_answer(model: str) -> str:
-    from shardwise.worker.loader import open_model
-    from shardwise.worker.runtime import RankSpec, generate_local
-    from shardwise.worker.tokenizer import load_tokenizer
+    from shardwise.worker.weights.loader import open_model
+    from shardwise.worker.serving.rank import RankSpec, generate_local
+    from shardwise.worker.weights.tokenizer import load_tokenizer
     tokenizer = load_tokenizer(open_model(model))
     got, _ = generate_local(RankSpec(model, 1, 1, max_batch=1, max_seq=64), [tokenizer.encode(PROMPT)], 8)
     return tokenizer.decode(got[0])

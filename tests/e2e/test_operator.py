@@ -38,7 +38,8 @@ def kubeconfig(request, tmp_path_factory):
         return
     except pytest.FixtureLookupError:
         pass
-    from shardwise.e2e import build, controlplane
+    from shardwise.e2e import build
+    from shardwise.e2e.localcluster import controlplane
     if build.missing_binaries(build.bin_dir()):
         pytest.skip("Kubernetes binaries not built (python3 e2e/build.py)")
     plane = controlplane.ControlPlane(tmp_path_factory.mktemp("cp"))
@@ -81,7 +82,7 @@ class Kube:
         return [p for p in self.get("pods", selector=f"shardwise.dev/model={model}")["items"]]
 
     def add_nodes(self, names_racks: list[tuple[str, str]], gpus: int = 8) -> None:
-        from shardwise.e2e.controlplane import node_manifest
+        from shardwise.e2e.localcluster.controlplane import node_manifest
         for name, rack in names_racks:
             self.apply(node_manifest(name, gpus=gpus, zone="zone-a", rack=rack,
                                      extra_labels={TEST_LABEL: self.ns}))

@@ -29,7 +29,7 @@ def _corpus() -> str:
 def test_a_pvc_model_with_no_hints_is_probed_planned_and_ready(cluster, namespace, kubectl, node_factory,
                                                                 tmp_path):
     pytest.importorskip("torch")
-    from shardwise.worker.tiny import write_tiny_model
+    from shardwise.worker.weights.tiny import write_tiny_model
 
     cluster.install_crd(CRD)
     volume = tmp_path / "volume"

@@ -309,7 +309,7 @@ def test_readme_quick_start_typed_by_a_new_user_ends_with_the_demo_answer(tmp_pa
         outputs = walk(commands, clone, env, limit=WALK_LIMIT - (time.monotonic() - started))
 
         # The README's pip installed the clone into the fresh environment, and that is what ran.
-        where = subprocess.run(["python", "-c", "import shardwise.e2e.demo_cmd as d; print(d.__file__)"],
+        where = subprocess.run(["python", "-c", "import shardwise.e2e.cli.demo as d; print(d.__file__)"],
                                cwd=home, env=env, capture_output=True, text=True, timeout=60)
         assert where.stdout.strip().startswith(str(clone)), \
             f"`shardwise` in the fresh environment is not the clone's: {where.stdout}{where.stderr}"

@@ -1,7 +1,7 @@
 """End to end on local nodes: requests streaming from a replica while `kubectl scale` takes that
 replica away finish without error. Its pods get SIGTERM; rank 0 turns unready, finishes its
-streams, then stops the pipeline, whose other stage exits when the stop reaches it (worker/server.py
-run_engine, worker/cmd_worker.py), all inside the pod's grace period."""
+streams, then stops the pipeline, whose other stage exits when the stop reaches it (worker/serving/http/server.py
+run_engine, worker/cli/pod.py), all inside the pod's grace period."""
 from __future__ import annotations
 
 import json
@@ -11,8 +11,8 @@ import time
 import pytest
 
 from .test_operator_worker import CRD, wait
-from ..worker.test_drain import NEW_TOKENS, _stream
-from ..worker.test_server import TEXT
+from ..worker.serving.test_drain import NEW_TOKENS, _stream
+from ..worker.serving.test_server import TEXT
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.slow, pytest.mark.timeout(600)]
 PIPELINE = 2
@@ -21,7 +21,7 @@ PIPELINE = 2
 def test_streams_finish_while_kubectl_scale_removes_their_replica(cluster, namespace, kubectl, node_factory,
                                                                    tmp_path):
     pytest.importorskip("torch")
-    from shardwise.worker.tiny import write_tiny_model
+    from shardwise.worker.weights.tiny import write_tiny_model
     model = write_tiny_model(tmp_path / "tiny", TEXT, layers=4, hidden=64, heads=4, kv_heads=2)
     cluster.install_crd(CRD)
     label = {"shardwise.dev/test": namespace}

@@ -62,7 +62,7 @@ def training_job(cluster, namespace, kubectl, node_factory, tmp_path):
     """Three local nodes of one "GPU" in one rack, the checkpoint claim, the operator; yields a
     function that applies the job with a given replica count and returns a Job."""
     pytest.importorskip("torch")
-    from shardwise.worker.tiny import write_tiny_model
+    from shardwise.worker.weights.tiny import write_tiny_model
 
     cluster.install_crd(CRD)
     model = write_tiny_model(tmp_path / "model", _corpus(), layers=4, hidden=64, heads=4, kv_heads=2)

@@ -30,9 +30,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shardwise.e2e import build, images, registry
-from shardwise.e2e.docker import DockerError, check_daemon
-from shardwise.e2e.kindcluster import KindCluster
+from shardwise.e2e import build
+
+from shardwise.e2e.kind import images
+
+from shardwise.e2e.kind import registry
+from shardwise.e2e.kind.docker import DockerError, check_daemon
+from shardwise.e2e.kind.cluster import KindCluster
 from shardwise.e2e.pytest_plugin import wait_until
 from shardwise.e2e.readme import console_commands
 
@@ -166,7 +170,7 @@ def _parameters(model: Path) -> int:
 
 def test_training_job_survives_a_node_stop_and_succeeds_from_its_checkpoint(kind_cluster):
     pytest.importorskip("torch")
-    from shardwise.worker.tiny import write_tiny_model
+    from shardwise.worker.weights.tiny import write_tiny_model
 
     cluster, steps, every = kind_cluster, 2000, 100
     inputs = cluster.shared_claim(MODEL_NS, "inputs", "inputs", read_only=True)

@@ -1,6 +1,6 @@
 {{/*
 The operator's permissions, each verb one the operator's code (or kopf on its behalf) calls; nothing
-else. tests/test_chart.py compares these with the calls in operator/, and
+else. tests/deploy/test_chart.py compares these with the calls in operator/, and
 tests/e2e/test_chart_install.py runs the operator as this ServiceAccount against a live API server.
 */}}
 

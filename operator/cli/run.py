@@ -1,0 +1,157 @@
+"""`shardwise operator run`: the operator process (kopf), with leader election, /metrics and /healthz."""
+from __future__ import annotations
+
+import argparse
+import http.server
+import logging
+import os
+import sys
+import threading
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", required=True)
+    run = sub.add_parser("run", help="watch ShardedModels and reconcile them")
+    run.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, else $KUBECONFIG or ~/.kube/config)")
+    scope = run.add_mutually_exclusive_group()
+    scope.add_argument("--namespace", "-n", action="append", default=[],
+                       help="watch only this namespace (repeatable)")
+    scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace (the default)")
+    run.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port; 0 turns it off")
+    run.add_argument("--health-port", type=int, default=8080, help="/healthz port; 0 turns it off")
+    run.add_argument("--bind-address", default="0.0.0.0", help="address of the /metrics and /healthz servers")
+    run.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    run.add_argument("--worker-image", default=None,
+                     help="worker image for ShardedModels that set no spec.image")
+    run.add_argument("--lease-namespace", default=None,
+                     help="namespace of the leader-election Lease (default: $POD_NAMESPACE, else 'default')")
+    run.add_argument("--lease-name", default="shardwise-operator")
+    run.add_argument("--lease-duration", type=int, default=15,
+                     help="seconds without renewal after which a standby takes over (renewed every third)")
+    run.add_argument("--progress-seconds", type=float, default=10.0,
+                     help="how often a running training job's progress is read from its pods")
+    run.add_argument("--grow-after-seconds", type=float, default=30.0,
+                     help="how long an elastic training job runs short before it may grow back (no restart loops)")
+    run.add_argument("--no-leader-election", action="store_true",
+                     help="run without a Lease (only when exactly one operator runs)")
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    alive = threading.Event()
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        ok = self.path.startswith("/healthz") and self.alive.is_set()
+        self.send_response(200 if ok else 503)
+        self.send_header("Content-Type", "text/plain")
+        self.end_headers()
+        self.wfile.write(b"ok\n" if ok else b"not ready\n")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+class _Refused(Exception):
+    """A one-line reason the operator cannot start (printed, exit status 2)."""
+
+
+def run(args: argparse.Namespace) -> int:
+    import kopf
+
+    from shardwise.operator.controller import apply as applier_mod
+
+    from shardwise.operator.controller import handlers
+
+    try:
+        _check_arguments(args)
+        _configure_logging(args.log_level)
+        api = _connect(args.kubeconfig)
+        _serve_health_and_metrics(args)
+    except _Refused as e:
+        print(f"shardwise operator: {e}", file=sys.stderr)
+        return 2
+    handlers.RUNTIME.applier = applier_mod.Applier(api)
+    if args.worker_image:
+        handlers.RUNTIME.default_image = args.worker_image
+    lock = None if args.no_leader_election else _become_leader(api, args)
+    scope = dict(clusterwide=True) if not args.namespace else dict(namespaces=args.namespace)
+    try:
+        kopf.run(standalone=True, **scope)
+    finally:
+        if lock is not None:
+            lock.release()
+    return 0
+
+
+def _check_arguments(args: argparse.Namespace) -> None:
+    from shardwise.operator.decide import elastic
+    from shardwise.operator.controller import progress as training
+
+    if args.progress_seconds <= 0:
+        raise _Refused("--progress-seconds must be more than 0")
+    if args.grow_after_seconds < 0:
+        raise _Refused("--grow-after-seconds must be 0 or more")
+    if not args.no_leader_election and args.lease_duration < 3:
+        raise _Refused("--lease-duration must be at least 3 seconds")
+    if args.kubeconfig and not os.path.exists(args.kubeconfig):
+        raise _Refused(f"kubeconfig {args.kubeconfig} does not exist")
+    training.POLL_SECONDS = args.progress_seconds
+    elastic.GROW_AFTER_SECONDS = args.grow_after_seconds
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # kopf logs every successful event handler at INFO: one line per pod or node update is noise.
+    if level != "debug":
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    for noisy in ("kubernetes", "aiohttp"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    logging.getLogger("urllib3").setLevel(logging.ERROR)  # its retry warnings repeat what we say once
+
+
+def _connect(kubeconfig: str | None):
+    from kubernetes.config import ConfigException
+
+    from shardwise.operator.controller import apply as applier_mod
+
+    if kubeconfig:
+        os.environ["KUBECONFIG"] = kubeconfig  # kopf's own login reads it too
+        # ...through the kubernetes client, which read $KUBECONFIG once, when it was imported.
+        from kubernetes.config import kube_config
+        kube_config.KUBE_CONFIG_DEFAULT_LOCATION = kubeconfig
+    try:
+        return applier_mod.load_config(kubeconfig)
+    except (ConfigException, OSError) as e:
+        raise _Refused(f"no cluster to talk to ({e}); pass --kubeconfig") from None
+
+
+def _serve_health_and_metrics(args: argparse.Namespace) -> None:
+    from shardwise.operator.controller import metrics
+
+    try:
+        if args.health_port:
+            _Health.alive.set()  # a standby is healthy too: it is waiting, as it should
+            server = http.server.ThreadingHTTPServer((args.bind_address, args.health_port), _Health)
+            threading.Thread(target=server.serve_forever, daemon=True, name="healthz").start()
+        if args.metrics_port:
+            metrics.serve(args.metrics_port, args.bind_address)
+    except OSError as e:
+        raise _Refused(f"cannot listen on {args.bind_address} for /healthz (port {args.health_port}) "
+                       f"or /metrics (port {args.metrics_port}): {e.strerror}") from None
+
+
+def _become_leader(api, args: argparse.Namespace):
+    """Block until this replica holds the Lease; exit at once if it is ever lost."""
+    from shardwise.operator.controller.leader import LeaseLock
+
+    lease_ns = args.lease_namespace or os.environ.get("POD_NAMESPACE") or "default"
+    lock = LeaseLock(api, lease_ns, args.lease_name, lease_seconds=args.lease_duration,
+                     renew_seconds=args.lease_duration / 3)
+    lock.wait_until_leader()
+
+    def lost() -> None:
+        # Another replica may be reconciling now: stop at once rather than act twice.
+        logging.getLogger("shardwise.operator").error("leadership lost; exiting")
+        os._exit(3)
+    lock.keep_renewing(lost)
+    return lock

@@ -1,0 +1,152 @@
+"""Applier: the only module of the operator that talks to the API server.
+
+Create-or-get for pods (a pod is immutable; its name carries the replica's attempt, so a create that
+meets an existing pod means an earlier reconcile already made it: nothing is created twice), server-side
+apply for the per-model objects whose content may change (plan ConfigMap, Services, PDB), delete of a
+whole replica group, and the ShardedModel's status. Every request is counted in
+`shardwise_api_requests_total`, which the benchmark reads to report requests per reconcile.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Mapping
+
+from kubernetes import client, config
+from kubernetes.client.rest import ApiException
+
+from shardwise.crds.models import GROUP, PLURAL, VERSION
+from shardwise.operator.controller import metrics
+from shardwise.operator.render.renderer import LABEL_MODEL, LABEL_REPLICA
+
+log = logging.getLogger("shardwise.operator.controller.apply")
+FIELD_MANAGER = "shardwise-operator"
+
+
+def load_config(kubeconfig: str | None = None) -> client.ApiClient:
+    """In-cluster config when running in a pod, else the kubeconfig (explicit path or $KUBECONFIG)."""
+    configuration = client.Configuration()
+    if kubeconfig:
+        config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+    else:
+        try:
+            config.load_incluster_config(client_configuration=configuration)
+        except config.ConfigException:
+            config.load_kube_config(client_configuration=configuration)
+    # Reconciles run on several threads at once; the default pool of 4 connections would make them
+    # queue (and discard connections).
+    configuration.connection_pool_maxsize = 32
+    return client.ApiClient(configuration)
+
+
+def _json(response: Any) -> Any:
+    """Responses are read as plain JSON: turning a pod list into model objects and back costs more
+    CPU than the rest of a reconcile."""
+    return json.loads(response.data)
+
+
+class Applier:
+    def __init__(self, api: client.ApiClient | None = None):
+        self.api = api or load_config()
+        self.core = client.CoreV1Api(self.api)
+        self.policy = client.PolicyV1Api(self.api)
+        self.custom = client.CustomObjectsApi(self.api)
+        self.requests = 0
+
+    def _count(self, verb: str, kind: str) -> None:
+        self.requests += 1
+        metrics.API_REQUESTS.labels(verb, kind).inc()
+
+    # --- the ShardedModel --------------------------------------------------------------------
+
+    def get_model(self, namespace: str, name: str) -> dict | None:
+        self._count("get", "ShardedModel")
+        try:
+            return _json(self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name,
+                                                                   _preload_content=False))
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> dict | None:
+        """Merge-patch the status subresource. Lists (conditions, groups) are replaced whole."""
+        self._count("patch", "ShardedModel/status")
+        try:
+            return _json(self.custom.patch_namespaced_custom_object_status(
+                GROUP, VERSION, namespace, PLURAL, name, {"status": dict(status)}, _preload_content=False))
+        except ApiException as e:
+            if e.status == 404:
+                return None  # deleted meanwhile: its dependents go with it
+            raise
+
+    # --- reads -----------------------------------------------------------------------------------
+
+    def list_model_pods(self, namespace: str, model: str) -> list[dict]:
+        self._count("list", "Pod")
+        return _json(self.core.list_namespaced_pod(namespace, label_selector=f"{LABEL_MODEL}={model}",
+                                                   _preload_content=False))["items"]
+
+    def get_configmap(self, namespace: str, name: str) -> dict | None:
+        self._count("get", "ConfigMap")
+        try:
+            return _json(self.core.read_namespaced_config_map(name, namespace, _preload_content=False))
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def list_nodes(self) -> list[dict]:
+        self._count("list", "Node")
+        return _json(self.core.list_node(_preload_content=False))["items"]
+
+    def list_all_pods(self) -> list[dict]:
+        self._count("list", "Pod")
+        return _json(self.core.list_pod_for_all_namespaces(
+            field_selector="status.phase!=Succeeded,status.phase!=Failed", _preload_content=False))["items"]
+
+    # --- writes ----------------------------------------------------------------------------------
+
+    def create_pod(self, pod: Mapping[str, Any]) -> bool:
+        """Create-or-get: True when created now, False when it already existed."""
+        self._count("create", "Pod")
+        try:
+            self.core.create_namespaced_pod(pod["metadata"]["namespace"], pod, _preload_content=False)
+            return True
+        except ApiException as e:
+            if e.status == 409:
+                return False
+            raise
+
+    def apply(self, obj: Mapping[str, Any]) -> None:
+        """Server-side apply of a per-model object: creates it, or updates the fields we own."""
+        kind, ns, name = obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"]
+        self._count("apply", kind)
+        kw = dict(field_manager=FIELD_MANAGER, force=True, _content_type="application/apply-patch+yaml",
+                  _preload_content=False)
+        if kind == "ConfigMap":
+            self.core.patch_namespaced_config_map(name, ns, obj, **kw)
+        elif kind == "Service":
+            self.core.patch_namespaced_service(name, ns, obj, **kw)
+        elif kind == "PodDisruptionBudget":
+            self.policy.patch_namespaced_pod_disruption_budget(name, ns, obj, **kw)
+        else:
+            raise ValueError(f"apply does not handle kind {kind}")
+
+    def delete_pods(self, namespace: str, names: list[str], force: bool = False) -> None:
+        """Delete pods by name; gone already is fine. `force` (grace 0) for pods on a lost node, whose
+        kubelet will never confirm the deletion."""
+        for name in names:
+            self._count("delete", "Pod")
+            try:
+                self.core.delete_namespaced_pod(name, namespace, grace_period_seconds=0 if force else None,
+                                                _preload_content=False)
+            except ApiException as e:
+                if e.status != 404:
+                    raise
+
+    def delete_group(self, namespace: str, model: str, replica: int) -> None:
+        """Tear a replica group down as one unit (one request for all its pods)."""
+        self._count("deletecollection", "Pod")
+        self.core.delete_collection_namespaced_pod(
+            namespace, label_selector=f"{LABEL_MODEL}={model},{LABEL_REPLICA}={replica}", _preload_content=False)

@@ -1,0 +1,255 @@
+"""kopf handlers: thin wiring between watch events and the reconciler.
+
+- One asyncio task per ShardedModel runs its reconcile loop (started when the model is first seen,
+  also after an operator restart; stopped when it is deleted). Passes are serialized per model by
+  construction; the blocking API calls run on a small thread pool.
+- Pod events (pods labelled shardwise.dev/model) and node events (Ready flips, node added or gone)
+  wake the loops concerned at once, so a lost node is acted on within seconds, not at the next tick.
+- Two in-memory indexes fed by watches: nodes (the planner's inventory) and pods holding GPUs (what
+  is allocated), so a reconcile costs few API requests however big the cluster is.
+
+Nothing here is state the operator needs after a restart: each model's state is in its status.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from typing import Any, Mapping
+
+import kopf
+import urllib3
+from kubernetes.client.rest import ApiException
+
+from shardwise.crds.models import GROUP, PLURAL, VERSION
+from shardwise.operator.controller import metrics
+from shardwise.operator.decide import recovery
+from shardwise.operator.controller import reconciler
+from shardwise.operator.render import renderer
+from shardwise.operator.controller.apply import Applier
+from shardwise.operator.planning.inventory import pod_gpus
+
+log = logging.getLogger("shardwise.operator")
+DEBOUNCE_SECONDS = 0.2
+# What a failed pass can meet that is not the model's fault nor a bug: the API server refusing or
+# not answering (kopf's temporary errors). A bad spec is not among them: the reconciler reports it
+# in status and waits for a new spec (kopf's permanent errors), and short capacity is retried by the
+# pass itself.
+TRANSIENT = (ApiException, urllib3.exceptions.HTTPError, OSError)
+
+
+class Capacity:
+    """GPUs in use: pods seen by the watch plus pods this operator just created (the watch lags
+    behind our own creates by a moment; without these, two models planned back to back could be
+    given the same free GPUs). Planning holds `lock`, so plans are made one at a time."""
+
+    RESERVATION_SECONDS = 60.0
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.watched: dict[str, dict] = {}           # "ns/name" -> pod (nodeName = bound or planned)
+        self.reserved: dict[str, tuple[float, dict]] = {}
+
+    def sync(self, watched: dict[str, dict]) -> None:
+        """The watch's current view; reservations it has caught up with are dropped."""
+        self.watched = watched
+        for key in list(self.reserved):
+            if key in watched:
+                self.reserved.pop(key, None)
+
+    def reserve(self, pod: Mapping[str, Any], node: str) -> None:
+        key = f"{pod['metadata']['namespace']}/{pod['metadata']['name']}"
+        if key not in self.watched:
+            self.reserved[key] = (time.monotonic(), _slim(pod, node))
+
+    def pods(self, exclude: set[str]) -> list[dict]:
+        """Live GPU pods, leaving out `exclude` ("ns/name"): the group being re-planned."""
+        now = time.monotonic()
+        for key, (since, _) in list(self.reserved.items()):
+            if now - since > self.RESERVATION_SECONDS:
+                self.reserved.pop(key, None)
+        out = [p for k, p in list(self.watched.items()) if k not in exclude]
+        out += [p for k, (_, p) in list(self.reserved.items()) if k not in exclude and k not in self.watched]
+        return out
+
+
+def _slim(pod: Mapping[str, Any], node: str | None) -> dict:
+    """What allocation counting needs of a pod: its node (bound, or planned for our pending pods)
+    and its containers' resources."""
+    spec = pod.get("spec") or {}
+    meta = pod["metadata"]
+    labels = {k: v for k, v in (meta.get("labels") or {}).items()
+              if k in (renderer.LABEL_MODEL, renderer.LABEL_REPLICA)}
+    return {"metadata": {"name": meta["name"], "namespace": meta.get("namespace"), "labels": labels},
+            "spec": {"nodeName": node,
+                     "containers": [{"resources": c.get("resources") or {}} for c in spec.get("containers") or []]},
+            "status": {"phase": (pod.get("status") or {}).get("phase")}}
+
+
+class Runtime:
+    """Process-wide wiring, configured by `shardwise operator run` before kopf starts."""
+
+    def __init__(self) -> None:
+        self.applier: Applier | None = None
+        self.default_image = renderer.DEFAULT_IMAGE
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="reconcile")
+        self.capacity = Capacity()
+        self.node_ready: dict[str, bool] = {}
+        self.wakers: dict[tuple[str, str], asyncio.Event] = {}
+        self.tasks: dict[tuple[str, str], asyncio.Task] = {}
+        self.reconciles = 0
+        self.requests = 0
+
+    def waker(self, key: tuple[str, str]) -> asyncio.Event:
+        return self.wakers.setdefault(key, asyncio.Event())
+
+    def wake(self, key: tuple[str, str] | None = None) -> None:
+        for k, event in list(self.wakers.items()):
+            if key is None or k == key:
+                event.set()
+
+
+RUNTIME = Runtime()
+
+
+@kopf.on.startup()
+async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    settings.posting.level = logging.INFO
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    # Status is ours; kopf keeps its bookkeeping in annotations, not in our status schema.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="operator.shardwise.dev")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="operator.shardwise.dev")
+    if RUNTIME.applier is None:
+        RUNTIME.applier = Applier()
+
+
+# --- watches that feed the in-memory views -------------------------------------------------------
+# kopf lists every indexed resource before any other handler runs, so the first reconcile after a
+# start already sees every node and every GPU pod (a half-filled inventory would make a node look
+# "gone" and start a needless recovery).
+
+@kopf.index("", "v1", "nodes")
+def nodes_index(name: str, body: kopf.Body, **_: Any) -> dict:
+    return {name: {"metadata": {"name": name, "labels": dict(body.metadata.labels or {}),
+                                **({"deletionTimestamp": body.metadata.deletion_timestamp}
+                                   if body.metadata.deletion_timestamp else {})},
+                   "spec": dict(body.spec), "status": {"allocatable": dict(body.status.get("allocatable") or {}),
+                                                       "capacity": dict(body.status.get("capacity") or {}),
+                                                       "conditions": list(body.status.get("conditions") or [])}}}
+
+
+@kopf.index("", "v1", "pods")
+def gpu_pods_index(namespace: str, name: str, body: kopf.Body, labels: Mapping[str, str], **_: Any) -> dict:
+    """Pods that hold GPUs (or will: ours, pinned but not bound yet), by "ns/name"."""
+    phase = (body.get("status") or {}).get("phase")
+    if phase in ("Succeeded", "Failed"):
+        return {}
+    node = (body.get("spec") or {}).get("nodeName") or (body.metadata.annotations or {}).get(
+        renderer.ANNOTATION_PLANNED_NODE)
+    pod = {"metadata": {"name": name, "namespace": namespace, "labels": dict(labels)}, "spec": dict(body.spec),
+           "status": {"phase": phase}}
+    if not node or not (renderer.LABEL_MODEL in labels or pod_gpus(pod)):
+        return {}
+    return {f"{namespace}/{name}": _slim(pod, node)}
+
+
+@kopf.on.event("", "v1", "nodes")
+def node_event(type: str, name: str, body: kopf.Body, **_: Any) -> None:
+    ready = type != "DELETED" and recovery.node_ready(body)
+    was = RUNTIME.node_ready.get(name)
+    if type == "DELETED":
+        RUNTIME.node_ready.pop(name, None)
+    else:
+        RUNTIME.node_ready[name] = ready
+    if was != ready or type == "DELETED":
+        # A node lost: groups on it recover; a node gained: Pending groups may fit now.
+        RUNTIME.wake()
+
+
+@kopf.on.event("", "v1", "pods", labels={renderer.LABEL_MODEL: kopf.PRESENT})
+def pod_event(namespace: str, labels: Mapping[str, str], **_: Any) -> None:
+    RUNTIME.wake((namespace, labels[renderer.LABEL_MODEL]))
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def model_event(type: str, namespace: str, name: str, body: kopf.Body, logger: logging.Logger,
+                      nodes_index: kopf.Index, gpu_pods_index: kopf.Index, **_: Any) -> None:
+    """Starts a model's reconcile loop when the model is first seen (created, or listed after an
+    operator start), stops it when the model is gone, and wakes it on a spec change (a new
+    generation, e.g. `kubectl scale`); our own status writes do not wake it.
+
+    A plain task per model rather than a kopf daemon: daemons need a finalizer on every object, which
+    would make deleting a ShardedModel wait for a running operator. Without one, deletion is plain
+    garbage collection through the ownerReferences."""
+    key = (namespace, name)
+    if type == "DELETED" or body.metadata.get("deletionTimestamp"):
+        task = RUNTIME.tasks.pop(key, None)
+        if task is not None:
+            task.cancel()
+        RUNTIME.wakers.pop(key, None)
+        metrics.forget(namespace, name)
+        return
+    task = RUNTIME.tasks.get(key)
+    if task is None or task.done():
+        ref = {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
+               "metadata": {"name": name, "namespace": namespace, "uid": body.metadata.uid}}
+        RUNTIME.tasks[key] = asyncio.create_task(model_loop(namespace, name, ref, logger, nodes_index,
+                                                            gpu_pods_index), name=f"reconcile {namespace}/{name}")
+    elif body.metadata.get("generation") != (body.get("status") or {}).get("observedGeneration"):
+        RUNTIME.wake(key)
+
+
+# --- the per-model reconcile loop ------------------------------------------------------------------
+
+async def model_loop(namespace: str, name: str, ref: dict, logger: logging.Logger, nodes_index: kopf.Index,
+                     gpu_pods_index: kopf.Index) -> None:
+    key = (namespace, name)
+    wake = RUNTIME.waker(key)
+    loop = asyncio.get_running_loop()
+    failures = 0
+    try:
+        while True:
+            wake.clear()
+            # Snapshots taken here, on the event loop that updates the indexes, are consistent.
+            nodes = {k: v for k, store in nodes_index.items() for v in store}
+            RUNTIME.capacity.sync({k: v for k, store in gpu_pods_index.items() for v in store})
+            try:
+                outcome = await loop.run_in_executor(RUNTIME.executor, _reconcile_once, namespace, name, nodes)
+                failures = 0
+            except TRANSIENT as e:  # an API hiccup must not kill the loop; back off and retry
+                failures += 1
+                logger.warning(f"reconcile failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                               f"retrying")
+                outcome = reconciler.Outcome(requeue_after=_backoff(failures))
+            except Exception:  # a bug: say where, keep the other models going, retry the same way
+                failures += 1
+                logger.exception("reconcile failed unexpectedly; retrying")
+                outcome = reconciler.Outcome(requeue_after=_backoff(failures))
+            for ev in outcome.events:
+                kopf.event(ref, type=ev.type, reason=ev.reason, message=ev.message[:1000])
+            try:
+                await asyncio.wait_for(wake.wait(), timeout=outcome.requeue_after)
+                # A pod's start is a burst of events (bound, running, ready): let it settle so that
+                # one pass sees them all.
+                await asyncio.sleep(DEBOUNCE_SECONDS)
+            except asyncio.TimeoutError:
+                pass
+    finally:
+        if RUNTIME.wakers.get(key) is wake:
+            RUNTIME.wakers.pop(key, None)
+
+
+def _backoff(failures: int) -> float:
+    return min(30.0, 0.5 * 2 ** failures)
+
+
+def _reconcile_once(namespace: str, name: str, nodes: dict[str, dict]) -> reconciler.Outcome:
+    assert RUNTIME.applier is not None
+    outcome = reconciler.reconcile(RUNTIME.applier, namespace, name, nodes, RUNTIME.capacity,
+                                   default_image=RUNTIME.default_image)
+    RUNTIME.reconciles += 1
+    RUNTIME.requests += outcome.requests
+    return outcome

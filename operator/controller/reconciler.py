@@ -1,0 +1,169 @@
+"""Reconcile one ShardedModel: observe -> decide -> act -> report.
+
+    observe  state.observe: the model (typed spec, status records), its pods and its stored plan
+    decide   decisions.decide: pure; the actions, group records, plan and Events of this pass
+    act      run the actions in order through the applier (the only module that talks to the API)
+    report   report.build_status: status patched when it changed; Events returned to the caller;
+             metrics set
+
+Level-based and idempotent: everything it needs is read from the API server or from the watched
+node and pod inventory, and what it decided is stored (plan ConfigMap, then group records) before the
+pods that depend on it are created. Plans are made one model at a time: `decide` runs under the
+capacity lock, and the GPUs of the pods it creates are reserved before the lock is released.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+from datetime import datetime
+from typing import Any, Callable, Mapping
+
+from shardwise.crds.models import PlanSummary
+from shardwise.operator.decide import decisions
+from shardwise.operator.controller import metrics
+from shardwise.operator.decide import probe
+from shardwise.operator.decide import recovery
+from shardwise.operator.render import renderer
+from shardwise.operator.controller import report
+from shardwise.operator.controller import progress as training
+from shardwise.operator.controller.apply import Applier
+from shardwise.operator.decide.decisions import Decision, Event, World
+from shardwise.operator.controller.observe import observe
+from shardwise.operator.decide.state import ModelState
+
+log = logging.getLogger("shardwise.operator")
+
+__all__ = ["Event", "Outcome", "reconcile", "act"]
+
+
+@dataclasses.dataclass
+class Outcome:
+    phase: str = ""
+    requeue_after: float = decisions.STEADY_REQUEUE
+    events: list[Event] = dataclasses.field(default_factory=list)
+    requests: int = 0
+
+
+def reconcile(applier: Applier, namespace: str, name: str, nodes: Mapping[str, Mapping[str, Any]],
+              capacity: Any, default_image: str = renderer.DEFAULT_IMAGE,
+              now: Callable[[], datetime] = recovery.now_utc,
+              progress: training.Fetch = training.fetch_progress) -> Outcome:
+    """One pass over one ShardedModel. `capacity` (handlers.Capacity): live GPU pods of the cluster,
+    reservations for pods just created, and the lock under which plans are made one at a time.
+    `progress`: reads a running training pod's progress."""
+    started, requests_before = time.monotonic(), applier.requests
+    out = Outcome()
+    try:
+        state = observe(applier, namespace, name, default_image)
+        if state is None:
+            metrics.forget(namespace, name)
+            return out
+        with capacity.lock:
+            decision = decisions.decide(state, World(nodes, capacity.pods(set())), now())
+            _reserve(capacity, state, decision)
+        act(applier, state, decision)
+        _report(applier, state, decision, progress, now(), out)
+    except Exception:
+        metrics.RECONCILE_ERRORS.labels(namespace, name).inc()
+        raise
+    finally:
+        metrics.RECONCILE_SECONDS.labels(namespace, name).observe(time.monotonic() - started)
+        out.requests = applier.requests - requests_before
+    return out
+
+
+def _reserve(capacity: Any, state: ModelState, decision: Decision) -> None:
+    """The GPUs of the pods about to be created, counted before the next model plans (the watch
+    lags behind our own creates)."""
+    for create in decision.new_pods():
+        for pod in _pods(state, create):
+            stage = int(pod["metadata"]["labels"][renderer.LABEL_STAGE])
+            capacity.reserve(pod, create.plan.placement(create.replica, stage).node)
+
+
+def _pods(state: ModelState, create: decisions.CreatePods) -> list[dict]:
+    assert state.model is not None
+    pods = renderer.render_replica_pods(state.model, create.plan, create.replica, create.attempt,
+                                        state.default_image)
+    if create.stages is None:
+        return pods
+    return [p for p in pods if int(p["metadata"]["labels"][renderer.LABEL_STAGE]) in create.stages]
+
+
+@functools.singledispatch
+def _run(action: Any, applier: Applier, state: ModelState) -> None:
+    raise TypeError(f"no way to run {action!r}")
+
+
+@_run.register
+def _(action: decisions.DeleteGroup, applier: Applier, state: ModelState) -> None:
+    applier.delete_group(state.namespace, state.name, action.replica)
+    if action.force:
+        applier.delete_pods(state.namespace, list(action.force), force=True)
+
+
+@_run.register
+def _(action: decisions.DeletePods, applier: Applier, state: ModelState) -> None:
+    applier.delete_pods(state.namespace, list(action.names), force=action.force)
+
+
+@_run.register
+def _(action: decisions.ApplyShared, applier: Applier, state: ModelState) -> None:
+    assert state.model is not None
+    for obj in renderer.render_shared(state.model, action.plan):
+        applier.apply(obj)
+
+
+@_run.register
+def _(action: decisions.SaveGroups, applier: Applier, state: ModelState) -> None:
+    plan = action.plan if action.plan is not None and action.plan.placements else None
+    applier.patch_status(state.namespace, state.name, {
+        "plan": PlanSummary.from_plan(plan).to_api() if plan else None,
+        "groups": [g.to_api() for g in action.groups]})
+
+
+@_run.register
+def _(action: decisions.CreatePods, applier: Applier, state: ModelState) -> None:
+    # Gang creation: every pod of the group in one pass (create-or-get, so a repeat is harmless).
+    for pod in _pods(state, action):
+        applier.create_pod(pod)
+
+
+@_run.register
+def _(action: decisions.CreateProbe, applier: Applier, state: ModelState) -> None:
+    assert state.model is not None
+    applier.create_pod(probe.render(state.model, state.default_image))
+
+
+def act(applier: Applier, state: ModelState, decision: Decision) -> None:
+    """Run the decision's actions in order: each is idempotent, so an interrupted pass is redone."""
+    for action in decision.actions:
+        _run(action, applier, state)
+
+
+def _report(applier: Applier, state: ModelState, decision: Decision, progress: training.Fetch,
+            now: datetime, out: Outcome) -> None:
+    job = _job_progress(state, decision, progress)
+    new = report.build_status(state, decision, job, now)
+    event = report.phase_event(state, new)
+    out.events = decision.events + ([event] if event else [])
+    out.phase = new["phase"]
+    out.requeue_after = decision.requeue_after
+    if new["phase"] == "Running":
+        out.requeue_after = min(out.requeue_after, training.POLL_SECONDS)
+    if report.changed(state.status, new):
+        applier.patch_status(state.namespace, state.name, new)
+    report.record_metrics(state, decision, new, now)
+
+
+def _job_progress(state: ModelState, decision: Decision, fetch: training.Fetch) -> dict:
+    """status.training and status.lastCheckpoint from the job's current pods ({} when none reports)."""
+    if state.model is None or not state.workload.gang or decision.plan is None:
+        return {}
+    current = [p for r in range(decision.size or 0) for p in state.pods.get(r, [])
+               if r in decision.groups
+               and p["metadata"]["labels"].get(renderer.LABEL_ATTEMPT) == str(decision.groups[r].attempt)]
+    found = training.job_progress(current, fetch)
+    return training.status_fields(found, state.spec.checkpoint) if found else {}

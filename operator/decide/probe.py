@@ -1,0 +1,84 @@
+"""The model-shape probe: a short-lived pod that reads the model where it lives.
+
+The planner needs the model's shape (layers, heads, sizes, parameters). A pvc:// model lives on a
+claim that only pods mount, so the operator cannot read it itself; rather than asking users for
+hand-written hints, it runs `shardwise inspect` (torch-free, in the worker image) in a pod that mounts
+the claim read-only. The pod writes the shape as JSON to its termination message, the operator reads
+it from the pod's status, caches it in status.modelFacts (keyed by uri, so it runs once per uri),
+and deletes the pod. A model that cannot be read fails the spec with the probe's one-line reason.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Mapping
+
+from shardwise.crds.models import ShardedModel
+from shardwise.crds.modelshape import ModelFacts, ModelFactsError
+from shardwise.operator.decide import recovery
+from shardwise.operator.render import renderer
+
+LABEL_ROLE = "shardwise.dev/role"
+ROLE = "model-probe"
+DEADLINE_SECONDS = 300      # a probe that hangs (a stuck volume) fails instead of waiting forever
+
+
+def is_probe(pod: Mapping[str, Any]) -> bool:
+    return (pod["metadata"].get("labels") or {}).get(LABEL_ROLE) == ROLE
+
+
+def pod_name(model: str, uri: str) -> str:
+    """One name per model and uri: a changed uri is probed by a new pod."""
+    return f"{model}-probe-{hashlib.sha256(uri.encode()).hexdigest()[:8]}"
+
+
+def render(model: ShardedModel, default_image: str) -> dict:
+    spec = model.spec
+    path, volume, mount = renderer.model_volume(spec.model.uri)
+    container = {
+        "name": "probe", "image": spec.image or default_image,
+        "command": ["shardwise", "inspect", path, "--json", "--output", renderer.TERMINATION_LOG],
+        "volumeMounts": [mount] if mount else [],
+        "terminationMessagePath": renderer.TERMINATION_LOG,
+        # a failed read leaves its one-line error (the log's tail) as the message
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}},
+        "securityContext": renderer.WORKER_CONTAINER_SECURITY,
+    }
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never", "containers": [container], "volumes": [volume] if volume else [],
+        "activeDeadlineSeconds": DEADLINE_SECONDS, "enableServiceLinks": False,
+        "securityContext": renderer.WORKER_POD_SECURITY, "terminationGracePeriodSeconds": 1,
+    }
+    if spec.placement.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.placement.node_selector)
+    if spec.placement.tolerations:
+        pod_spec["tolerations"] = [t.to_api() for t in spec.placement.tolerations]
+    labels = {**renderer.model_labels(model.name), LABEL_ROLE: ROLE}
+    meta = {"name": pod_name(model.name, spec.model.uri), "namespace": model.namespace, "labels": labels,
+            "ownerReferences": [renderer.owner_reference(model)]}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+
+
+def result(pod: Mapping[str, Any]) -> ModelFacts | str | None:
+    """The shape the probe read, the one-line reason it could not, or None while it runs."""
+    status = pod.get("status") or {}
+    phase = status.get("phase")
+    if phase not in ("Succeeded", "Failed"):
+        return None
+    message = recovery.termination_message(pod).strip()
+    if phase == "Failed":
+        last = next((line for line in reversed(message.splitlines()) if line.strip()), "")
+        why = last or status.get("message") or status.get("reason") or "the probe pod failed"
+        return f"cannot read the model: {why.strip()}"
+    try:
+        return ModelFacts.from_dict(json.loads(message))
+    except (ValueError, TypeError, ModelFactsError) as e:
+        return f"cannot read the model: the probe reported {message[:200]!r} ({e})"
+
+
+def waiting_message(pod: Mapping[str, Any] | None, model: str, uri: str) -> str:
+    """What a group waiting for the model's shape says, with the scheduler's words when it cannot place
+    the probe (a claim that does not exist, no node matching the selector)."""
+    why = recovery.unschedulable_message(pod) if pod is not None else ""
+    return f"reading the model's shape from {uri} (pod {pod_name(model, uri)})" + (f": {why}" if why else "")

@@ -1,0 +1,135 @@
+"""What the reconciler knows of one ShardedModel at the start of a pass: the typed `ModelState` that
+controller/observe.py reads from the API server and the pure `decisions.decide()` works on.
+
+Everything comes from the API server, so a restarted operator sees what the last one left:
+  - the ShardedModel: its typed spec (one parse; every default is the API model's) and its status
+    (the per-group records, the cached model facts, the last conditions);
+  - the plan: the whole ShardPlan, read back from the plan ConfigMap the pods read it from, so what
+    the operator reasons about is exactly what its pods run (status.plan is only a summary for users);
+  - the pods: this model's replica pods by replica, and its model-shape probe pod, if any.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Any, Mapping
+
+from pydantic import ValidationError
+
+from shardwise.crds.models import (ModelFactsStatus, ReplicaGroupStatus, ShardedModel, ShardedModelSpec,
+                                   describe_validation_error)
+from shardwise.crds.modelshape import ModelFacts, ModelFactsError, from_hints, resolve
+from shardwise.crds.plan import ShardPlan
+from shardwise.operator.decide import probe
+from shardwise.operator.render import renderer
+from shardwise.operator.decide.recovery import Policy
+from shardwise.operator.decide.workloads import Workload, workload_of
+
+log = logging.getLogger("shardwise.operator")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelState:
+    """One ShardedModel as observed. `invalid` is set (and `model` is None) when the spec does not
+    parse: nothing else is read then."""
+
+    namespace: str
+    name: str
+    generation: int | None
+    status: Mapping[str, Any]                       # the status as stored (conditions, training...)
+    model: ShardedModel | None = None
+    invalid: str = ""
+    plan: ShardPlan | None = None                   # the stored plan, as the pods read it
+    groups: Mapping[int, ReplicaGroupStatus] = dataclasses.field(default_factory=dict)
+    pods: Mapping[int, list[dict]] = dataclasses.field(default_factory=dict)   # replica -> its pods
+    probe_pod: dict | None = None                   # the model-shape probe, while it exists
+    facts: ModelFactsStatus | None = None           # the cached read of the model (a probe's)
+    local_facts: ModelFacts | None = None           # the model's shape from hints or readable files
+    facts_error: str = ""                           # why those cannot be had (not a pvc:// model)
+    default_image: str = renderer.DEFAULT_IMAGE
+
+    @property
+    def spec(self) -> ShardedModelSpec:
+        assert self.model is not None, "an invalid spec has no typed model"
+        return self.model.spec
+
+    @property
+    def workload(self) -> Workload:
+        return workload_of(self.spec)
+
+    @property
+    def policy(self) -> Policy:
+        return Policy.from_spec(self.spec.recovery)
+
+    @property
+    def desired(self) -> int:
+        return self.spec.parallelism.replicas
+
+    @property
+    def spec_changed(self) -> bool:
+        """A new generation since the last pass that wrote status."""
+        seen = self.status.get("observedGeneration")
+        return seen is not None and seen != self.generation
+
+    @functools.cached_property
+    def spec_hash(self) -> str:   # asked for once per replica: computed once
+        return renderer.spec_hash(self.spec, self.default_image)
+
+
+def parse_state(body: Mapping[str, Any], pods: list[dict], configmap: Mapping[str, Any] | None,
+                default_image: str = renderer.DEFAULT_IMAGE) -> ModelState:
+    """The typed state from what the API server returned (pure: the unit tests build states here)."""
+    meta, status = body["metadata"], dict(body.get("status") or {})
+    base = dict(namespace=meta["namespace"], name=meta["name"], generation=meta.get("generation"),
+                status=status, default_image=default_image)
+    try:
+        spec = ShardedModelSpec.model_validate(body.get("spec") or {})
+    except ValidationError as e:
+        # What the schema could not catch ends in a condition, never in a crash loop.
+        return ModelState(**base, invalid=f"invalid spec: {describe_validation_error(e)}")
+    replica_pods: dict[int, list[dict]] = {}
+    probe_pod = None
+    for pod in pods:
+        if probe.is_probe(pod):
+            probe_pod = pod
+            continue
+        replica = int(pod["metadata"]["labels"].get(renderer.LABEL_REPLICA, -1))
+        replica_pods.setdefault(replica, []).append(pod)
+    local, error = _local_facts(spec)
+    return ModelState(**base, model=ShardedModel(metadata=dict(meta), spec=spec),
+                      plan=renderer.plan_from_configmap(configmap), groups=_groups(status),
+                      pods=replica_pods, probe_pod=probe_pod, facts=_facts(status),
+                      local_facts=local, facts_error=error)
+
+
+def _local_facts(spec: ShardedModelSpec) -> tuple[ModelFacts | None, str]:
+    """The model's shape where the operator can have it itself: the spec's hints override; then the
+    files, when the operator can read them. (None, "") for a pvc:// model: only a pod can read it."""
+    model = spec.model
+    hinted = model.parameters and model.layers and model.heads
+    if model.pvc() is not None and not hinted:
+        return None, ""
+    try:
+        return (from_hints(model, spec.dtype) if hinted else resolve(spec)), ""
+    except (ModelFactsError, OSError) as e:
+        return None, str(e)
+
+
+def _groups(status: Mapping[str, Any]) -> dict[int, ReplicaGroupStatus]:
+    out = {}
+    for item in status.get("groups") or []:
+        try:
+            g = ReplicaGroupStatus.model_validate(item)
+        except ValidationError:
+            log.warning(f"ignoring a group record the operator cannot read: {item}")
+            continue
+        out[g.replica] = g
+    return out
+
+
+def _facts(status: Mapping[str, Any]) -> ModelFactsStatus | None:
+    try:
+        return ModelFactsStatus.model_validate(status["modelFacts"]) if status.get("modelFacts") else None
+    except ValidationError:
+        return None

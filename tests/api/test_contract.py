@@ -1,0 +1,143 @@
+"""The pod contract: what the planner decides reaches the worker unchanged, through the renderer's
+ConfigMap and the worker's own reading function (no torch needed)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from shardwise.crds.contract import ContractError, PodContract, load_contract
+from shardwise.crds.models import ShardedModel, ShardedModelSpec
+from shardwise.crds.modelshape import from_hf_config
+from shardwise.operator.render import renderer
+from shardwise.operator.planning.inventory import NodeInfo
+from shardwise.operator.planning.planner import GiB, plan
+from shardwise.worker.cli.pod import read_contract
+from shardwise.worker.errors import WorkerError
+
+ZONE, RACK = "topology.kubernetes.io/zone", "topology.shardwise.dev/rack"
+SMOL = from_hf_config(dict(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                           hidden_size=576, intermediate_size=1536, vocab_size=49152,
+                           tie_word_embeddings=True), "bfloat16")
+
+
+def _model(**spec) -> ShardedModel:
+    base = {"model": {"uri": "pvc://weights/smollm2"}, "parallelism": {"tensor": 3, "pipeline": 2, "replicas": 2},
+            "dtype": "bfloat16"}
+    return ShardedModel(metadata={"name": "smol", "namespace": "prod", "uid": "u-1"},
+                        spec=ShardedModelSpec.model_validate({**base, **spec}))
+
+
+def _nodes() -> list[NodeInfo]:
+    # One node without a memory label: the plan carries a note about it.
+    return [NodeInfo(f"n{i}", {ZONE: f"z{i % 2}", RACK: f"r{i}"}, gpus=4, used=1,
+                     gpu_memory=0 if i == 3 else 24 * GiB) for i in range(4)]
+
+
+def test_the_pod_reads_exactly_the_plan_the_planner_made(tmp_path):
+    model = _model()
+    planned = plan(model.spec, SMOL, _nodes())
+    assert planned.notes and planned.memory_per_gpu and planned.topology_keys
+    assert all(p.params and p.domains for p in planned.placements) and len(planned.placements) == 4
+
+    configmap = renderer.render_configmap(model, planned)
+    (tmp_path / "plan.json").write_text(configmap["data"]["plan.json"])
+    contract = read_contract(str(tmp_path / "plan.json"))     # what `shardwise worker --contract` does
+
+    assert contract.plan == planned
+    assert contract.plan.model_dump() == planned.model_dump()
+    assert contract.model.path == "/models/weights/smollm2" and contract.model.dtype == "bfloat16"
+    assert renderer.plan_from_configmap(configmap) == planned
+
+
+def test_a_training_contract_carries_the_specs_options_with_pod_paths(tmp_path):
+    model = _model(workload="training", parallelism={"tensor": 1, "pipeline": 2, "replicas": 2},
+                   training={"data": "pvc://corpora/wiki.txt", "steps": 50, "microBatches": 4},
+                   checkpoint={"claim": "ckpt", "intervalSteps": 10})
+    planned = plan(model.spec, SMOL, _nodes())
+    contract = PodContract.from_json(renderer.render_configmap(model, planned)["data"]["plan.json"])
+    assert contract.workload == "training" and contract.plan == planned
+    assert contract.training == model.spec.training.model_copy(update={"data": "/data/corpora/wiki.txt"})
+    assert contract.checkpoint == model.spec.checkpoint and contract.checkpoint.path == "/checkpoints"
+
+
+def test_the_local_checkpoint_tier_and_min_replicas_reach_the_pods_plan_json():
+    model = _model(workload="training", parallelism={"tensor": 1, "pipeline": 2, "replicas": 2},
+                   training={"data": "/data/wiki.txt", "steps": 50, "minReplicas": 1},
+                   checkpoint={"claim": "ckpt", "local": {"intervalSteps": 5, "keep": 3}})
+    contract = PodContract.from_json(renderer.render_configmap(model, plan(model.spec, SMOL, _nodes()))["data"]["plan.json"])
+    local = contract.checkpoint.local
+    assert (local.path, local.interval_steps, local.keep) == ("/local-checkpoints", 5, 3)
+    assert contract.training.min_replicas == 1
+
+
+def test_zero3_schedule_and_compression_reach_the_pods_plan_json(tmp_path):
+    """spec.training's layout fields and the plan's ZeRO-3 shard degree, through the ConfigMap and
+    back: what the worker builds its device mesh and schedule from."""
+    model = _model(workload="training", parallelism={"tensor": 1, "pipeline": 2, "replicas": 4},
+                   training={"data": "/data/wiki.txt", "steps": 50, "microBatches": 4,
+                             "dataParallel": {"shard": 2}, "schedule": "Interleaved1F1B",
+                             "activationCheckpointing": True,
+                             "gradientCompression": {"method": "topk", "density": 0.05}},
+                   checkpoint={"claim": "ckpt"})
+    planned = plan(model.spec, SMOL, [NodeInfo(f"n{i}", {ZONE: "z", RACK: "r"}, gpus=4, used=0,
+                                               gpu_memory=24 * GiB) for i in range(2)])
+    assert (planned.data_shard, planned.data_replicate) == (2, 2)
+    configmap = renderer.render_configmap(model, planned)
+    raw = json.loads(configmap["data"]["plan.json"])
+    assert raw["plan"]["data_shard"] == 2
+    assert raw["training"]["data_parallel"] == {"shard": 2, "replicate": None}
+    assert (raw["training"]["schedule"], raw["training"]["activation_checkpointing"]) == ("Interleaved1F1B", True)
+    assert raw["training"]["gradient_compression"] == {"method": "topk", "density": 0.05}
+
+    (tmp_path / "plan.json").write_text(configmap["data"]["plan.json"])
+    contract = read_contract(str(tmp_path / "plan.json"))
+    assert contract.plan == planned and contract.plan.data_shard == 2 and contract.plan.data_replicate == 2
+    assert contract.training == model.spec.training
+    t = contract.training
+    assert (t.data_parallel.shard, t.schedule, t.activation_checkpointing) == (2, "Interleaved1F1B", True)
+    assert (t.gradient_compression.method, t.gradient_compression.density) == ("topk", 0.05)
+    assert renderer.plan_from_configmap(configmap).data_shard == 2
+
+
+def test_a_plan_written_before_data_shard_reads_as_unsharded():
+    planned = plan(_model().spec, SMOL, _nodes())
+    old = json.loads(planned.model_dump_json())
+    del old["data_shard"]
+    read = renderer.plan_from_configmap({"data": {"plan.json": json.dumps(old)}})
+    assert read is not None and (read.data_shard, read.data_replicate) == (1, read.replicas)
+
+
+@pytest.mark.parametrize("text, words", [
+    (None, "not found"),
+    ("{not json", "is not a valid pod contract: Invalid JSON"),
+    ('{"tensor": 1, "pipeline": 1, "replicas": 1, "num_layers": 2}', "is not a valid pod contract: plan: Field required"),
+])
+def test_a_missing_or_invalid_contract_is_one_line(tmp_path, text, words):
+    path = tmp_path / "plan.json"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(ContractError, match=words) as raised:
+        load_contract(path)
+    assert "\n" not in str(raised.value) and str(path) in str(raised.value)
+    with pytest.raises(WorkerError, match=words):
+        read_contract(str(path))
+
+
+def test_a_training_contract_without_its_options_is_refused():
+    contract = PodContract.from_json(renderer.render_configmap(_model(), plan(_model().spec, SMOL, _nodes()))
+                                     ["data"]["plan.json"])
+    with pytest.raises(ContractError, match="a training contract needs training and checkpoint"):
+        PodContract.from_json(contract.model_copy(update={"workload": "training"}).to_json())
+
+
+def test_the_worker_exits_2_in_one_line_without_a_traceback(tmp_path):
+    (tmp_path / "plan.json").write_text("{}")
+    for path in (tmp_path / "missing.json", tmp_path / "plan.json"):
+        p = subprocess.run([sys.executable, "-m", "shardwise", "worker", "--contract", str(path)],
+                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert p.returncode == 2, p.stderr
+        assert p.stderr.strip().startswith("shardwise worker: error: ") and len(p.stderr.strip().splitlines()) == 1
+        assert "Traceback" not in p.stderr

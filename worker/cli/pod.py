@@ -1,0 +1,424 @@
+"""`shardwise worker`: what one ShardedModel pod runs (one pipeline stage of one replica).
+
+    shardwise worker --contract /etc/shardwise/plan.json
+    env: SHARDWISE_REPLICA, SHARDWISE_STAGE   which placement of the plan this pod is (--replica/--stage)
+         MASTER_ADDR, MASTER_PORT             rendezvous (the world's stage-0 pod)
+         POD_IP                               a loopback POD_IP is the address to bind (--host overrides)
+
+The contract (crds/contract.py, written by the operator into the model's ConfigMap) is everything
+the pods of a model share: the plan, the model's path and dtype, the workload, the serving port and
+name, the training and checkpoint options, the termination-log path. The environment says which pod
+this is. A missing or invalid contract is one line on stderr and exit status 2.
+
+The pod process reads the contract, then starts one process per TP rank (plan.tensor of them),
+ranked by crds/layout.py RankLayout (a replica is its own world), and supervises them: if
+one dies the pod exits non-zero so the operator sees it. On stage 0, global rank 0 serves the
+OpenAI API, /healthz (200 once every rank of the replica has loaded) and /metrics on the contract's
+port. On other stages the pod process serves /healthz (200 once its own ranks have loaded) and
+/metrics (its ranks' weight bytes) on that port.
+
+With workload training the ranks train instead (worker/training/trainer.py, options from the contract): one
+world over every replica (RankLayout with the replicas counted). Every pod serves
+/healthz (200 once its ranks have joined and resumed) and /progress (the job's progress.json from the
+shared checkpoint directory); when every step is done the pod writes the result to the contract's
+termination log and exits 0. SIGTERM to a training pod (deleted, drained, preempted) is forwarded to
+its ranks, which finish their step, stop at a step every rank agrees on, save a shared checkpoint
+there and exit 143; the pod waits for them (within its grace period) and exits 143 too.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+from shardwise.worker.cli.generate import add_cache_arguments
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--contract", required=True, metavar="PATH",
+                        help="pod contract JSON (the operator mounts /etc/shardwise/plan.json)")
+    parser.add_argument("--host", default=None,
+                        help="address to bind (default: $POD_IP when it is a loopback address, else 0.0.0.0)")
+    parser.add_argument("--replica", type=int, default=None, help="default: $SHARDWISE_REPLICA")
+    parser.add_argument("--stage", type=int, default=None, help="default: $SHARDWISE_STAGE")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--max-seq-len", type=int, default=0)
+    parser.add_argument("--max-batch", type=int, default=8)
+    add_cache_arguments(parser)
+    parser.add_argument("--decode", choices=["auto", "eager", "graphs", "compile"], default="auto",
+                        help="how decode steps run (as for serve); auto: CUDA graphs on cuda, eager on cpu")
+    parser.add_argument("--quantize", choices=["none", "int8", "gguf"], default=None,
+                        help="weights as for serve; default: the plan's quantization (what the planner "
+                             "sized the pods for, spec.serving.quantization)")
+    parser.add_argument("--offload-budget", default=None, metavar="SIZE",
+                        help="weights kept on the GPU, the rest streamed (as for serve); default: the "
+                             "plan's offload_budget (spec.serving.offload)")
+
+
+def _say(msg: str) -> None:
+    print(f"shardwise worker: {msg}", file=sys.stderr, flush=True)
+
+
+def _env_int(name: str, flag):
+    if flag is not None:
+        return flag
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        from shardwise.worker.errors import WorkerError
+        raise WorkerError(f"${name}={value!r} is not an integer") from None
+
+
+def read_contract(path: str):
+    """The pod contract, validated (no torch needed); a WorkerError of one line when it is missing
+    or invalid."""
+    from shardwise.crds.contract import ContractError, load_contract
+
+    from shardwise.worker.errors import WorkerError
+    try:
+        return load_contract(path)
+    except ContractError as e:
+        raise WorkerError(str(e)) from None
+
+
+def _input_errors() -> tuple[type[Exception], ...]:
+    """What bad input raises (a missing or empty dataset, a checkpoint of another model...): one line."""
+    from shardwise.worker.training.checkpoint import CheckpointError
+    from shardwise.worker.training.data import DataError
+    from shardwise.worker.errors import WorkerError
+    return WorkerError, DataError, CheckpointError
+
+
+def run(args) -> int:
+    try:
+        return _run(args)
+    except _input_errors() as e:
+        _say(f"error: {e}")
+        return 2
+
+
+def _run(args) -> int:
+    import torch
+
+    from shardwise.crds.layout import RankLayout
+
+    from shardwise.worker.errors import WorkerError
+    from shardwise.worker.cli.generate import cache_settings
+    from shardwise.worker.weights.offload import parse_bytes
+    from shardwise.worker.serving.rank import RankSpec, validate
+
+    contract = read_contract(args.contract)
+    plan = contract.plan
+    replica = _env_int("SHARDWISE_REPLICA", args.replica)
+    stage = _env_int("SHARDWISE_STAGE", args.stage)
+    if replica is None or stage is None:
+        raise WorkerError("which stage is this pod? set $SHARDWISE_REPLICA and $SHARDWISE_STAGE "
+                          "(or --replica/--stage)")
+    try:
+        placement = plan.placement(replica, stage)
+    except KeyError:
+        raise WorkerError(f"plan has no replica {replica} stage {stage}") from None
+    for var in ("MASTER_ADDR", "MASTER_PORT"):
+        if not os.environ.get(var):
+            raise WorkerError(f"${var} is not set (the address of the replica's stage-0 pod)")
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    spec = RankSpec(model=contract.model.path, tensor=plan.tensor, pipeline=plan.pipeline,
+                    layers=[(p.layer_start, p.layer_end) for p in plan.stages_of(replica)],
+                    device=device, dtype=contract.model.dtype,   # validate() resolves auto
+                    max_batch=args.max_batch, max_seq=args.max_seq_len, decode=args.decode,
+                    quantize=args.quantize or plan.quantization,
+                    offload_budget=plan.offload_budget if args.offload_budget is None else parse_bytes(args.offload_budget),
+                    **cache_settings(args, contract.serving.kv_cache_tokens))
+    source = validate(spec)
+    if source.config.num_layers != plan.num_layers:
+        raise WorkerError(f"plan splits {plan.num_layers} layers but model {contract.model.path} has "
+                          f"{source.config.num_layers}")
+    host = args.host or _bind_address(os.environ.get("POD_IP", ""))
+    if os.environ["MASTER_ADDR"].startswith("127.") or os.environ["MASTER_ADDR"] == "localhost":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if contract.workload == "training":
+        return _run_training(contract, replica, stage, device, spec.dtype, host)
+    layout = RankLayout(plan.tensor, plan.pipeline)   # an inference replica is its own world
+    world, ranks = layout.world_size, layout.stage_ranks(stage)
+    _say(f"replica {replica} stage {stage}: layers [{placement.layer_start}, {placement.layer_end}), "
+         f"ranks {ranks[0]}..{ranks[-1]} of {world}, {device} {spec.dtype}")
+
+    procs, loaded_q = _start_ranks(plan.tensor, _rank_main, lambda local, q: (
+        spec, ranks[local], world, local, host, contract.serving.port, contract.serving.model_name, q,
+        dict(os.environ)))
+    health = None
+    if stage != 0:
+        health = _StageHealth(plan.tensor, host, contract.serving.port)
+    # graceful: SIGTERM goes on to the ranks; rank 0 drains its requests (server.run_engine) and
+    # then stops the pipeline, whose other ranks exit when the stop reaches them. The pod waits
+    # for them all (its grace period bounds the wait).
+    return _supervise(procs, loaded_q, health, graceful=True,
+                      stopping="stopping: rank 0 finishes its requests, then stops the pipeline")
+
+
+def _start_ranks(count: int, target, args_of):
+    """One process per local rank (from the fork server); each gets `args_of(local_rank, queue)`,
+    the queue being where ranks report that they have loaded. Returns (processes, queue)."""
+    from shardwise.worker.serving.rank import forkserver
+    mp = forkserver()
+    queue = mp.Queue()
+    procs = [mp.Process(target=target, args=args_of(local, queue), daemon=False) for local in range(count)]
+    for p in procs:
+        p.start()
+    return procs, queue
+
+
+# A training rank's status when a signal stopped the job at an agreed step (128 + SIGINT / SIGTERM).
+_STOPPED = (130, 143)
+
+
+def _exitcode(p) -> int | None:
+    """A rank process's exit status, None while it runs. When the fork server that started the
+    ranks is gone (a SIGTERM to the pod's whole process group, as local nodes send it), its
+    children live on, but multiprocessing reports 255 for every one of them: those are looked up
+    by pid instead."""
+    code = p.exitcode
+    if code == 255:
+        try:
+            os.kill(p.pid, 0)
+        except ProcessLookupError:
+            return code
+        except PermissionError:
+            pass
+        return None
+    return code
+
+
+def _supervise(procs, loaded_q, health, stopped_code: int = 0, graceful: bool = False,
+               stopping: str = "stopping: the ranks finish their step and save a checkpoint") -> int:
+    """Wait for the ranks; report their loading; stop them all when one fails or on SIGTERM.
+    0 when every rank exited 0, 1 when one failed, `stopped_code` when a signal stopped them.
+
+    `graceful`: a signal is forwarded to the ranks, which stop by themselves (training: at an
+    agreed step after a checkpoint; serving: rank 0 drains its requests, then stops the pipeline),
+    and the pod waits for all of them (the pod's grace period bounds the wait); a rank that exits
+    with a stop status (130/143) is waited out the same way."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    code, forwarded = 0, False
+    while True:
+        while not loaded_q.empty():
+            stats = loaded_q.get()
+            _say(f"rank {stats['rank']} loaded {stats['weight_bytes']} weight bytes in {stats['load_seconds']:.1f}s")
+            if health is not None:
+                health.loaded(stats)
+        if stop.is_set() and not graceful:
+            break
+        if stop.is_set() and not forwarded:
+            forwarded = True
+            _say(stopping)
+            for p in procs:
+                if _exitcode(p) is None:
+                    os.kill(p.pid, signal.SIGTERM)
+        dead = [p for p in procs if _exitcode(p) is not None]
+        if graceful and (forwarded or any(_exitcode(p) in _STOPPED for p in dead)):
+            if len(dead) == len(procs):
+                # stopped (a signal); else a rank failed while the others stopped
+                if not all(_exitcode(p) == 0 or _exitcode(p) in _STOPPED for p in procs):
+                    code = next(_exitcode(p) for p in procs if _exitcode(p) not in (0, *_STOPPED))
+                elif any(_exitcode(p) in _STOPPED for p in procs):
+                    stop.set()
+                break
+        elif dead:
+            # the first non-zero status, killed by a signal (negative) included
+            code = next((_exitcode(p) for p in dead if _exitcode(p)), 0)
+            if code or len(dead) == len(procs):
+                break
+        time.sleep(0.2)
+    # A signal stopped the pod before its ranks were all done.
+    stopped = stop.is_set() and not code and not all(_exitcode(p) == 0 for p in procs)
+    # Rank 0 first: it stops the pipeline in order (STOP travels down the stages) before exiting.
+    for p in procs:
+        if _exitcode(p) is None:
+            p.terminate()
+            p.join(10)
+    if health is not None:
+        health.close()
+    if stopped:
+        return stopped_code
+    if code:
+        _say(f"a rank exited with code {code}; stopping the pod")
+    return 1 if code else 0
+
+
+def _bind_address(pod_ip: str) -> str:
+    """A pod in its own network namespace listens on every address: the Service reaches it on its
+    IP and `kubectl port-forward` on localhost inside the pod. Pods of local nodes share the host's
+    network, each with a loopback address of its own, so they bind that one."""
+    return pod_ip if pod_ip.startswith("127.") else "0.0.0.0"
+
+
+def _run_training(contract, replica: int, stage: int, device: str, dtype: str, host: str) -> int:
+    from shardwise.worker.cli.train import check_inputs
+    from shardwise.worker.training.trainer import options_from_contract, pod_rank
+    plan = contract.plan
+    opts = options_from_contract(contract, device=device, dtype=dtype)
+    # the data, the layout, the checkpoints' model, the local tier: one line before any rank starts
+    check_inputs(opts, local_dir_name="checkpoint.local.path")
+    first = pod_rank(replica, stage, 0, plan)
+    _say(f"training replica {replica} stage {stage}: ranks {first}..{first + plan.tensor - 1} of "
+         f"{opts.world_size}, {device} {dtype}, {opts.steps} steps, checkpoints in {opts.checkpoint_dir}")
+    procs, started_q = _start_ranks(plan.tensor, _train_rank_main, lambda local, q: (
+        opts, plan, replica, stage, local, dict(os.environ), q))
+    health = _StageHealth(plan.tensor, host, contract.serving.port, progress_dir=opts.checkpoint_dir)
+    # Stopped by a signal before the last step, the pod must not look finished (exit 0 = Succeeded).
+    code = _supervise(procs, started_q, health, stopped_code=143, graceful=True)
+    if code == 0:
+        _write_result(opts.checkpoint_dir, contract.termination_log)
+    return code
+
+
+def _write_result(checkpoint_dir: str, path: str) -> None:
+    """The finished job's progress (steps, loss, last checkpoint) as the pod's termination message,
+    where the operator reads it once the pod has Succeeded."""
+    from shardwise.worker.training.trainer import read_progress
+    progress = read_progress(checkpoint_dir)
+    if progress is None:
+        return
+    try:
+        with open(path, "w") as f:
+            f.write(json.dumps(progress))
+    except OSError as e:   # no termination log here: the result is in progress.json all the same
+        _say(f"cannot write the termination message to {path}: {e}")
+
+
+def _train_rank_main(opts, plan, replica, stage, local_rank, env, started_q) -> None:
+    os.environ.update({k: v for k, v in env.items() if k in ("MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME")})
+    from shardwise.worker.training.trainer import run_training_rank
+
+    def started(trainer) -> None:
+        started_q.put({"rank": trainer.rank, "stage": trainer.pos.stage, "tp_rank": trainer.pos.tp_rank,
+                       "weight_bytes": sum(p.numel() * p.element_size() for p in trainer.params),
+                       "load_seconds": time.monotonic() - began, "step": trainer.step})
+    began = time.monotonic()
+    try:
+        raise SystemExit(run_training_rank(opts, plan, replica, stage, local_rank, on_started=started))
+    except _input_errors() as e:
+        print(f"shardwise worker: rank {os.environ.get('RANK', local_rank)}: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+
+def _rank_main(spec, rank, world, local_rank, host, port, model_name, loaded_q, env) -> None:
+    os.environ.update({k: v for k, v in env.items() if k in ("MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME")})
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local_rank)})
+    from shardwise.worker.errors import WorkerError
+    from shardwise.worker.serving.rank import finish_rank, run_rank, setup_rank
+    try:
+        if rank != 0:
+            # A serving rank other than 0 stops when rank 0 stops the pipeline, after draining its
+            # requests; a SIGTERM of its own (the pod deleted) would cut those requests off.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            run_rank(spec, rank, world, local_rank, "env://", spec.tensor,
+                     on_loaded=lambda ctx: loaded_q.put(ctx.loaded[rank]))
+            return
+        from shardwise.worker.cli.serve import stop_on_signals
+        from shardwise.worker.weights.loader import open_model
+        from shardwise.worker.serving.http.server import App, Server, run_engine
+        from shardwise.worker.weights.tokenizer import load_tokenizer
+        # The API reports the ShardedModel's name (the contract's serving.model_name).
+        app = App(model_name, load_tokenizer(open_model(spec.model)))
+        server = Server(app, host, port).start()
+        stop = stop_on_signals()
+        ctx = setup_rank(spec, 0, world, local_rank, "env://", spec.tensor)
+        loaded_q.put(ctx.loaded[0])
+        try:
+            run_engine(app, ctx, stop)
+        finally:
+            ctx.stage.stop()
+            finish_rank(ctx)
+            server.close()
+    except WorkerError as e:
+        print(f"shardwise worker: rank {rank}: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    except OSError as e:
+        print(f"shardwise worker: rank {rank}: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(1)
+
+
+def _training_metrics(progress_dir: str | None) -> list[str]:
+    """A training job's step, loss and gradient bytes sent between replicate groups (by rank 0,
+    since the pod started), from its progress.json; none before the first step."""
+    if progress_dir is None:
+        return []
+    from shardwise.worker.training.trainer import read_progress
+    progress = read_progress(progress_dir) or {}
+    if "step" not in progress:
+        return []
+    lines = ["# TYPE shardwise_train_step gauge", f"shardwise_train_step {progress['step']}"]
+    if progress.get("loss") is not None:
+        lines += ["# TYPE shardwise_train_loss gauge", f"shardwise_train_loss {progress['loss']}"]
+    method = progress.get("compression", "none")
+    lines += ["# TYPE shardwise_train_replicate_bytes_total counter",
+              f'shardwise_train_replicate_bytes_total{{compression="{method}"}} {progress.get("replicate_bytes", 0)}']
+    return lines
+
+
+class _StageHealth:
+    """/healthz and /metrics of a pod that does not serve the API (pipeline stage > 0, training);
+    /progress of a training job when `progress_dir` (its checkpoint directory) is given."""
+
+    def __init__(self, ranks: int, host: str, port: int, progress_dir: str | None = None):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        self.expected, self.stats = ranks, {}
+        health = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_GET(self):
+                if self.path == "/healthz":
+                    ready = len(health.stats) == health.expected
+                    body = json.dumps({"status": "ok" if ready else "loading",
+                                       "ranks": sorted(health.stats)}).encode()
+                    self._send(200 if ready else 503, body, "application/json")
+                elif self.path == "/metrics":
+                    lines = ["# TYPE shardwise_weight_bytes gauge"]
+                    lines += [f'shardwise_weight_bytes{{rank="{r}",stage="{s["stage"]}",tp_rank="{s["tp_rank"]}"}} '
+                              f'{s["weight_bytes"]}' for r, s in sorted(health.stats.items())]
+                    lines += ["# TYPE shardwise_ready gauge",
+                              f"shardwise_ready {int(len(health.stats) == health.expected)}"]
+                    lines += _training_metrics(progress_dir)
+                    self._send(200, ("\n".join(lines) + "\n").encode(), "text/plain; version=0.0.4")
+                elif self.path == "/progress" and progress_dir is not None:
+                    from shardwise.worker.training.trainer import read_progress
+                    progress = read_progress(progress_dir)
+                    self._send(200 if progress else 404,
+                               json.dumps(progress or {"error": {"message": "no progress yet"}}).encode(),
+                               "application/json")
+                else:
+                    self._send(404, b'{"error": {"message": "no route"}}', "application/json")
+
+            def _send(self, code, body, ctype):
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        ThreadingHTTPServer.allow_reuse_address = True
+        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        self.httpd.daemon_threads = True
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def loaded(self, stats: dict) -> None:
+        self.stats[stats["rank"]] = stats
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()

@@ -1,0 +1,66 @@
+"""`shardwise serve`: an OpenAI-compatible HTTP API over a model split across local processes."""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+
+from shardwise.worker.cli.generate import add_model_arguments
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to bind (default 8000; 0 = any free port)")
+    parser.add_argument("--micro-batches", type=int, default=0,
+                        help="cache slots are split into this many groups in flight (default: one per stage)")
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def stop_on_signals() -> threading.Event:
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def run(args) -> int:
+    from shardwise.worker.errors import WorkerError
+    from shardwise.worker.serving.rank import LocalRuntime, validate
+    from shardwise.worker.serving.http.server import App, Server, run_engine
+    from shardwise.worker.weights.tokenizer import load_tokenizer
+    from shardwise.worker.cli.generate import spec_from_args
+
+    runtime = server = None
+    try:
+        spec = spec_from_args(args)
+        source = validate(spec)
+        app = App(args.model, load_tokenizer(source))
+        try:
+            server = Server(app, args.host, args.port).start()
+        except OSError as e:
+            raise WorkerError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
+        _say(f"listening on http://{args.host}:{server.port} (loading {args.model} on "
+             f"{spec.tensor} x {spec.pipeline} ranks; /healthz turns 200 when every rank has loaded)")
+        stop = stop_on_signals()
+        runtime = LocalRuntime(spec, source)
+        ctx = runtime.start()
+        _say("ready; weight bytes per rank: " + ", ".join(str(r["weight_bytes"]) for r in ctx.loaded))
+        run_engine(app, ctx, stop, args.micro_batches)
+        _say("stopping")
+        return 0
+    except WorkerError as e:
+        _say(f"shardwise serve: error: {e}")
+        return 2
+    finally:
+        if runtime is not None:
+            try:
+                runtime.stop()
+            except Exception:  # noqa: BLE001 - ranks already gone after a failure
+                pass
+        if server is not None:
+            server.close()

@@ -1,0 +1,250 @@
+"""`shardwise train`: train a model under TP x PP x DP on local processes, with sharded checkpoints.
+
+Without torchrun variables, this command starts T*P*D local processes (gloo on CPU, NCCL on
+CUDA), each running `run_training` as one rank, and watches them as one group: if any rank dies,
+the others are stopped and the command fails; running it again resumes from the latest complete
+checkpoint (in whatever layout is asked this time). Under torchrun (RANK/WORLD_SIZE set) it runs
+just that rank.
+
+SIGINT or SIGTERM to the command is passed on to the ranks, which finish their step, agree on the
+step to stop at, save a shared checkpoint there and exit 128 + the signal; the command waits for
+them (a second signal stops them at once) and exits with that status.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import warnings
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="HF model folder, .gguf file, or a training checkpoint")
+    p.add_argument("--data", required=True, help="UTF-8 text file to train on")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="T")
+    p.add_argument("--pipeline-parallel", type=int, default=1, metavar="P")
+    p.add_argument("--data-parallel", type=int, default=1, metavar="D",
+                   help="replicas that each take a share of the batch and average gradients")
+    p.add_argument("--data-shard", type=int, default=0, metavar="S",
+                   help="ZeRO-3: shard parameters, gradients and optimizer state over S of the D replicas "
+                        "(D/S such groups average their gradients); default: all D")
+    p.add_argument("--schedule", default="1F1B", choices=["1F1B", "GPipe", "Interleaved1F1B"],
+                   help="pipeline schedule when --pipeline-parallel > 1")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each block's activations in backward instead of keeping them")
+    p.add_argument("--compression", default="none", choices=["none", "int8", "topk"],
+                   help="compress gradients averaged across the D/S replicate groups (error feedback keeps "
+                        "convergence)")
+    p.add_argument("--compression-density", type=float, default=0.01, metavar="F",
+                   help="topk: fraction of gradient elements sent, in (0, 1]")
+    p.add_argument("--steps", type=int, required=True, help="train until this many steps are done")
+    p.add_argument("--checkpoint-dir", required=True, help="where checkpoints go; a run resumes from here")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
+                   help="save every K steps (0: only at the end)")
+    p.add_argument("--keep", type=int, default=3, help="complete checkpoints to keep")
+    p.add_argument("--local-checkpoint-dir", default=None, metavar="DIR",
+                   help="node-local tier: every --local-checkpoint-every steps each rank saves its own state "
+                        "here (no collective; resumed from only in the same layout, when newer than the "
+                        "newest --checkpoint-dir checkpoint)")
+    p.add_argument("--local-checkpoint-every", type=int, default=0, metavar="K",
+                   help="local-tier interval in steps (steps that save to --checkpoint-dir are skipped)")
+    p.add_argument("--local-keep", type=int, default=2, metavar="K", help="local checkpoints kept per rank")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--warmup", type=int, default=0, help="linear learning-rate warmup steps")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--grad-clip", type=float, default=1.0, help="global gradient-norm limit (0: off)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per step, over all replicas")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--micro-batches", type=int, default=0,
+                   help="pipeline micro-batches per replica (default: the largest divisor of the per-replica batch up to twice the pipeline degree)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="auto: float32 on cpu; on cuda the model's own dtype (bfloat16 for a quantized GGUF)")
+    p.add_argument("--sync-checkpoint", action="store_true",
+                   help="write checkpoints in the training thread (default: in the background)")
+    p.add_argument("--json", action="store_true", help="one JSON object per step on stdout")
+
+
+def options(args):
+    from shardwise.worker.training.trainer import TrainOptions
+    return TrainOptions(
+        model=args.model, data=args.data, checkpoint_dir=args.checkpoint_dir, steps=args.steps,
+        tensor=args.tensor_parallel, pipeline=args.pipeline_parallel, data_parallel=args.data_parallel,
+        data_shard=args.data_shard, schedule=args.schedule, activation_checkpointing=args.activation_checkpointing,
+        compression=args.compression, compression_density=args.compression_density,
+        checkpoint_every=args.checkpoint_every, keep=args.keep, local_checkpoint_dir=args.local_checkpoint_dir,
+        local_every=args.local_checkpoint_every, local_keep=args.local_keep, seed=args.seed, lr=args.lr,
+        warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
+        batch_size=args.batch_size, seq_len=args.seq_len, micro_batches=args.micro_batches,
+        device=args.device, dtype=args.dtype, async_checkpoint=not args.sync_checkpoint, json=args.json)
+
+
+def check_inputs(opts, local_dir_name: str = "--local-checkpoint-dir") -> None:
+    """Everything that can be checked before starting processes, each failure one clear line.
+    `local_dir_name` is what the message calls the local checkpoint directory (a pod: the spec field)."""
+    from shardwise.worker.training import checkpoint as ckpt
+    from shardwise.worker.training.data import TokenDataset
+    from shardwise.worker.errors import WorkerError
+    from shardwise.worker.weights.loader import check_layout, open_model
+    from shardwise.worker.weights.tokenizer import load_tokenizer
+
+    for name in ("steps", "tensor", "pipeline", "data_parallel", "batch_size", "seq_len"):
+        if getattr(opts, name) < 1:
+            raise WorkerError(f"--{name.replace('_', '-')} must be at least 1")
+    if opts.checkpoint_every < 0 or opts.keep < 1:
+        raise WorkerError("--checkpoint-every must be >= 0 and --keep >= 1")
+    if opts.data_shard < 0:
+        raise WorkerError("--data-shard must be at least 1 (or 0: all of --data-parallel)")
+    if opts.local_every < 0 or opts.local_keep < 1:
+        raise WorkerError("--local-checkpoint-every must be >= 0 and --local-keep >= 1")
+    if bool(opts.local_checkpoint_dir) != (opts.local_every > 0):
+        raise WorkerError("--local-checkpoint-dir and --local-checkpoint-every K (K >= 1) go together")
+    if opts.local_checkpoint_dir:
+        try:
+            ckpt.check_writable(opts.local_checkpoint_dir)
+        except OSError as e:
+            raise WorkerError(f"{local_dir_name} {opts.local_checkpoint_dir} is not writable: "
+                              f"{e.strerror or e}") from None
+    source = open_model(opts.model)
+    check_layout(source.config, opts.tensor, opts.pipeline)
+    problem = opts.problem(source.config.num_layers)
+    if problem:
+        raise WorkerError(problem)
+    if opts.compression != "none" and opts.shard == opts.data_parallel:
+        # (A pod just runs uncompressed: the operator may have shrunk the job to one group.)
+        raise WorkerError(f"gradient compression works across replicate groups: --data-shard {opts.shard} "
+                          f"leaves none of the {opts.data_parallel} replicas (use a shard degree below "
+                          f"{opts.data_parallel})")
+    TokenDataset.from_file(opts.data, load_tokenizer(source).encode)  # readable, non-empty, tokenizable
+    if os.path.exists(opts.checkpoint_dir) and not os.path.isdir(opts.checkpoint_dir):
+        raise WorkerError(f"--checkpoint-dir {opts.checkpoint_dir} exists and is not a directory")
+    with warnings.catch_warnings():   # a damaged newest checkpoint: the ranks warn when they skip it
+        warnings.simplefilter("ignore")
+        found = ckpt.latest_complete(opts.checkpoint_dir)
+    if found is not None:
+        ckpt.check_same_model(found[2].get("model", {}), ckpt.structure_of(source.config.to_dict()), found[1])
+
+
+
+
+def _rank_main(opts, rank: int, world: int, port: int) -> None:
+    """One local rank: named `shardwise-rk<N>` in ps/top; only rank 0 prints to stdout."""
+    import torch
+
+    from shardwise.worker.training import checkpoint as ckpt
+    from shardwise.worker.training.data import DataError
+    from shardwise.worker.errors import WorkerError
+    from shardwise.worker.training.trainer import run_training
+
+    try:
+        with open("/proc/self/comm", "w") as f:
+            f.write(f"shardwise-rk{rank}")
+    except OSError:
+        pass
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if rank != 0:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+    try:
+        code = run_training(opts, rank, world)
+    except (WorkerError, DataError, ckpt.CheckpointError) as e:
+        if rank == 0:
+            print(f"shardwise train: {e}", file=sys.stderr, flush=True)
+        code = 2
+    sys.stdout.flush()
+    os._exit(code)
+
+
+# What a rank returns when a signal stopped the job at an agreed step (128 + SIGINT / SIGTERM).
+STOPPED = (130, 143)
+
+
+def launch(opts, world: int) -> int:
+    """Run `world` local ranks of `opts`; if one fails, stop the others (the group is one unit).
+
+    SIGINT/SIGTERM are forwarded to the ranks, which stop together after a shared checkpoint:
+    the launcher waits for all of them and returns their status (130/143). A second signal
+    stops them at once."""
+    import signal
+
+    from shardwise.worker.serving.rank import forkserver, free_port
+    port = free_port()
+    ctx = forkserver("shardwise.worker.training.trainer")   # ranks start with the training code imported
+    procs = [ctx.Process(target=_rank_main, args=(opts, rank, world, port), name=f"rank{rank}")
+             for rank in range(world)]
+    signals: list[int] = []
+    previous = {sig: signal.signal(sig, lambda sig, frame: signals.append(sig))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for p in procs:
+            p.start()
+        code = _watch(procs, signals)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    # Whatever is still running now is not stopping by itself: a failed group, a second signal.
+    for p in procs:
+        if p.exitcode is None:
+            p.kill()
+    for p in procs:
+        p.join()
+    return code
+
+
+def _watch(procs, signals: list[int]) -> int:
+    """Wait for the ranks: 0 when all finished; their stop status (130/143) when a signal stopped
+    them at an agreed step; 1 (or 128 + signal) when one failed or a second signal came."""
+    forwarded = False
+    while True:
+        if len(signals) > 1:           # asked again: do not wait for the checkpoint
+            return 128 + signals[0]
+        if signals and not forwarded:
+            forwarded = True
+            for p in procs:
+                if p.exitcode is None:
+                    os.kill(p.pid, signals[0])
+        codes = [p.exitcode for p in procs]
+        stopping = forwarded or any(c in STOPPED for c in codes)
+        failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0) and c not in STOPPED]
+        if failed:
+            # A rank killed by a signal takes its peers down within moments (their collectives
+            # fail): give them that moment, then report the killed one, the cause.
+            time.sleep(0.5)
+            failed = [(r, c) for r, c in enumerate(p.exitcode for p in procs)
+                      if c not in (None, 0) and c not in STOPPED]
+            rank, code = min(failed, key=lambda rc: (rc[1] >= 0, rc[0]))
+            if code < 0:
+                print(f"shardwise train: rank {rank} was killed by signal {-code}; stopping the other "
+                      f"ranks (run again to resume from the last complete checkpoint)", file=sys.stderr)
+                return 1
+            return code
+        if all(c is not None for c in codes):
+            # Stopped together at an agreed step (or all done, the stop having come at the last step).
+            return next((c for c in codes if c in STOPPED), 0)
+        if not stopping and all(c == 0 for c in codes):
+            return 0
+        time.sleep(0.05)
+
+
+def run(args) -> int:
+    from shardwise.worker.training import checkpoint as ckpt
+    from shardwise.worker.training.data import DataError
+    from shardwise.worker.errors import WorkerError
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")   # ranks are forked after tokenizing
+    opts = options(args)
+    in_group = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    try:
+        if not in_group:
+            check_inputs(opts)
+            return launch(opts, opts.world_size)
+        from shardwise.worker.training.trainer import run_training
+        return run_training(opts)
+    except (WorkerError, DataError, ckpt.CheckpointError) as e:
+        if not in_group or os.environ.get("RANK") == "0":
+            print(f"shardwise train: {e}", file=sys.stderr)
+        return 2

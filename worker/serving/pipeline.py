@@ -1,0 +1,298 @@
+"""Pipeline parallelism: stages own contiguous layer ranges and pass hidden states with send/recv.
+
+Ranks: crds/layout.py RankLayout (a replica is its own world). Rank 0 (stage 0, TP rank 0) drives:
+it decides every step (which requests, which tokens, positions, cache blocks), runs stage 0 and
+sends the step down the pipeline; the last stage returns last-position logits to rank 0.
+
+Every message between consecutive stages is
+    header  int64[4]  STEP: (op, batch, tokens per row, blocks per row)
+                      SETUP: (op, cache blocks, context length, block size)
+    ints    int64[B*T + B*NB]  positions then each row's block table
+    hidden  [B, T, H] in the model dtype                     (op == STEP only)
+and TP rank r of stage s talks to TP rank r of stage s+1 (after the row-parallel all-reduce,
+hidden states are identical on every TP rank of a stage). The TP peers of rank 0 get the step by
+a broadcast inside stage 0's TP group.
+
+Several steps are in flight at once: `launch` returns as soon as stage 0 has sent its part, so
+rank 0 can start the next micro-batch while later stages work on the previous one (engine.py
+keeps one micro-batch per stage in flight).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+import torch.distributed as dist
+
+from shardwise.crds.layout import RankLayout
+
+from shardwise.worker.serving.cuda_graphs import GraphedDecode
+from shardwise.worker.errors import WorkerError
+from shardwise.worker.distributed.tensor_parallel import COMM
+
+OP_STEP, OP_SETUP, OP_STOP = 1, 2, 3
+
+DECODE_MODES = ("auto", "eager", "graphs", "compile")
+
+
+def decode_mode(requested: str, device_type: str, tensor: int, streamed: bool = False,
+                experts: bool = False) -> str:
+    """How a stage runs its decode steps (one new token per row):
+      eager    each op launched from Python;
+      graphs   CUDA only: each step replayed as a CUDA graph (cuda_graphs.py);
+      compile  torch.compile: on CUDA inductor's kernels replayed as a CUDA graph, on CPU
+               inductor's C++ (Transformer.compile_decode);
+      auto     graphs on CUDA, eager on CPU.
+    Tensor-parallel CUDA stages stay eager: their all-reduces sit inside the step. So do stages
+    that stream layers from host memory (`streamed`, offload.py): a graph would replay one step's
+    copies and slot bindings, not the next one's. And so do mixture-of-experts stages (`experts`,
+    moe.py): which tokens each expert runs is decided on the host every step, a data-dependent
+    shape no graph can replay."""
+    if requested not in DECODE_MODES:
+        raise WorkerError(f"unknown decode mode {requested!r} (use one of: {', '.join(DECODE_MODES)})")
+    if requested == "graphs" and device_type != "cuda":
+        raise WorkerError("--decode graphs needs --device cuda (CUDA graphs); on CPU use eager or compile")
+    if streamed and requested in ("graphs", "compile"):
+        raise WorkerError(f"--decode {requested} cannot run layers streamed from host memory "
+                          f"(--offload-budget); use --decode eager or auto")
+    if experts and requested in ("graphs", "compile"):
+        raise WorkerError(f"--decode {requested} cannot run a mixture-of-experts model (its tokens "
+                          f"are routed to experts on the host each step); use --decode eager or auto")
+    if streamed or experts:
+        return "eager"
+    if requested == "auto":
+        requested = "graphs" if device_type == "cuda" else "eager"
+    if device_type == "cuda" and tensor > 1:
+        return "eager"
+    return requested
+
+
+@dataclass
+class StageInfo:
+    rank: int
+    world: int
+    tensor: int
+    pipeline: int
+    stage: int
+    tp_rank: int
+    tp_group: object = None
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.pipeline - 1
+
+    # Cached: the pipeline asks for its peers on every step.
+    @cached_property
+    def layout(self) -> RankLayout:
+        return RankLayout(self.tensor, self.pipeline)
+
+    @cached_property
+    def next_rank(self) -> int:
+        return self.layout.rank(0, self.stage + 1, self.tp_rank)
+
+    @cached_property
+    def prev_rank(self) -> int:
+        return self.layout.rank(0, self.stage - 1, self.tp_rank)
+
+    @cached_property
+    def last_stage_rank0(self) -> int:
+        return self.layout.rank(0, self.pipeline - 1, 0)
+
+
+def _recv(t: torch.Tensor, src: int) -> torch.Tensor:
+    t0 = time.perf_counter()
+    dist.recv(t, src)
+    COMM.add(t0, t)
+    return t
+
+
+class _Sender:
+    """Non-blocking sends whose buffers stay alive until they complete."""
+
+    def __init__(self):
+        self.works: deque = deque()
+
+    def send(self, tensors, dst: int) -> None:
+        t0 = time.perf_counter()
+        for t in tensors:
+            t = t.contiguous()
+            self.works.append((dist.isend(t, dst), t))
+        COMM.add(t0, tensors[-1])
+        while len(self.works) > 32:   # bound the memory held by sends the peer has not taken yet
+            self.wait_one()
+
+    def wait_one(self) -> None:
+        work, _ = self.works.popleft()
+        work.wait()
+
+    def flush(self) -> None:
+        while self.works:
+            self.wait_one()
+
+
+class Stage:
+    """One rank's part of the pipeline: its model stage and the messages around it."""
+
+    def __init__(self, model, info: StageInfo, device, decode: str = "auto"):
+        self.model, self.info, self.device = model, info, torch.device(device)
+        self.dtype = next(model.parameters()).dtype
+        self.hidden_size = model.config.hidden_size
+        self.vocab_size = model.config.vocab_size
+        self.sender = _Sender()
+        self.pending: deque = deque()        # rank 0: launched steps whose logits are not back yet
+        # gloo moves CPU tensors, NCCL device tensors.
+        self.comm_device = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        self.decode = decode_mode(decode, self.device.type, info.tensor, model.before_layer is not None,
+                                  model.config.num_experts > 0)
+        self.graphed: GraphedDecode | None = None
+        if self.decode in ("graphs", "compile") and self.device.type == "cuda":
+            # Decode is launch-bound on a GPU: replay each step as a CUDA graph (cuda_graphs.py).
+            model.static_shapes = True
+            step = torch.compile(model, dynamic=False) if self.decode == "compile" else model
+            self.graphed = GraphedDecode(step, self.device)
+        elif self.decode == "compile":
+            # On CPU a compiled decode step is ~1.25x faster (docs/worker.md, Benchmark), but each
+            # kind of step (one row or several, masked or not) compiles for 10-60 s on first use,
+            # which a short `shardwise generate` or a test would never win back: opt-in.
+            model.compile_decode()
+
+    def _c(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.comm_device)
+
+    # ---- shared by all ranks -------------------------------------------------------------
+    def _compute(self, op: int, b: int, t: int, ints: torch.Tensor | None, x: torch.Tensor | None,
+                 positions: torch.Tensor | None = None, blocks: torch.Tensor | None = None, nb: int = 0):
+        """SETUP (b cache blocks of nb positions for contexts of t) or one step: positions [b, t]
+        and block tables [b, nb] come packed in `ints` or, on a rank alone, as they are."""
+        if op == OP_SETUP:
+            # With graphs, one more block: the scratch row the padding rows write to.
+            self.model.setup_caches(b + (self.graphed is not None), t, nb, device=self.device)
+            if self.graphed is not None:
+                self.graphed.reset(b)
+            return None
+        if ints is not None:
+            positions, blocks = ints[:b * t].view(b, t), ints[b * t:].view(b, -1)
+        with torch.no_grad():
+            if t == 1 and self.graphed is not None:
+                return self.graphed(x, positions, blocks).clone()   # the graph reuses its output buffer
+            return self.model(x.to(self.device), positions=positions.to(self.device),
+                              blocks=blocks.to(self.device), last_only=True)
+
+    def _forward_next(self, header, ints, out) -> None:
+        msgs = [header, ints] + ([out] if out is not None else [])
+        self.sender.send(msgs, self.info.next_rank)
+
+    # ---- rank 0 -----------------------------------------------------------------------------
+    def launch(self, op: int, tokens: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+               blocks: torch.Tensor | None = None, cache_blocks: int = 0, seq: int = 0,
+               block_size: int = 0) -> None:
+        """Run one step (or a SETUP/STOP) on stage 0 and send it on; results come from `collect`.
+        STEP: tokens and positions [B, T], block tables [B, NB]. SETUP: a cache of `cache_blocks`
+        blocks of `block_size` positions (0: one context, `seq`, each) for contexts of `seq`."""
+        info = self.info
+        if op == OP_STEP:
+            blocks = blocks.view(len(blocks), -1)
+            (b, t), nb = tokens.shape, blocks.shape[1]
+        else:
+            b, t, nb = cache_blocks, seq, block_size
+        out = None
+        if info.tensor == 1 and info.pipeline == 1:
+            # A rank alone sends nothing, so the step's tensors need no packing (~0.1 ms of a
+            # ~22 ms CPU decode step, spent by Python with caches the weights have flushed).
+            if op != OP_STOP:
+                out = self._compute(op, b, t, None, tokens, positions, blocks, nb)
+        else:
+            out = self._send_and_compute(op, b, t, nb, tokens, positions, blocks)
+        if op == OP_STEP:
+            self.pending.append(out[:, -1].float() if info.pipeline == 1 else b)
+
+    def _send_and_compute(self, op: int, b: int, t: int, nb: int, tokens, positions, blocks) -> torch.Tensor | None:
+        """launch with other ranks: the step packed as messages, broadcast to this stage's TP
+        ranks, computed here, then sent on to the next stage."""
+        info = self.info
+        if op == OP_STEP:
+            ints = torch.cat([positions.reshape(-1), blocks.reshape(-1)]).to(torch.int64).cpu()
+            tok_flat = tokens.reshape(-1).to(torch.int64).cpu()
+        else:
+            # gloo does not move empty tensors: SETUP/STOP carry one unused int.
+            ints, tok_flat = torch.zeros(1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+        header = self._c(torch.tensor([op, b, t, nb], dtype=torch.int64))
+        ints = self._c(ints)
+        if info.tensor > 1:
+            self._broadcast_step(header, self._c(torch.cat([tok_flat, ints.cpu()])) if op == OP_STEP else None)
+        out = None
+        if op != OP_STOP:
+            x = tok_flat.view(b, t) if op == OP_STEP else None
+            out = self._compute(op, b, t, ints, x, nb=nb)
+        if info.pipeline > 1:
+            self._forward_next(header, ints, self._c(out) if op == OP_STEP else None)
+        return out
+
+    def collect(self) -> torch.Tensor:
+        """Logits [B, V] (float32) of the oldest launched step, on the device they were made or
+        received on (Engine.step brings back only what it needs)."""
+        item = self.pending.popleft()
+        if self.info.pipeline == 1:
+            return item
+        logits = torch.empty(item, self.vocab_size, dtype=torch.float32, device=self.comm_device)
+        return _recv(logits, self.info.last_stage_rank0)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.pending)
+
+    def _broadcast_step(self, header, ints) -> None:
+        t0 = time.perf_counter()
+        dist.broadcast(header, src=0, group=self.info.tp_group)
+        if ints is not None:
+            dist.broadcast(ints, src=0, group=self.info.tp_group)
+        COMM.add(t0, header)
+
+    def stop(self) -> None:
+        self.launch(OP_STOP)
+        self.sender.flush()
+
+    # ---- every other rank --------------------------------------------------------------------
+    def serve_forever(self) -> None:
+        """Follow rank 0's steps until it sends STOP."""
+        info = self.info
+        cd = self.comm_device
+        while True:
+            header = torch.empty(4, dtype=torch.int64, device=cd)
+            if info.is_first:
+                t0 = time.perf_counter()
+                dist.broadcast(header, src=0, group=info.tp_group)
+                op, b, t, nb = (int(v) for v in header.tolist())
+                n = b * t * 2 + b * nb if op == OP_STEP else 0
+                both = torch.empty(n, dtype=torch.int64, device=cd)
+                if n:
+                    dist.broadcast(both, src=0, group=info.tp_group)
+                COMM.add(t0, both)
+                x = both[:b * t].view(b, t).to(self.device) if op == OP_STEP else None
+                ints = both[b * t:] if op == OP_STEP else torch.zeros(1, dtype=torch.int64, device=cd)
+            else:
+                _recv(header, info.prev_rank)
+                op, b, t, nb = (int(v) for v in header.tolist())
+                ints = _recv(torch.empty(b * t + b * nb if op == OP_STEP else 1, dtype=torch.int64, device=cd),
+                             info.prev_rank)
+                x = None
+                if op == OP_STEP:
+                    x = _recv(torch.empty(b, t, self.hidden_size, dtype=self.dtype, device=cd),
+                              info.prev_rank).to(self.device)
+            if op == OP_STOP:
+                if not info.is_last:
+                    self._forward_next(header, ints, None)
+                self.sender.flush()
+                return
+            out = self._compute(op, b, t, ints, x, nb=nb)
+            if not info.is_last:
+                self._forward_next(header, ints, None if out is None else self._c(out))
+            elif op == OP_STEP and info.tp_rank == 0:
+                self.sender.send([self._c(out[:, -1].float())], 0)
