@@ -23,6 +23,7 @@ from pathlib import Path
 from shardwise.e2e import build
 
 from shardwise.e2e.localcluster import controlplane as cp
+from shardwise.e2e.localcluster import nodes
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -59,12 +60,12 @@ def time_to_ready(runs: int) -> list[float]:
 
 def nodes_ready(plane: cp.ControlPlane, count: int, prefix: str) -> tuple[float, float]:
     client = plane.client()
-    manifests = [cp.node_manifest(f"{prefix}-{i:04d}", gpus=8, zone=zone, rack=rack)
-                 for i, (zone, rack) in enumerate(cp.topology(count, max(1, count // 16), 4))]
+    manifests = [nodes.node_manifest(f"{prefix}-{i:04d}", gpus=8, zone=zone, rack=rack)
+                 for i, (zone, rack) in enumerate(nodes.topology(count, max(1, count // 16), 4))]
     t0 = time.monotonic()
-    cp.create_nodes(client, manifests, parallel=8)
+    nodes.create_nodes(client, manifests, parallel=8)
     created = time.monotonic() - t0
-    cp.wait_nodes_ready(client, [m["metadata"]["name"] for m in manifests], 300,
+    nodes.wait_nodes_ready(client, [m["metadata"]["name"] for m in manifests], 300,
                         plane.check_components)
     return created, time.monotonic() - t0
 

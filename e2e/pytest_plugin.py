@@ -43,6 +43,7 @@ import pytest
 from shardwise.e2e import build
 
 from shardwise.e2e.localcluster import controlplane as cp
+from shardwise.e2e.localcluster import nodes
 
 from shardwise.e2e.localcluster import kapi
 
@@ -150,10 +151,10 @@ class Cluster:
     # nodes
     def add_node(self, name: str, gpus: int = 8, *, zone: str = "zone-a", rack: str = "rack-0",
                  labels: dict | None = None, local: bool = False, wait: bool = True,
-                 product: str = cp.GPU_PRODUCT, memory_mib: int = cp.GPU_MEMORY_MIB) -> str:
-        manifest = cp.node_manifest(name, gpus=gpus, zone=zone, rack=rack, local=local,
+                 product: str = nodes.GPU_PRODUCT, memory_mib: int = nodes.GPU_MEMORY_MIB) -> str:
+        manifest = nodes.node_manifest(name, gpus=gpus, zone=zone, rack=rack, local=local,
                                     product=product, memory_mib=memory_mib, extra_labels=labels)
-        cp.create_nodes(self.client, [manifest])
+        nodes.create_nodes(self.client, [manifest])
         if wait:
             self.wait_node_ready(name)
         return name
@@ -169,14 +170,14 @@ class Cluster:
                 raise
 
     def node_down(self, name: str) -> None:
-        cp.set_node_down(self.client, name, True)
+        nodes.set_node_down(self.client, name, True)
 
     def node_up(self, name: str) -> None:
         """Resume the heartbeat; returns once the node's Lease is renewed again."""
-        cp.set_node_down(self.client, name, False)
+        nodes.set_node_down(self.client, name, False)
 
     def wait_node_ready(self, name: str, ready: bool = True, timeout: float = 60) -> None:
-        wait_until(lambda: cp.node_ready(self.client.get(f"/api/v1/nodes/{name}")) == ready,
+        wait_until(lambda: nodes.node_ready(self.client.get(f"/api/v1/nodes/{name}")) == ready,
                    timeout, f"node {name} to be {'Ready' if ready else 'NotReady'}")
 
 

@@ -130,9 +130,10 @@ def _status(plane, cp) -> int:
               f"{component.log}")
     if not plane.is_running():
         return 1
+    from shardwise.e2e.localcluster.nodes import LOCAL_NODE_LABEL, node_ready
     nodes = plane.client().get("/api/v1/nodes")["items"]
-    ready = sum(cp.node_ready(n) for n in nodes)
-    local = sum(n["metadata"].get("labels", {}).get(cp.LOCAL_NODE_LABEL) == "true" for n in nodes)
+    ready = sum(node_ready(n) for n in nodes)
+    local = sum(n["metadata"].get("labels", {}).get(LOCAL_NODE_LABEL) == "true" for n in nodes)
     print(f"nodes       {len(nodes)} ({ready} Ready, {local} local)")
     return 0 if all(alive for _, alive in status) else 1
 
@@ -141,8 +142,9 @@ def _node_down(plane, cp, name: str, down: bool) -> int:
     if not plane.is_running():
         return _err("no local cluster is running")
     from shardwise.e2e.localcluster import kapi
+    from shardwise.e2e.localcluster.nodes import set_node_down
     try:
-        cp.set_node_down(plane.client(), name, down)
+        set_node_down(plane.client(), name, down)
     except kapi.ApiError as e:
         if e.status == 404:
             return _err(f"node {name!r} not found")

@@ -1,6 +1,6 @@
 """A kind cluster shaped like a small GPU cluster, created with the real `kind` CLI on our node image.
 
-One control plane and four workers in two racks (e2e/kind/kind-config.yaml). kind has no GPUs and no
+One control plane and four workers in two racks (kind-config.yaml, next to this module). kind has no GPUs and no
 device plugin: `advertise_gpus` patches fake `nvidia.com/gpu` capacity into each worker's status, so
 the scheduler places GPU-asking pods exactly as on a GPU cluster, and the CPU worker image runs the
 ranks on CPU over gloo, across nodes, on the real pod network.
@@ -26,8 +26,8 @@ from shardwise.e2e.kind import registry
 from shardwise.e2e.kind.docker import DockerError, capabilities_missing, docker, image_exists
 from shardwise.e2e.kind.nodeimage import NODE_IMAGE
 
-ROOT = Path(__file__).resolve().parents[2]
-CONFIG = ROOT / "e2e" / "kind" / "kind-config.yaml"
+# Package data next to this module, so an installed package finds it too (kind reads it as a file).
+CONFIG = Path(__file__).resolve().parent / "kind-config.yaml"
 DEFAULT_NAME = "shardwise"
 GPU_NODE_LABEL = "nvidia.com/gpu.present=true"
 FAKE_GPUS = 4

@@ -24,25 +24,20 @@ import subprocess
 import sys
 import time
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
 import yaml
 
 from shardwise.e2e import build
+from shardwise.e2e.localcluster import kapi, kwok_config, pki
+from shardwise.e2e.localcluster.errors import ControlPlaneError
+# SIMULATED_LABEL: callers read the node labels from here, next to the selector built of them.
+from shardwise.e2e.localcluster.nodes import (GPU_MEMORY_MIB, GPU_PRODUCT, LOCAL_NODE_LABEL,
+                                              NODE_DOWN_LABEL, SIMULATED_LABEL,  # noqa: F401
+                                              create_nodes, node_manifest, topology, wait_nodes_ready)
 
-from shardwise.e2e.localcluster import kapi
-
-from shardwise.e2e.localcluster import kwok_stages
-
-from shardwise.e2e.localcluster import pki
-
-LOCAL_NODE_LABEL = "shardwise.dev/local-node"
-NODE_DOWN_LABEL = "shardwise.dev/node-down"
-SIMULATED_LABEL = "shardwise.dev/simulated-node"
 # kwok manages every Node that is neither a local node nor marked down.
 KWOK_SELECTOR = f"{LOCAL_NODE_LABEL}!=true,{NODE_DOWN_LABEL}!=true"
 
@@ -58,26 +53,8 @@ NODE_LEASE_SECONDS = 20
 NODE_MONITOR_GRACE = "12s"
 TOLERATION_SECONDS = 2
 
-# kwok renews each node's Lease from a pool of workers that also creates the Leases of new nodes;
-# at the default 4 workers, 500 nodes renewing every 5s keep the pool busy and new nodes wait in line.
-KWOK_CONFIGURATION = """\
-apiVersion: config.kwok.x-k8s.io/v1alpha1
-kind: KwokConfiguration
-options:
-  nodeLeaseParallelism: 32
-  nodePlayStageParallelism: 8
-  podPlayStageParallelism: 8
-"""
-
-GPU_PRODUCT = "NVIDIA-H100-80GB-HBM3"
-GPU_MEMORY_MIB = 81559
-
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok",
               "local-nodes")
-
-
-class ControlPlaneError(RuntimeError):
-    """One line for the user: which component, what happened, which log to read."""
 
 
 def default_state_dir() -> Path:
@@ -100,50 +77,7 @@ class ClusterSpec:
     apiserver_port: int = 0  # 0: any free port
 
 
-# ---------------------------------------------------------------- nodes and their topology
-
-def zone_name(i: int) -> str:
-    return f"zone-{chr(ord('a') + i)}" if i < 26 else f"zone-{i}"
-
-
-def node_manifest(name: str, *, gpus: int, zone: str, rack: str, clique: str | None = None,
-                  product: str = GPU_PRODUCT, memory_mib: int = GPU_MEMORY_MIB,
-                  local: bool = False, extra_labels: dict | None = None) -> dict:
-    """A Node object as a GPU node would register it: capacity and the topology labels."""
-    labels = {
-        "kubernetes.io/hostname": name,
-        "kubernetes.io/os": "linux",
-        "kubernetes.io/arch": "amd64",
-        "topology.kubernetes.io/zone": zone,
-        "topology.shardwise.dev/rack": rack,
-        "nvidia.com/gpu.product": product,
-        "nvidia.com/gpu.memory": str(memory_mib),
-        "nvidia.com/gpu.count": str(gpus),
-        # One NVLink domain per node: the GPUs inside a node talk fast, across nodes they don't.
-        "nvidia.com/gpu.clique": clique or f"{rack}.{name}",
-        (LOCAL_NODE_LABEL if local else SIMULATED_LABEL): "true",
-        **(extra_labels or {}),
-    }
-    resources = {"cpu": "64", "memory": "512Gi", "pods": "110", "nvidia.com/gpu": str(gpus)}
-    return {"apiVersion": "v1", "kind": "Node",
-            "metadata": {"name": name, "labels": labels,
-                         "annotations": {"node.alpha.kubernetes.io/ttl": "0"}},
-            "spec": {},
-            "status": {"capacity": resources, "allocatable": dict(resources)}}
-
-
-def topology(count: int, racks: int, zones: int) -> list[tuple[str, str]]:
-    """(zone, rack) for each of `count` nodes: nodes fill racks in contiguous blocks, racks are
-    dealt round-robin to zones, so rack-0 and rack-2 share zone-a when there are two zones."""
-    racks = max(1, racks)
-    zones = max(1, min(zones, racks))
-    per_rack = max(1, -(-count // racks))
-    out = []
-    for i in range(count):
-        rack = min(i // per_rack, racks - 1)
-        out.append((zone_name(rack % zones), f"rack-{rack}"))
-    return out
-
+# ---------------------------------------------------------------- the nodes of a ClusterSpec
 
 def simulated_nodes(spec: ClusterSpec) -> list[dict]:
     return [node_manifest(f"gpu-node-{i:03d}", gpus=spec.gpus_per_node, zone=zone, rack=rack,
@@ -156,102 +90,6 @@ def local_nodes(spec: ClusterSpec) -> list[dict]:
     return [node_manifest(f"local-node-{i}", gpus=gpus, zone=zone, rack=rack, local=True,
                           product=spec.gpu_product, memory_mib=spec.gpu_memory_mib)
             for i, (zone, rack) in enumerate(topology(spec.local_nodes, spec.racks, spec.zones))]
-
-
-def create_nodes(client: kapi.Client, manifests: list[dict], parallel: int = 8) -> None:
-    def create(manifest: dict) -> None:
-        try:
-            client.create("/api/v1/nodes", manifest)
-        except kapi.ApiError as e:
-            if e.status != 409:
-                raise
-    with ThreadPoolExecutor(parallel) as pool:
-        list(pool.map(create, manifests))
-
-
-def node_ready(node: dict) -> bool:
-    for cond in node.get("status", {}).get("conditions") or []:
-        if cond.get("type") == "Ready":
-            return cond.get("status") == "True"
-    return False
-
-
-def wait_nodes_ready(client: kapi.Client, names: list[str], timeout: float,
-                     check: Callable[[], None] = lambda: None, say=None) -> None:
-    """Wait until every named node is Ready. Lists once, then follows a watch: re-listing hundreds
-    of nodes several times a second would cost the API server more than the nodes themselves."""
-    wanted = set(names)
-    deadline = time.monotonic() + timeout
-    last_report = time.monotonic()
-    ready: set[str] = set()
-    while True:
-        listing = client.get("/api/v1/nodes")
-        ready = {n["metadata"]["name"] for n in listing["items"] if node_ready(n)} & wanted
-        rv = listing["metadata"]["resourceVersion"]
-        try:
-            while ready != wanted:
-                check()
-                now = time.monotonic()
-                if now > deadline:
-                    break
-                if say and now - last_report > 5:
-                    say(f"  {len(ready)}/{len(wanted)} nodes Ready")
-                    last_report = now
-                # short watches, so that a crashed component is noticed within a second
-                for event in client.watch("/api/v1/nodes", rv, timeout_seconds=1):
-                    obj = event["object"]
-                    rv = obj["metadata"].get("resourceVersion", rv)
-                    if event["type"] == "ERROR":
-                        raise kapi.ApiError(obj.get("code", 500), "watch", str(obj))
-                    name = obj["metadata"].get("name")
-                    if name in wanted:
-                        if event["type"] != "DELETED" and node_ready(obj):
-                            ready.add(name)
-                        else:
-                            ready.discard(name)
-        except kapi.ApiError as e:
-            if e.status == 410:  # resource version too old: list again
-                continue
-            raise
-        if ready == wanted:
-            return
-        missing = sorted(wanted - ready)
-        raise ControlPlaneError(f"nodes not Ready after {timeout:.0f}s: "
-                                f"{', '.join(missing[:5])}{' …' if len(missing) > 5 else ''}")
-
-
-def set_node_down(client: kapi.Client, name: str, down: bool, timeout: float = 30) -> None:
-    """Stop (down=True) or resume a node's heartbeat. Resuming waits for the node's Lease to be
-    renewed, then touches the pods bound to it: kwok does not look again at pods of a node it takes
-    back, so without that, pods evicted while the node was down would stay Terminating."""
-    since = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-    client.merge_patch(f"/api/v1/nodes/{name}",
-                       {"metadata": {"labels": {NODE_DOWN_LABEL: "true" if down else None}}})
-    if down:
-        return
-    lease = f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{name}"
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            renewed = client.get(lease)["spec"].get("renewTime") or ""
-        except kapi.ApiError as e:
-            if e.status != 404:
-                raise
-            renewed = ""
-        if renewed >= since:
-            break
-        if time.monotonic() > deadline:
-            raise ControlPlaneError(f"node {name}: heartbeat did not resume in {timeout:.0f}s")
-        time.sleep(0.2)
-    pods = client.get("/api/v1/pods", fieldSelector=f"spec.nodeName={name}")["items"]
-    for pod in pods:
-        meta = pod["metadata"]
-        try:
-            client.merge_patch(f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}",
-                               {"metadata": {"annotations": {"shardwise.dev/node-up": since}}})
-        except kapi.ApiError as e:
-            if e.status != 404:
-                raise
 
 
 # ---------------------------------------------------------------- processes
@@ -468,21 +306,47 @@ class ControlPlane:
             f"{spec.local_nodes} local nodes (kubeconfig: {self.kubeconfig})")
 
     def _up(self, spec: ClusterSpec, say, timeout: float) -> None:
+        """The components in the order they need each other, each step within what is left of
+        `timeout`: etcd, the API server, the controllers and kwok, then the nodes."""
         deadline = time.monotonic() + timeout
+
+        def left() -> float:
+            return max(1, deadline - time.monotonic())
         pki_dir = self.dir / "pki"
         pki.generate(pki_dir, SERVICE_IP)
-        etcd_port, peer_port = free_port(), free_port()
         api_port = spec.apiserver_port or free_port()
         server = f"https://127.0.0.1:{api_port}"
         self._state = State(server=server, bin_dir=str(self.bin), spec=asdict(spec))
         self._state.save(self.state_file)
+        self._write_kubeconfigs(server, pki_dir)
+        say("starting etcd")
+        etcd_url = self._start_etcd(left)
+        say("starting kube-apiserver")
+        self._start_apiserver(etcd_url, api_port, pki_dir, left)
+        say("starting kube-controller-manager, kube-scheduler and kwok")
+        health_ports = self._start_controllers(pki_dir)
+        self._start_kwok()
+        client = self.client()
+        names = self._start_nodes(spec, client, say)
+        for name, port in health_ports:
+            self._wait_http(name, f"https://127.0.0.1:{port}/healthz", left(), _insecure_context())
+        if names:
+            wait_nodes_ready(client, names, left(), self.check_components, say)
+        # Pods can only be created once the namespace has its default ServiceAccount.
+        self._wait_for(lambda: client.exists("/api/v1/namespaces/default/serviceaccounts/default"),
+                       "kube-controller-manager", "the default ServiceAccount", left())
+
+    def _write_kubeconfigs(self, server: str, pki_dir: Path) -> None:
+        """One kubeconfig per user of the API server; the admin's is the cluster's kubeconfig."""
         for user in ("admin", "controller-manager", "scheduler", "kwok", "localnodes"):
             (self.dir / f"{user}.kubeconfig").write_text(
                 yaml.safe_dump(_kubeconfig(server, pki_dir, user)))
         os.replace(self.dir / "admin.kubeconfig", self.kubeconfig)
         self.kubeconfig.chmod(0o600)
 
-        say("starting etcd")
+    def _start_etcd(self, left: Callable[[], float]) -> str:
+        """etcd, once healthy; its client URL."""
+        etcd_port, peer_port = free_port(), free_port()
         etcd_url = f"http://127.0.0.1:{etcd_port}"
         peer_url = f"http://127.0.0.1:{peer_port}"
         self._start("etcd", [
@@ -493,10 +357,12 @@ class ControlPlane:
             # A throwaway development store: skipping fsync keeps a busy laptop responsive.
             "--unsafe-no-fsync", "--quota-backend-bytes=4294967296",
         ], str(self.bin / "etcd"), etcd_port)
-        self._wait_http("etcd", f"{etcd_url}/health", max(1, deadline - time.monotonic()))
+        self._wait_http("etcd", f"{etcd_url}/health", left())
+        return etcd_url
 
-        say("starting kube-apiserver")
-        p = pki_dir
+    def _start_apiserver(self, etcd_url: str, api_port: int, p: Path,
+                         left: Callable[[], float]) -> None:
+        """kube-apiserver on `api_port` with the certificates in `p`, once ready."""
         self._start("kube-apiserver", [
             str(self.bin / "kube-apiserver"), f"--etcd-servers={etcd_url}",
             "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
@@ -522,10 +388,10 @@ class ControlPlane:
         ], str(self.bin / "kube-apiserver"), api_port)
         ca_ctx = ssl.create_default_context(cafile=str(p / "ca.crt"))
         ca_ctx.load_cert_chain(str(p / "admin.crt"), str(p / "admin.key"))
-        self._wait_http("kube-apiserver", f"{server}/readyz", max(1, deadline - time.monotonic()),
-                        ca_ctx)
+        self._wait_http("kube-apiserver", f"https://127.0.0.1:{api_port}/readyz", left(), ca_ctx)
 
-        say("starting kube-controller-manager, kube-scheduler and kwok")
+    def _start_controllers(self, p: Path) -> list[tuple[str, int]]:
+        """kube-controller-manager and kube-scheduler; (name, port) of each one's /healthz."""
         kcm_port, sched_port = free_port(), free_port()
         self._start("kube-controller-manager", [
             str(self.bin / "kube-controller-manager"),
@@ -552,17 +418,22 @@ class ControlPlane:
             f"--authorization-kubeconfig={self.dir / 'scheduler.kubeconfig'}",
             "--bind-address=127.0.0.1", f"--secure-port={sched_port}", "--profiling=false",
         ], str(self.bin / "kube-scheduler"), sched_port)
-        kwok_config = self.dir / "kwok.yaml"
-        kwok_config.write_text(KWOK_CONFIGURATION + kwok_stages.STAGES)
+        return [("kube-controller-manager", kcm_port), ("kube-scheduler", sched_port)]
+
+    def _start_kwok(self) -> None:
+        """kwok, the simulated kubelet of every node that is neither local nor down."""
+        kwok_file = self.dir / "kwok.yaml"
+        kwok_file.write_text(kwok_config.config_text())
         self._start("kwok", [
             str(self.bin / "kwok"), f"--kubeconfig={self.dir / 'kwok.kubeconfig'}",
-            f"--config={kwok_config}", "--manage-all-nodes=false",
+            f"--config={kwok_file}", "--manage-all-nodes=false",
             f"--manage-nodes-with-label-selector={KWOK_SELECTOR}",
             f"--node-lease-duration-seconds={NODE_LEASE_SECONDS}", f"--cidr={POD_CIDR}",
             "--node-ip=127.0.0.1", "--v=WARN",  # it logs every Lease renewal at INFO
         ], str(self.bin / "kwok"))
 
-        client = self.client()
+    def _start_nodes(self, spec: ClusterSpec, client: kapi.Client, say) -> list[str]:
+        """The simulated nodes' objects and the local-node runtime; the names of every node."""
         sim = simulated_nodes(spec)
         if sim:
             say(f"creating {len(sim)} simulated GPU nodes")
@@ -576,17 +447,7 @@ class ControlPlane:
                 f"--kubeconfig={self.dir / 'localnodes.kubeconfig'}",
                 f"--nodes-file={nodes_file}", f"--state-dir={self.dir / 'pods'}",
             ], "shardwise.e2e.localcluster.localnodes")
-        for name, port in (("kube-controller-manager", kcm_port), ("kube-scheduler", sched_port)):
-            self._wait_http(name, f"https://127.0.0.1:{port}/healthz",
-                            max(1, deadline - time.monotonic()), _insecure_context())
-        names = [n["metadata"]["name"] for n in sim + local_nodes(spec)]
-        if names:
-            wait_nodes_ready(client, names, max(1, deadline - time.monotonic()),
-                             self.check_components, say)
-        # Pods can only be created once the namespace has its default ServiceAccount.
-        self._wait_for(lambda: client.exists("/api/v1/namespaces/default/serviceaccounts/default"),
-                       "kube-controller-manager", "the default ServiceAccount",
-                       max(1, deadline - time.monotonic()))
+        return [n["metadata"]["name"] for n in sim + local_nodes(spec)]
 
     def _check_ours(self) -> None:
         """Refuse to delete a folder that is not a state folder (say, a mistyped $SHARDWISE_DEV_DIR)."""

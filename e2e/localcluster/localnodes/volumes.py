@@ -1,0 +1,88 @@
+"""A pod's volumes as folders of this machine: ConfigMaps and Secrets written into the pod's folder,
+hostPath volumes on its node's disk, claims at their bound PersistentVolume's path; the files of
+ConfigMap volumes get the pod's paths rewritten to those folders."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from shardwise.e2e.localcluster.localnodes import nodedisk
+from shardwise.e2e.localcluster.localnodes.containers import TERMINATION_LOG, ContainerProc
+from shardwise.e2e.localcluster.localnodes.podenv import PodEnvironment, Waiting, rewrite_paths
+
+
+def materialise(environment: PodEnvironment, pod: dict, folder: Path, state_dir: Path,
+                containers: list[ContainerProc]) -> dict[str, str]:
+    """Write each volume to <pod folder>/volumes/<name>; return mountPath -> host path."""
+    folders: dict[str, Path] = {}
+    texts: list[Path] = []     # ConfigMap files: they may name paths inside the pod
+    for vol in pod["spec"].get("volumes") or []:
+        target = folder / "volumes" / vol["name"]
+        if "hostPath" in vol:
+            folders[vol["name"]] = nodedisk.host_path(state_dir, pod["spec"]["nodeName"], vol)
+            continue
+        if "persistentVolumeClaim" in vol:
+            folders[vol["name"]] = claim_folder(environment, vol["persistentVolumeClaim"]["claimName"])
+            continue
+        if target.exists():
+            shutil.rmtree(target)
+        target.mkdir(parents=True)
+        folders[vol["name"]] = target
+        texts += _write_objects(environment, vol, target)
+        # emptyDir and anything else (projected service-account tokens...) stay empty folders
+    mounts: dict[str, str] = {}
+    for c in pod["spec"]["containers"] + (pod["spec"].get("initContainers") or []):
+        for m in c.get("volumeMounts") or []:
+            if m["name"] in folders:
+                host = folders[m["name"]] / m.get("subPath", "")
+                mounts[m["mountPath"].rstrip("/") or "/"] = str(host).rstrip("/")
+    paths = {**termination_paths(containers), **mounts}
+    for text in texts:
+        text.write_text(rewrite_paths(text.read_text(), paths))
+    return mounts or {"": ""}
+
+
+def _write_objects(environment: PodEnvironment, vol: dict, target: Path) -> list[Path]:
+    """A ConfigMap or Secret volume's keys as files in `target`; the ConfigMap files written."""
+    texts = []
+    for kind, key, decode in (("configMap", "configmaps", False), ("secret", "secrets", True)):
+        if kind in vol:
+            ref = vol[kind]
+            data = environment.object_data(key, ref.get("name") or ref.get("secretName"),
+                                           ref.get("optional"), decode=decode)
+            items = ref.get("items")
+            pairs = [(i["key"], i["path"]) for i in items] if items else [(k, k) for k in data]
+            for k, rel in pairs:
+                if k in data:
+                    (target / rel).parent.mkdir(parents=True, exist_ok=True)
+                    (target / rel).write_text(data[k])
+                    if kind == "configMap":
+                        texts.append(target / rel)
+    return texts
+
+
+def termination_paths(containers: list[ContainerProc]) -> dict[str, str]:
+    """terminationMessagePath -> the file of the first container that declares it."""
+    paths: dict[str, str] = {}
+    for c in containers:
+        paths.setdefault(c.spec.get("terminationMessagePath") or TERMINATION_LOG, str(c.message_file))
+    return paths
+
+
+def claim_folder(environment: PodEnvironment, claim: str) -> Path:
+    """The folder of this machine behind a claim: its bound PersistentVolume's hostPath or local
+    path (what the persistent-volume controller bound it to)."""
+    pvc = environment.get_or_wait(f"/api/v1/namespaces/{environment.ns}/persistentvolumeclaims/{claim}",
+                                  f"persistentvolumeclaim {claim!r} not found")
+    volume = (pvc.get("spec") or {}).get("volumeName")
+    if (pvc.get("status") or {}).get("phase") != "Bound" or not volume:
+        raise Waiting("ContainerCreating", f"waiting for claim {claim!r} to be bound")
+    pv = environment.get_or_wait(f"/api/v1/persistentvolumes/{volume}",
+                                 f"persistentvolume {volume!r} not found")
+    source = (pv.get("spec") or {}).get("hostPath") or (pv.get("spec") or {}).get("local")
+    if not source or not source.get("path"):
+        raise Waiting("CreateContainerConfigError", f"claim {claim!r} is bound to {volume!r}, which is "
+                                                    "not a hostPath or local volume (local nodes mount only those)")
+    folder = Path(source["path"])
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
