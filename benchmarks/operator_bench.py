@@ -142,7 +142,7 @@ def main() -> int:
 
     from shardwise.e2e import build
 
-    from shardwise.e2e.localcluster import controlplane as cp
+    from shardwise.e2e.localcluster import controlplane as cp, nodes
     bin_dir = build.bin_dir()
     if build.missing_binaries(bin_dir):
         print("operator_bench: Kubernetes binaries not built; run `shardwise dev build`", file=sys.stderr)
@@ -214,7 +214,7 @@ def main() -> int:
         before = restarts(hit)
         say(f"stopping node {victim}'s heartbeat (holds shards of {len(hit)} model(s))")
         t0 = time.monotonic()
-        bench.kubectl("label", "node", victim, f"{cp.NODE_DOWN_LABEL}=true")
+        bench.kubectl("label", "node", victim, f"{nodes.NODE_DOWN_LABEL}=true")
         while True:
             node = bench.core.read_node(victim)
             if any(c.type == "Ready" and c.status != "True" for c in node.status.conditions or []):

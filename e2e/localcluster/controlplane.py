@@ -33,9 +33,8 @@ import yaml
 from shardwise.e2e import build
 from shardwise.e2e.localcluster import kapi, kwok_config, pki
 from shardwise.e2e.localcluster.errors import ControlPlaneError
-# SIMULATED_LABEL: callers read the node labels from here, next to the selector built of them.
 from shardwise.e2e.localcluster.nodes import (GPU_MEMORY_MIB, GPU_PRODUCT, LOCAL_NODE_LABEL,
-                                              NODE_DOWN_LABEL, SIMULATED_LABEL,  # noqa: F401
+                                              NODE_DOWN_LABEL,
                                               create_nodes, node_manifest, topology, wait_nodes_ready)
 
 # kwok manages every Node that is neither a local node nor marked down.
@@ -52,10 +51,6 @@ POD_CIDR = "10.244.0.0/16"  # IPs kwok gives pods on simulated nodes
 NODE_LEASE_SECONDS = 20
 NODE_MONITOR_GRACE = "12s"
 TOLERATION_SECONDS = 2
-
-COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok",
-              "local-nodes")
-
 
 def default_state_dir() -> Path:
     if os.environ.get("SHARDWISE_DEV_DIR"):

@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from shardwise.e2e.build import cache_root
-from shardwise.e2e.localcluster.controlplane import LOCAL_NODE_LABEL, SIMULATED_LABEL
+from shardwise.e2e.localcluster.nodes import LOCAL_NODE_LABEL, SIMULATED_LABEL
 from shardwise.e2e.pytest_plugin import wait_until
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.slow, pytest.mark.timeout(300)]

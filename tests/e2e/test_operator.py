@@ -82,7 +82,7 @@ class Kube:
         return [p for p in self.get("pods", selector=f"shardwise.dev/model={model}")["items"]]
 
     def add_nodes(self, names_racks: list[tuple[str, str]], gpus: int = 8) -> None:
-        from shardwise.e2e.localcluster.controlplane import node_manifest
+        from shardwise.e2e.localcluster.nodes import node_manifest
         for name, rack in names_racks:
             self.apply(node_manifest(name, gpus=gpus, zone="zone-a", rack=rack,
                                      extra_labels={TEST_LABEL: self.ns}))
