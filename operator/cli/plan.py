@@ -69,7 +69,7 @@ def table(plan: Any) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shardwise.crds import modelshape
+    from shardwise.crds import modelshape, names
     from shardwise.operator.planning import inventory
     from shardwise.operator.planning import planner
 
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             raw_nodes, raw_pods = inventory.load(args.nodes)
         # This model's own pods are not "taken": the plan says where they would all go afresh.
-        own = {"shardwise.dev/model": manifest.name}
+        own = {names.LABEL_MODEL: manifest.name}
         nodes = inventory.build(raw_nodes, raw_pods, spec.gpu.resource_name, ignore_pod=lambda pod: all(
             (pod.get("metadata") or {}).get("labels", {}).get(k) == v for k, v in own.items())
             and (pod.get("metadata") or {}).get("namespace", "default") == manifest.namespace)

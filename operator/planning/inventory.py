@@ -15,10 +15,9 @@ from typing import Any, Callable, Iterable, Mapping
 
 import yaml
 
+from shardwise.crds import names
 from shardwise.crds.models import DEFAULT_GPU_RESOURCE, ShardedModelSpec, parse_quantity
 
-GPU_MEMORY_LABEL = "nvidia.com/gpu.memory"    # MiB, as GPU feature discovery writes it
-GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 
 
 @dataclass(frozen=True)
@@ -45,7 +44,7 @@ class NodeInfo:
 
     @property
     def product(self) -> str:
-        return self.labels.get(GPU_PRODUCT_LABEL, "")
+        return self.labels.get(names.GPU_PRODUCT_LABEL, "")
 
 
 def _as_dict(obj: Any) -> dict[str, Any]:
@@ -80,7 +79,7 @@ def node_info(node: Mapping[str, Any], used: int = 0, resource_name: str = DEFAU
     labels = dict(meta.get("labels") or {})
     allocatable = (status.get("allocatable") or status.get("capacity") or {}).get(resource_name, 0)
     ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
-    memory_mib = labels.get(GPU_MEMORY_LABEL, "")
+    memory_mib = labels.get(names.GPU_MEMORY_LABEL, "")
     taints = tuple(Taint(t.get("key", ""), t.get("value") or "", t.get("effect", "NoSchedule"))
                    for t in spec.get("taints") or [])
     return NodeInfo(name=meta.get("name", ""), labels=labels, gpus=_int_quantity(allocatable), used=used,

@@ -7,7 +7,7 @@ import pytest
 from shardwise.crds.models import ModelSource, ShardedModelSpec
 from shardwise.operator.planning import groups as planning
 from shardwise.crds.modelshape import from_hints
-from shardwise.operator.decide.decisions import merge_plan
+from shardwise.operator.planning.groups import merge_plan
 
 RACK = "topology.shardwise.dev/rack"
 

@@ -141,7 +141,7 @@ def test_failure_message_quotes_the_last_log_line_of_a_failed_pod():
     pod = _pod(0, phase="Failed", ready=False, status={"containerStatuses": [{"state": {"terminated": {
         "exitCode": 2, "reason": "Error",
         "message": "loading...\nshardwise worker: error: model /m/x not found\n"}}}]})
-    why = recovery.pod_failure(pod, NODES)
+    why = recovery.assess([pod, _pod(1)], 1, 2, NODES, NOW, POLICY).failure
     assert why.endswith("container exited with code 2 (Error): shardwise worker: error: model /m/x not found")
 
 
