@@ -33,7 +33,7 @@ def _load_spec(path: str) -> Any:
     return load_manifest(models[0])
 
 
-def _from_cluster() -> tuple[list[Any], list[Any]]:
+def _from_cluster() -> tuple[list[dict], list[dict]]:
     from kubernetes import client, config
 
     try:
@@ -52,7 +52,9 @@ def _from_cluster() -> tuple[list[Any], list[Any]]:
     except Exception as e:  # noqa: BLE001 - one line for the user, whatever the client raised
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ValueError(f"cannot read nodes and pods from the cluster: {first}") from None
-    return nodes, pods
+    # the inventory reads dicts, as `kubectl get -o yaml` prints them
+    as_dict = client.ApiClient().sanitize_for_serialization
+    return [as_dict(n) for n in nodes], [as_dict(p) for p in pods]
 
 
 def table(plan: Any) -> str:

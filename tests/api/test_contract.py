@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from shardwise.crds.contract import ContractError, PodContract, load_contract
-from shardwise.crds.models import ShardedModel, ShardedModelSpec
+from shardwise.crds.models import ShardedModel, ShardedModelSpec, Workload
 from shardwise.crds.modelshape import from_hf_config
 from shardwise.operator.render import renderer
 from shardwise.operator.planning.inventory import NodeInfo
@@ -131,7 +131,7 @@ def test_a_training_contract_without_its_options_is_refused():
     contract = PodContract.from_json(renderer.render_configmap(_model(), plan(_model().spec, SMOL, _nodes()))
                                      ["data"]["contract.json"])
     with pytest.raises(ContractError, match="a training contract needs training and checkpoint"):
-        PodContract.from_json(contract.model_copy(update={"workload": "training"}).to_json())
+        PodContract.from_json(contract.model_copy(update={"workload": Workload.TRAINING}).to_json())
 
 
 def test_the_worker_exits_2_in_one_line_without_a_traceback(tmp_path):

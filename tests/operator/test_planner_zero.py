@@ -10,8 +10,9 @@ from shardwise.crds.models import ShardedModelSpec
 from shardwise.crds.modelshape import from_hf_config
 from shardwise.operator.planning import groups as planning
 from shardwise.operator.planning.inventory import NodeInfo
-from shardwise.operator.planning.planner import (CUDA_OVERHEAD, GiB, LayoutError, TRAINING_ACTIVATION_FRACTION,
-                                        PlanError, largest_unit, plan, training_state_bytes)
+from shardwise.operator.planning.layouts import (CUDA_OVERHEAD, GiB, LayoutError, TRAINING_ACTIVATION_FRACTION,
+                                                PlanError, largest_unit, training_state_bytes)
+from shardwise.operator.planning.planner import plan
 
 ZONE, RACK = "topology.kubernetes.io/zone", "topology.shardwise.dev/rack"
 LLAMA_8B = from_hf_config(dict(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
