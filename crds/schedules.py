@@ -43,7 +43,7 @@ def schedule_problem(schedule: str, pipeline: int, micro_batches: int, layers: i
     """Why a known schedule cannot run this pipeline (one line naming the option), or None."""
     stages = pipeline * virtual_stages(schedule)
     if stages > layers:
-        return (f"{schedule} with {pipeline} pipeline ranks needs {stages} stages, more than the "
+        return (f"{PipelineSchedule(schedule).value} with {pipeline} pipeline ranks needs {stages} stages, more than the "
                 f"model's {layers} layers")
     if not micro_batches_fit(schedule, pipeline, micro_batches):
         return (f"Interleaved1F1B needs micro-batches ({micro_batches}) to be a multiple of the "

@@ -52,9 +52,14 @@ def _from_cluster() -> tuple[list[dict], list[dict]]:
     except Exception as e:  # noqa: BLE001 - one line for the user, whatever the client raised
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ValueError(f"cannot read nodes and pods from the cluster: {first}") from None
-    # the inventory reads dicts, as `kubectl get -o yaml` prints them
-    as_dict = client.ApiClient().sanitize_for_serialization
-    return [as_dict(n) for n in nodes], [as_dict(p) for p in pods]
+    return as_dicts(nodes), as_dicts(pods)
+
+
+def as_dicts(objects: list[Any]) -> list[dict]:
+    """Kubernetes client objects as the dicts `kubectl get -o yaml` prints: what the inventory reads."""
+    from kubernetes.client import ApiClient
+
+    return [ApiClient().sanitize_for_serialization(o) for o in objects]
 
 
 def table(plan: Any) -> str:

@@ -21,18 +21,12 @@ from shardwise.operator.controller import report
 from shardwise.operator.decide import status
 from shardwise.operator.decide.decisions import World
 from shardwise.operator.decide.state import parse_state
+from tests.operator.builders import RACK
+from tests.operator.builders import k8s_node as node
 
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
-RACK = "topology.shardwise.dev/rack"
 LLAMA_8B = {"uri": "/models/llama-8b", "parameters": 8_000_000_000, "layers": 32, "heads": 32, "kvHeads": 8,
             "hiddenSize": 4096, "vocabSize": 128256}
-
-
-def node(name: str, rack: str = "a", gpus: int = 8, ready: bool = True) -> dict:
-    return {"metadata": {"name": name, "labels": {RACK: rack, "topology.kubernetes.io/zone": "z",
-                                                  "kubernetes.io/hostname": name}},
-            "spec": {}, "status": {"allocatable": {"nvidia.com/gpu": str(gpus)},
-                                   "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
 
 
 class Cluster:
