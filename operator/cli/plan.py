@@ -1,4 +1,7 @@
-"""`shardwise plan -f model.yaml (--nodes nodes.yaml | --from-cluster) [-o table|json|yaml]`."""
+"""The plan command: the ShardPlan a manifest would get, offline or from a cluster's nodes.
+
+`shardwise plan -f model.yaml (--nodes nodes.yaml | --from-cluster) [-o table|json|yaml]`.
+"""
 from __future__ import annotations
 
 import argparse

@@ -1,4 +1,5 @@
-"""How the operator asks the pure planner for replica groups.
+"""Planning replica groups: how the operator asks the planner for a ShardPlan of some groups while
+the others keep theirs, and how the stored plan is merged with it or loses replicas.
 
 The planner (planner.plan) takes the spec, the model facts, the inventory and placements to keep. The
 operator plans only the groups that need it - a new model, a scaled-up replica, a group recovering
