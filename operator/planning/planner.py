@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from shardwise.crds import names
 from shardwise.crds.models import ShardedModelSpec, Workload
 from shardwise.crds.modelshape import GGUF_NATIVE_BYTES, ModelFacts, ModelFactsError
 from shardwise.crds.plan import ReplicaPlan, ShardPlan, StagePlacement
@@ -145,7 +146,7 @@ def _plan(spec: ShardedModelSpec, facts: ModelFacts, nodes: Sequence[NodeInfo],
     layouts = layouts_to_try(spec, facts, pool, kept, wanted)
     unknown = sum(1 for n in pool.nodes if not n.gpu_memory)
     if unknown:
-        notes.append(f"GPU memory unknown on {unknown} node(s) (no nvidia.com/gpu.memory label; set "
+        notes.append(f"GPU memory unknown on {unknown} node(s) (no {names.GPU_MEMORY_LABEL} label; set "
                      f"spec.gpu.minMemory): assumed large enough")
     keys = spec.placement.topology_keys
     keep_nodes = [[p.node for p in stages] for stages in kept.values()]

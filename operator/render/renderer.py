@@ -24,7 +24,7 @@ from typing import Any, Mapping
 from shardwise.crds import names
 from shardwise.crds.contract import (SERVING_GRACE_SECONDS, ContractError, ModelContract, PodContract,
                                      ServingContract)
-from shardwise.crds.models import API_VERSION, KIND, Serving, ShardedModel, ShardedModelSpec, Workload
+from shardwise.crds.models import API_VERSION, KIND, Serving, ShardedModel, ShardedModelSpec, Workload, parse_pvc
 from shardwise.crds.plan import ShardPlan, StagePlacement
 
 MODEL_MOUNT = "/models"
@@ -132,8 +132,9 @@ def model_volume(uri: str, name: str = "model", root: str = MODEL_MOUNT) -> tupl
 
     `pvc://claim/sub/path` mounts the claim read-only at <root>/claim; any other uri is a path that
     already exists in the image or on the node and is passed through unchanged."""
-    if uri.startswith("pvc://"):
-        claim, _, sub = uri[len("pvc://"):].partition("/")
+    pvc = parse_pvc(uri)
+    if pvc is not None:
+        claim, sub = pvc
         mount = f"{root}/{claim}"
         volume = {"name": name, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
         return (f"{mount}/{sub}" if sub else mount), volume, {"name": name, "mountPath": mount,
