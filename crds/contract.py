@@ -1,10 +1,10 @@
 """The pod contract: everything the operator tells a worker pod, in one validated file.
 
-The renderer (operator/render/renderer.py) writes it as `plan.json` in the model's ConfigMap, mounted in
-every pod at /etc/shardwise/plan.json; `shardwise worker --contract PATH` reads it with
-`load_contract`. The ConfigMap is shared by all the pods of a model, so what differs from pod to
-pod stays in their environment: SHARDWISE_REPLICA, SHARDWISE_STAGE, MASTER_ADDR, MASTER_PORT (the
-torch.distributed rendezvous), POD_IP and NODE_NAME.
+The renderer (operator/render/renderer.py) writes it as `contract.json` in the model's ConfigMap,
+mounted in every pod at /etc/shardwise/contract.json (crds/names.py CONTRACT_PATH); `shardwise worker
+--contract PATH` reads it with `load_contract`. The ConfigMap is shared by all the pods of a model, so
+what differs from pod to pod stays in their environment (crds/names.py ENV_*): SHARDWISE_REPLICA,
+SHARDWISE_STAGE, MASTER_ADDR, MASTER_PORT (the torch.distributed rendezvous), POD_IP and NODE_NAME.
 
 The fields reuse the API's own models (crds/models.py), so every default has one definition, the
 spec's. Paths are paths inside the pod: a pvc:// uri is already resolved to where the renderer
@@ -17,7 +17,7 @@ from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from shardwise.crds.models import (Checkpoint, ModelSource, Serving, ShardedModelSpec, Training,
+from shardwise.crds.models import (Checkpoint, ModelSource, Serving, ShardedModelSpec, Training, Workload,
                                    describe_validation_error)
 from shardwise.crds.plan import ShardPlan
 
@@ -28,7 +28,6 @@ SERVING_GRACE_SECONDS = 10
 DRAIN_SECONDS = SERVING_GRACE_SECONDS - 2
 
 # The spec's own types: the contract accepts exactly the values the API accepts.
-Workload = ShardedModelSpec.model_fields["workload"].annotation
 Dtype = ShardedModelSpec.model_fields["dtype"].annotation
 ModelFormat = ModelSource.model_fields["format"].annotation
 
@@ -66,7 +65,7 @@ class PodContract(_Contract):
 
     @model_validator(mode="after")
     def _training_has_its_options(self) -> "PodContract":
-        if self.workload == "training" and (self.training is None or self.checkpoint is None):
+        if self.workload == Workload.TRAINING and (self.training is None or self.checkpoint is None):
             raise ValueError("a training contract needs training and checkpoint")
         return self
 

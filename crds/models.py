@@ -8,6 +8,10 @@ Python attributes are snake_case; the JSON a user writes is camelCase (`parallel
 Rules that cross fields are CEL rules (`x-kubernetes-validations`) attached with `_cel(...)`, so the
 API server refuses a bad manifest before the operator sees it. The same rules are checked in Python
 by validators where that is cheap, so `shardwise plan -f` refuses the same manifests offline.
+
+The spec is here; the status is in crds/status.py, the base model and the helpers fields share in
+crds/apimodel.py, the pipeline-schedule rules in crds/schedules.py. Every name of those an importer
+of the API needs is importable from here too.
 """
 from __future__ import annotations
 
@@ -15,8 +19,21 @@ import re
 from enum import Enum
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from pydantic.alias_generators import to_camel
+from pydantic import ConfigDict, Field, field_validator, model_validator
+
+from shardwise.crds.apimodel import (LABEL_KEY_PATTERN, QUANTITY_PATTERN, ApiModel, cel, describe_validation_error,
+                                     malformed_pvc, parse_pvc, parse_quantity, pvc_rule)
+from shardwise.crds.names import RACK_LABEL, ZONE_LABEL
+from shardwise.crds.schedules import DEFAULT_SCHEDULE, INTERLEAVED_MICRO_BATCHES, PipelineSchedule, micro_batches_fit
+from shardwise.crds.status import (PHASES, Condition, GroupPhase, LastCheckpoint, ModelFactsStatus, ModelPhase,
+                                   PlacementSummary, PlanSummary, ReplicaGroupStatus, ShardedModelStatus,
+                                   TrainingProgress)
+
+__all__ = [  # re-exported: the API's names, importable from one module
+    "LABEL_KEY_PATTERN", "QUANTITY_PATTERN", "ApiModel", "describe_validation_error", "parse_pvc", "parse_quantity",
+    "INTERLEAVED_MICRO_BATCHES", "PipelineSchedule", "PHASES", "Condition", "GroupPhase", "LastCheckpoint",
+    "ModelFactsStatus", "ModelPhase", "PlacementSummary", "PlanSummary", "ReplicaGroupStatus",
+    "ShardedModelStatus", "TrainingProgress"]
 
 GROUP = "shardwise.dev"
 VERSION = "v1alpha1"
@@ -27,60 +44,29 @@ SHORT_NAMES = ["sm"]
 API_VERSION = f"{GROUP}/{VERSION}"
 
 DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
-DEFAULT_TOPOLOGY_KEYS = ["topology.shardwise.dev/rack", "topology.kubernetes.io/zone"]
-
-# The phases the operator reports in status.phase (operator/decide/status.py says when each holds).
-# Ready: every inference replica serves; Running: a training job has all its ranks up; Succeeded:
-# a training job finished every step and committed its last checkpoint.
-PHASES = ("Pending", "Starting", "Ready", "Running", "Recovering", "Degraded", "Failed", "Succeeded")
-
-QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"
-_QUANTITY_UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
-                   "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
-LABEL_KEY_PATTERN = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+DEFAULT_TOPOLOGY_KEYS = [RACK_LABEL, ZONE_LABEL]
 
 
-def parse_quantity(value: str | int) -> int:
-    """A Kubernetes quantity ("40Gi", "80G", "81920Mi", 1024) in base units (bytes for memory)."""
-    match = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)([KMGTP]i|[kMGTP])?", str(value).strip())
-    if not match:
-        raise ValueError(f"{value!r} is not a quantity such as 40Gi or 80G")
-    return int(float(match.group(1)) * _QUANTITY_UNITS[match.group(2) or ""])
+class Workload(str, Enum):
+    """What a ShardedModel runs (operator/decide/workloads.py says what differs between them)."""
 
-
-def _cel(*rules: tuple[str, str] | tuple[str, str, str]) -> dict[str, Any]:
-    """json_schema_extra carrying CEL rules: (rule, message[, fieldPath])."""
-    out = []
-    for rule in rules:
-        item = {"rule": rule[0], "message": rule[1]}
-        if len(rule) > 2:
-            item["fieldPath"] = rule[2]
-        out.append(item)
-    return {"x-kubernetes-validations": out}
-
-
-class ApiModel(BaseModel):
-    """Base of every API object: camelCase JSON, unknown fields refused."""
-
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, alias_generator=to_camel,
-                              validate_default=False)
-
-    def to_api(self) -> dict[str, Any]:
-        """The JSON a user or the API server sees: camelCase, unset optional fields left out."""
-        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
-
+    INFERENCE = "inference"    # serves the OpenAI-compatible API
+    TRAINING = "training"      # trains and writes sharded checkpoints
 
 # ---------------------------------------------------------------- spec
+
+
+MODEL_URI_PVC = "model.uri must look like pvc://<claim>/<path> when it starts with pvc://"
+TRAINING_DATA_PVC = "training.data must look like pvc://<claim>/<path> when it starts with pvc://"
 
 
 class ModelSource(ApiModel):
     """Where the weights are and, when the operator cannot read them, what the model looks like."""
 
-    model_config = ConfigDict(json_schema_extra=_cel(
+    model_config = ConfigDict(json_schema_extra=cel(
         ("self.format != 'gguf' || self.uri.endsWith('.gguf')",
          "model.uri must name a .gguf file when model.format is gguf", ".uri"),
-        ("!self.uri.startsWith('pvc://') || self.uri.matches('^pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/.+$')",
-         "model.uri must look like pvc://<claim>/<path> when it starts with pvc://", ".uri"),
+        pvc_rule("uri", MODEL_URI_PVC),
         ("!has(self.heads) || !has(self.kvHeads) || self.heads % self.kvHeads == 0",
          "model.heads must be a multiple of model.kvHeads", ".kvHeads"),
     ))
@@ -103,9 +89,8 @@ class ModelSource(ApiModel):
     def _cross_checks(self) -> "ModelSource":
         if self.format == "gguf" and not self.uri.endswith(".gguf"):
             raise ValueError("model.uri must name a .gguf file when model.format is gguf")
-        if self.uri.startswith("pvc://") and not re.match(
-                r"^pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/.+$", self.uri):
-            raise ValueError("model.uri must look like pvc://<claim>/<path> when it starts with pvc://")
+        if malformed_pvc(self.uri):
+            raise ValueError(MODEL_URI_PVC)
         if self.heads and self.kv_heads and self.heads % self.kv_heads:
             raise ValueError("model.heads must be a multiple of model.kvHeads")
         return self
@@ -117,14 +102,11 @@ class ModelSource(ApiModel):
 
     def pvc(self) -> tuple[str, str] | None:
         """(claim, path inside the claim) for a pvc:// uri, None otherwise."""
-        if not self.uri.startswith("pvc://"):
-            return None
-        claim, _, path = self.uri.removeprefix("pvc://").partition("/")
-        return claim, path
+        return parse_pvc(self.uri)
 
 
 class Parallelism(ApiModel):
-    model_config = ConfigDict(json_schema_extra=_cel(
+    model_config = ConfigDict(json_schema_extra=cel(
         ("!has(self.expert) || !has(self.tensor) || self.expert == self.tensor",
          "parallelism.expert must equal parallelism.tensor (the experts are split across the tensor group)",
          ".expert"),
@@ -169,7 +151,7 @@ class GPU(ApiModel):
 
 
 class Toleration(ApiModel):
-    model_config = ConfigDict(json_schema_extra=_cel(
+    model_config = ConfigDict(json_schema_extra=cel(
         ("self.operator != 'Exists' || !has(self.value) || self.value == ''",
          "a toleration with operator Exists must not set value", ".value"),
         ("self.operator != 'Equal' || has(self.key)",
@@ -235,7 +217,7 @@ class LocalCheckpoint(ApiModel):
 
 
 class Checkpoint(ApiModel):
-    model_config = ConfigDict(json_schema_extra=_cel(
+    model_config = ConfigDict(json_schema_extra=cel(
         ("!has(self.local) || has(self.claim)", LOCAL_NEEDS_CLAIM, ".local"),
         ("!has(self.local) || self.local.path != self.path", LOCAL_PATH_DIFFERS, ".local.path"),
     ))
@@ -256,14 +238,6 @@ class Checkpoint(ApiModel):
         if self.local is not None and self.local.path == self.path:
             raise ValueError(f"{LOCAL_PATH_DIFFERS} (both {self.path})")
         return self
-
-
-class PipelineSchedule(str, Enum):
-    """How a replica's pipeline stages interleave micro-batches (torch.distributed.pipelining)."""
-
-    ONE_F_ONE_B = "1F1B"                   # one forward, one backward: few activations in flight
-    GPIPE = "GPipe"                        # all forwards, then all backwards
-    INTERLEAVED_1F1B = "Interleaved1F1B"   # 1F1B over several virtual stages per rank: a smaller bubble
 
 
 class DataParallel(ApiModel):
@@ -293,9 +267,8 @@ class Training(ApiModel):
     """What a `workload: training` model trains on, and how. The layout (tensor x pipeline x
     replicas as data parallel) comes from the plan; checkpoints go to spec.checkpoint."""
 
-    model_config = ConfigDict(json_schema_extra=_cel(
-        ("!self.data.startsWith('pvc://') || self.data.matches('^pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/.+$')",
-         "training.data must look like pvc://<claim>/<path> when it starts with pvc://", ".data"),
+    model_config = ConfigDict(json_schema_extra=cel(
+        pvc_rule("data", TRAINING_DATA_PVC),
     ))
 
     data: str = Field(min_length=1, max_length=4096, description=(
@@ -315,7 +288,7 @@ class Training(ApiModel):
         "of the stages."))
     data_parallel: Optional[DataParallel] = Field(None, description=(
         "ZeRO-3 sharding across the data-parallel replicas; omitted: the planner chooses."))
-    schedule: PipelineSchedule = Field(PipelineSchedule.ONE_F_ONE_B, description=(
+    schedule: PipelineSchedule = Field(DEFAULT_SCHEDULE, description=(
         "Pipeline schedule: 1F1B, GPipe or Interleaved1F1B."))
     activation_checkpointing: bool = Field(False, description=(
         "Recompute each decoder block's activations in the backward pass instead of keeping them."))
@@ -331,8 +304,8 @@ class Training(ApiModel):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Training":
-        if self.data.startswith("pvc://") and not re.match(r"^pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?/.+$", self.data):
-            raise ValueError("training.data must look like pvc://<claim>/<path> when it starts with pvc://")
+        if malformed_pvc(self.data):
+            raise ValueError(TRAINING_DATA_PVC)
         return self
 
 
@@ -394,7 +367,6 @@ _DP = "self.training.dataParallel"
 # Replicas 0 pauses a training job: shard x replicate may stay in the spec meanwhile.
 DP_PRODUCT = "training.dataParallel: shard x replicate must equal parallelism.replicas"
 DP_DIVIDES = "training.dataParallel.{axis} must divide parallelism.replicas"
-INTERLEAVED_MICRO_BATCHES = "training.microBatches must be a multiple of parallelism.pipeline for schedule Interleaved1F1B"
 MIN_REPLICAS = "training.minReplicas must not exceed parallelism.replicas"
 _TRAINING_LAYOUT_RULES = (
     (f"!has(self.training) || !has({_DP}) || !has({_DP}.shard) || !has({_DP}.replicate) || "
@@ -412,7 +384,7 @@ _TRAINING_LAYOUT_RULES = (
 
 
 class ShardedModelSpec(ApiModel):
-    model_config = ConfigDict(json_schema_extra=_cel(
+    model_config = ConfigDict(json_schema_extra=cel(
         ("!has(self.parallelism.tensor) || !has(self.model.heads) || self.model.heads % self.parallelism.tensor == 0",
          "parallelism.tensor must divide model.heads", ".parallelism.tensor"),
         ("!has(self.parallelism.tensor) || !has(self.model.kvHeads) || self.model.kvHeads % self.parallelism.tensor == 0",
@@ -436,7 +408,7 @@ class ShardedModelSpec(ApiModel):
     ))
 
     model: ModelSource
-    workload: Literal["inference", "training"] = Field("inference", description=(
+    workload: Workload = Field(Workload.INFERENCE, description=(
         "inference serves the OpenAI-compatible API; training trains and writes sharded checkpoints."))
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field("auto", description=(
         "Weight dtype on the GPU. auto: the dtype in the model's config (bfloat16 when unknown)."))
@@ -460,7 +432,7 @@ class ShardedModelSpec(ApiModel):
             raise ValueError("parallelism.pipeline must not exceed model.layers")
         if self.resources and self.gpu.resource_name in {**self.resources.limits, **self.resources.requests}:
             raise ValueError("resources must not name the GPU resource; the plan sets the GPU count")
-        if self.workload == "training":
+        if self.workload == Workload.TRAINING:
             if self.training is None:
                 raise ValueError("workload training needs spec.training (at least data and steps)")
             if self.checkpoint is None or not self.checkpoint.claim:
@@ -475,7 +447,7 @@ class ShardedModelSpec(ApiModel):
     def min_replicas(self) -> int:
         """The fewest replicas a training job may run with: training.minReplicas, else all of them."""
         replicas = self.parallelism.replicas
-        floor = self.training.min_replicas if self.workload == "training" and self.training else None
+        floor = self.training.min_replicas if self.workload == Workload.TRAINING and self.training else None
         return min(floor or replicas, replicas)
 
     @staticmethod
@@ -488,8 +460,7 @@ class ShardedModelSpec(ApiModel):
         for axis, degree in (("shard", dp and dp.shard), ("replicate", dp and dp.replicate)):
             if degree and n % degree:
                 raise ValueError(f"{DP_DIVIDES.format(axis=axis)} ({axis} {degree}, replicas {n})")
-        if (t.schedule == PipelineSchedule.INTERLEAVED_1F1B and t.micro_batches and par.pipeline
-                and t.micro_batches % par.pipeline):
+        if not micro_batches_fit(t.schedule, par.pipeline, t.micro_batches):
             raise ValueError(f"{INTERLEAVED_MICRO_BATCHES} (microBatches {t.micro_batches}, "
                              f"pipeline {par.pipeline})")
         if t.min_replicas and n and t.min_replicas > n:
@@ -497,120 +468,6 @@ class ShardedModelSpec(ApiModel):
 
 
 # ---------------------------------------------------------------- status
-
-
-class Condition(ApiModel):
-    type: str = Field(max_length=316)
-    status: Literal["True", "False", "Unknown"]
-    reason: Optional[str] = Field(None, max_length=1024)
-    message: Optional[str] = Field(None, max_length=32768)
-    last_transition_time: Optional[str] = Field(None, json_schema_extra={"format": "date-time"})
-    observed_generation: Optional[int] = Field(None, ge=0)
-
-
-class PlacementSummary(ApiModel):
-    replica: int = Field(ge=0)
-    stage: int = Field(ge=0)
-    node: str
-    gpus: int = Field(ge=1)
-    layers: str = Field(description="first-last decoder layer, e.g. 0-11")
-
-
-class PlanSummary(ApiModel):
-    tensor: int = Field(ge=1)
-    pipeline: int = Field(ge=1)
-    replicas: int = Field(ge=0)
-    cost: int = Field(0, ge=0, description="topology boundaries crossed between consecutive stages")
-    shrunk: bool = False
-    placements: list[PlacementSummary] = Field(default_factory=list)
-
-    @classmethod
-    def from_plan(cls, plan: Any) -> "PlanSummary":
-        """Summary of a crds.plan.ShardPlan for status.plan."""
-        return cls(tensor=plan.tensor, pipeline=plan.pipeline, replicas=plan.replicas, cost=plan.cost,
-                   shrunk=plan.shrunk, placements=[
-                       PlacementSummary(replica=p.replica, stage=p.stage, node=p.node, gpus=p.gpus,
-                                        layers=f"{p.layer_start}-{p.layer_end - 1}")
-                       for p in plan.placements])
-
-
-class LastCheckpoint(ApiModel):
-    step: int = Field(ge=0)
-    time: Optional[str] = Field(None, json_schema_extra={"format": "date-time"})
-    path: Optional[str] = None
-
-
-class TrainingProgress(ApiModel):
-    """Where a training job is, as its first rank last reported it."""
-
-    step: int = Field(0, ge=0, description="optimizer steps done")
-    steps: int = Field(0, ge=0, description="steps asked for (spec.training.steps)")
-    loss: Optional[float] = Field(None, description="loss of the last step")
-    time: Optional[str] = Field(None, json_schema_extra={"format": "date-time"})
-
-
-class GroupPhase(str, Enum):
-    """Where one replica group is (operator/decide/recovery.py:decide moves it between these)."""
-
-    CREATING = "Creating"      # pods being created; missing pods are created, not counted as failures
-    STARTING = "Starting"      # every pod exists; waiting for all of them to be Ready
-    READY = "Ready"
-    RECOVERING = "Recovering"  # failure seen; group torn down, waiting for backoff, then re-planned
-    PENDING = "Pending"        # not planned (new, short of capacity, or waiting for the model's shape)
-    FAILED = "Failed"          # restart budget spent; terminal until the spec changes
-    SUCCEEDED = "Succeeded"    # training: every pod exited 0
-    OUTDATED = "Outdated"      # serving on an old layout or spec; replaced one replica at a time
-
-
-class ReplicaGroupStatus(ApiModel):
-    """The operator's record of one replica group (its pods restart as one unit), kept in status so
-    that a restarted operator continues where it was."""
-
-    replica: int = Field(ge=0)
-    attempt: int = Field(0, ge=0, description="incarnation of the group; part of its pods' names")
-    phase: GroupPhase = Field(GroupPhase.PENDING, description="one of " + ", ".join(p.value for p in GroupPhase))
-    restarts: int = Field(0, ge=0)
-    last_failure: Optional[str] = None
-    failed_at: Optional[str] = Field(None, json_schema_extra={"format": "date-time"})
-    retry_at: Optional[str] = Field(None, json_schema_extra={"format": "date-time"})
-    ready_since: Optional[str] = Field(None, json_schema_extra={"format": "date-time"})
-
-
-class ModelFactsStatus(ApiModel):
-    """What the operator read of the model itself, cached so that it is read once per uri: by a probe
-    pod that mounts the claim of a pvc:// uri (only pods can), or from a path the operator can read."""
-
-    uri: str = Field(description="the spec.model.uri these facts are of")
-    facts: Optional[dict[str, Any]] = Field(None, description="the model's shape: layers, heads, sizes, parameters")
-    error: Optional[str] = Field(None, description="why the model could not be read")
-    generation: Optional[int] = Field(None, description="the spec generation a failed read belongs to; "
-                                                         "a changed spec reads the model again")
-
-
-class ShardedModelStatus(ApiModel):
-    phase: Optional[str] = Field(None, description="One of " + ", ".join(PHASES) + ".")
-    message: Optional[str] = None
-    conditions: list[Condition] = Field(default_factory=list, json_schema_extra={
-        "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})
-    observed_generation: Optional[int] = Field(None, ge=0)
-    restarts: int = Field(0, ge=0)
-    tensor: Optional[int] = Field(None, ge=1, description="tensor-parallel degree in effect")
-    pipeline: Optional[int] = Field(None, ge=1, description="pipeline stages in effect")
-    replicas: int = Field(0, ge=0, description="replicas planned (scale subresource)")
-    ready_replicas: int = Field(0, ge=0)
-    ready_shards: int = Field(0, ge=0, description="stage pods ready, across replicas")
-    selector: Optional[str] = Field(None, description="label selector of the pods (scale subresource)")
-    endpoint: Optional[str] = Field(None, description="URL of the OpenAI-compatible API")
-    plan: Optional[PlanSummary] = None
-    last_checkpoint: Optional[LastCheckpoint] = Field(None, description=(
-        "training: the newest complete checkpoint of the shared tier (checkpoint.claim), which a "
-        "restarted job resumes from when nothing newer is on its nodes"))
-    last_local_checkpoint: Optional[LastCheckpoint] = Field(None, description=(
-        "training: the newest complete checkpoint of the local tier (checkpoint.local), on the nodes' "
-        "own disks; lost with a node"))
-    training: Optional[TrainingProgress] = None
-    groups: list[ReplicaGroupStatus] = Field(default_factory=list, description="one record per replica group")
-    model_facts: Optional[ModelFactsStatus] = Field(None, description="the model's shape as the operator read it")
 
 
 class ShardedModel(ApiModel):
@@ -641,11 +498,3 @@ def load_manifest(data: dict[str, Any]) -> ShardedModel:
         return ShardedModel.model_validate(data)
     except ValidationError as e:
         raise ValueError(describe_validation_error(e)) from None
-
-
-def describe_validation_error(error: Any) -> str:
-    """First pydantic error as one line: `spec.parallelism.tensor: Input should be ...`."""
-    first = error.errors()[0]
-    where = ".".join(str(p) for p in first["loc"])
-    message = first["msg"].removeprefix("Value error, ")
-    return f"{where}: {message}" if where else message

@@ -1,8 +1,9 @@
-"""ShardPlan: what the planner decides and what the operator and the worker both read.
+"""The ShardPlan's model: the plan the planner makes, which the operator stores and the worker reads.
 
 The plan is the contract between the planner (pure), the renderer (pods from the plan) and the
-worker (which layers and which slice of each weight a rank owns). It travels to the pods as
-`plan.json` in a ConfigMap, so both sides validate it with this one model.
+worker (which layers and which slice of each weight a rank owns). It travels to the pods inside the
+pod contract (crds/contract.py, `contract.json` in a ConfigMap), so both sides validate it with this
+one model.
 
 Ranks: crds/layout.py RankLayout. Inside one replica (one torch.distributed world per replica)
 consecutive ranks are one stage's TP group; training makes one world of all replicas and averages

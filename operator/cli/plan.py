@@ -1,4 +1,7 @@
-"""`shardwise plan -f model.yaml (--nodes nodes.yaml | --from-cluster) [-o table|json|yaml]`."""
+"""The plan command: the ShardPlan a manifest would get, offline or from a cluster's nodes.
+
+`shardwise plan -f model.yaml (--nodes nodes.yaml | --from-cluster) [-o table|json|yaml]`.
+"""
 from __future__ import annotations
 
 import argparse
@@ -33,7 +36,7 @@ def _load_spec(path: str) -> Any:
     return load_manifest(models[0])
 
 
-def _from_cluster() -> tuple[list[Any], list[Any]]:
+def _from_cluster() -> tuple[list[dict], list[dict]]:
     from kubernetes import client, config
 
     try:
@@ -52,7 +55,14 @@ def _from_cluster() -> tuple[list[Any], list[Any]]:
     except Exception as e:  # noqa: BLE001 - one line for the user, whatever the client raised
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise ValueError(f"cannot read nodes and pods from the cluster: {first}") from None
-    return nodes, pods
+    return as_dicts(nodes), as_dicts(pods)
+
+
+def as_dicts(objects: list[Any]) -> list[dict]:
+    """Kubernetes client objects as the dicts `kubectl get -o yaml` prints: what the inventory reads."""
+    from kubernetes.client import ApiClient
+
+    return [ApiClient().sanitize_for_serialization(o) for o in objects]
 
 
 def table(plan: Any) -> str:
@@ -69,7 +79,7 @@ def table(plan: Any) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shardwise.crds import modelshape
+    from shardwise.crds import modelshape, names
     from shardwise.operator.planning import inventory
     from shardwise.operator.planning import planner
 
@@ -82,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             raw_nodes, raw_pods = inventory.load(args.nodes)
         # This model's own pods are not "taken": the plan says where they would all go afresh.
-        own = {"shardwise.dev/model": manifest.name}
+        own = {names.LABEL_MODEL: manifest.name}
         nodes = inventory.build(raw_nodes, raw_pods, spec.gpu.resource_name, ignore_pod=lambda pod: all(
             (pod.get("metadata") or {}).get("labels", {}).get(k) == v for k, v in own.items())
             and (pod.get("metadata") or {}).get("namespace", "default") == manifest.namespace)

@@ -69,9 +69,9 @@ def run(args: argparse.Namespace) -> int:
     except _Refused as e:
         print(f"shardwise operator: {e}", file=sys.stderr)
         return 2
-    handlers.RUNTIME.applier = applier_mod.Applier(api)
+    handlers.WIRING.applier = applier_mod.Applier(api)
     if args.worker_image:
-        handlers.RUNTIME.default_image = args.worker_image
+        handlers.WIRING.default_image = args.worker_image
     lock = None if args.no_leader_election else _become_leader(api, args)
     scope = dict(clusterwide=True) if not args.namespace else dict(namespaces=args.namespace)
     try:

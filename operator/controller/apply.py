@@ -15,9 +15,9 @@ from typing import Any, Mapping
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
+from shardwise.crds import names
 from shardwise.crds.models import GROUP, PLURAL, VERSION
 from shardwise.operator.controller import metrics
-from shardwise.operator.render.renderer import LABEL_MODEL, LABEL_REPLICA
 
 log = logging.getLogger("shardwise.operator.controller.apply")
 FIELD_MANAGER = "shardwise-operator"
@@ -84,7 +84,7 @@ class Applier:
 
     def list_model_pods(self, namespace: str, model: str) -> list[dict]:
         self._count("list", "Pod")
-        return _json(self.core.list_namespaced_pod(namespace, label_selector=f"{LABEL_MODEL}={model}",
+        return _json(self.core.list_namespaced_pod(namespace, label_selector=f"{names.LABEL_MODEL}={model}",
                                                    _preload_content=False))["items"]
 
     def get_configmap(self, namespace: str, name: str) -> dict | None:
@@ -149,4 +149,4 @@ class Applier:
         """Tear a replica group down as one unit (one request for all its pods)."""
         self._count("deletecollection", "Pod")
         self.core.delete_collection_namespaced_pod(
-            namespace, label_selector=f"{LABEL_MODEL}={model},{LABEL_REPLICA}={replica}", _preload_content=False)
+            namespace, label_selector=f"{names.LABEL_MODEL}={model},{names.LABEL_REPLICA}={replica}", _preload_content=False)

@@ -23,6 +23,7 @@ import kopf
 import urllib3
 from kubernetes.client.rest import ApiException
 
+from shardwise.crds import names
 from shardwise.crds.models import GROUP, PLURAL, VERSION
 from shardwise.operator.controller import metrics
 from shardwise.operator.decide import recovery
@@ -81,15 +82,17 @@ def _slim(pod: Mapping[str, Any], node: str | None) -> dict:
     spec = pod.get("spec") or {}
     meta = pod["metadata"]
     labels = {k: v for k, v in (meta.get("labels") or {}).items()
-              if k in (renderer.LABEL_MODEL, renderer.LABEL_REPLICA)}
+              if k in (names.LABEL_MODEL, names.LABEL_REPLICA)}
     return {"metadata": {"name": meta["name"], "namespace": meta.get("namespace"), "labels": labels},
             "spec": {"nodeName": node,
                      "containers": [{"resources": c.get("resources") or {}} for c in spec.get("containers") or []]},
             "status": {"phase": (pod.get("status") or {}).get("phase")}}
 
 
-class Runtime:
-    """Process-wide wiring, configured by `shardwise operator run` before kopf starts."""
+class Wiring:
+    """Process-wide wiring of the handlers, configured by `shardwise operator run` before kopf starts:
+    the applier and the worker image, the thread pool passes run on, the GPU capacity view, the nodes'
+    readiness, each model's loop task and its waker, and the counters of passes and requests."""
 
     def __init__(self) -> None:
         self.applier: Applier | None = None
@@ -111,7 +114,7 @@ class Runtime:
                 event.set()
 
 
-RUNTIME = Runtime()
+WIRING = Wiring()
 
 
 @kopf.on.startup()
@@ -120,10 +123,10 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     # Status is ours; kopf keeps its bookkeeping in annotations, not in our status schema.
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="operator.shardwise.dev")
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="operator.shardwise.dev")
-    if RUNTIME.applier is None:
-        RUNTIME.applier = Applier()
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=names.KOPF_ANNOTATION_PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=names.KOPF_ANNOTATION_PREFIX)
+    if WIRING.applier is None:
+        WIRING.applier = Applier()
 
 
 # --- watches that feed the in-memory views -------------------------------------------------------
@@ -148,10 +151,10 @@ def gpu_pods_index(namespace: str, name: str, body: kopf.Body, labels: Mapping[s
     if phase in ("Succeeded", "Failed"):
         return {}
     node = (body.get("spec") or {}).get("nodeName") or (body.metadata.annotations or {}).get(
-        renderer.ANNOTATION_PLANNED_NODE)
+        names.ANNOTATION_PLANNED_NODE)
     pod = {"metadata": {"name": name, "namespace": namespace, "labels": dict(labels)}, "spec": dict(body.spec),
            "status": {"phase": phase}}
-    if not node or not (renderer.LABEL_MODEL in labels or pod_gpus(pod)):
+    if not node or not (names.LABEL_MODEL in labels or pod_gpus(pod)):
         return {}
     return {f"{namespace}/{name}": _slim(pod, node)}
 
@@ -159,19 +162,19 @@ def gpu_pods_index(namespace: str, name: str, body: kopf.Body, labels: Mapping[s
 @kopf.on.event("", "v1", "nodes")
 def node_event(type: str, name: str, body: kopf.Body, **_: Any) -> None:
     ready = type != "DELETED" and recovery.node_ready(body)
-    was = RUNTIME.node_ready.get(name)
+    was = WIRING.node_ready.get(name)
     if type == "DELETED":
-        RUNTIME.node_ready.pop(name, None)
+        WIRING.node_ready.pop(name, None)
     else:
-        RUNTIME.node_ready[name] = ready
+        WIRING.node_ready[name] = ready
     if was != ready or type == "DELETED":
         # A node lost: groups on it recover; a node gained: Pending groups may fit now.
-        RUNTIME.wake()
+        WIRING.wake()
 
 
-@kopf.on.event("", "v1", "pods", labels={renderer.LABEL_MODEL: kopf.PRESENT})
+@kopf.on.event("", "v1", "pods", labels={names.LABEL_MODEL: kopf.PRESENT})
 def pod_event(namespace: str, labels: Mapping[str, str], **_: Any) -> None:
-    RUNTIME.wake((namespace, labels[renderer.LABEL_MODEL]))
+    WIRING.wake((namespace, labels[names.LABEL_MODEL]))
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
@@ -186,20 +189,20 @@ async def model_event(type: str, namespace: str, name: str, body: kopf.Body, log
     garbage collection through the ownerReferences."""
     key = (namespace, name)
     if type == "DELETED" or body.metadata.get("deletionTimestamp"):
-        task = RUNTIME.tasks.pop(key, None)
+        task = WIRING.tasks.pop(key, None)
         if task is not None:
             task.cancel()
-        RUNTIME.wakers.pop(key, None)
+        WIRING.wakers.pop(key, None)
         metrics.forget(namespace, name)
         return
-    task = RUNTIME.tasks.get(key)
+    task = WIRING.tasks.get(key)
     if task is None or task.done():
         ref = {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
                "metadata": {"name": name, "namespace": namespace, "uid": body.metadata.uid}}
-        RUNTIME.tasks[key] = asyncio.create_task(model_loop(namespace, name, ref, logger, nodes_index,
+        WIRING.tasks[key] = asyncio.create_task(model_loop(namespace, name, ref, logger, nodes_index,
                                                             gpu_pods_index), name=f"reconcile {namespace}/{name}")
     elif body.metadata.get("generation") != (body.get("status") or {}).get("observedGeneration"):
-        RUNTIME.wake(key)
+        WIRING.wake(key)
 
 
 # --- the per-model reconcile loop ------------------------------------------------------------------
@@ -207,7 +210,7 @@ async def model_event(type: str, namespace: str, name: str, body: kopf.Body, log
 async def model_loop(namespace: str, name: str, ref: dict, logger: logging.Logger, nodes_index: kopf.Index,
                      gpu_pods_index: kopf.Index) -> None:
     key = (namespace, name)
-    wake = RUNTIME.waker(key)
+    wake = WIRING.waker(key)
     loop = asyncio.get_running_loop()
     failures = 0
     try:
@@ -215,9 +218,9 @@ async def model_loop(namespace: str, name: str, ref: dict, logger: logging.Logge
             wake.clear()
             # Snapshots taken here, on the event loop that updates the indexes, are consistent.
             nodes = {k: v for k, store in nodes_index.items() for v in store}
-            RUNTIME.capacity.sync({k: v for k, store in gpu_pods_index.items() for v in store})
+            WIRING.capacity.sync({k: v for k, store in gpu_pods_index.items() for v in store})
             try:
-                outcome = await loop.run_in_executor(RUNTIME.executor, _reconcile_once, namespace, name, nodes)
+                outcome = await loop.run_in_executor(WIRING.executor, _reconcile_once, namespace, name, nodes)
                 failures = 0
             except TRANSIENT as e:  # an API hiccup must not kill the loop; back off and retry
                 failures += 1
@@ -238,8 +241,8 @@ async def model_loop(namespace: str, name: str, ref: dict, logger: logging.Logge
             except asyncio.TimeoutError:
                 pass
     finally:
-        if RUNTIME.wakers.get(key) is wake:
-            RUNTIME.wakers.pop(key, None)
+        if WIRING.wakers.get(key) is wake:
+            WIRING.wakers.pop(key, None)
 
 
 def _backoff(failures: int) -> float:
@@ -247,9 +250,9 @@ def _backoff(failures: int) -> float:
 
 
 def _reconcile_once(namespace: str, name: str, nodes: dict[str, dict]) -> reconciler.Outcome:
-    assert RUNTIME.applier is not None
-    outcome = reconciler.reconcile(RUNTIME.applier, namespace, name, nodes, RUNTIME.capacity,
-                                   default_image=RUNTIME.default_image)
-    RUNTIME.reconciles += 1
-    RUNTIME.requests += outcome.requests
+    assert WIRING.applier is not None
+    outcome = reconciler.reconcile(WIRING.applier, namespace, name, nodes, WIRING.capacity,
+                                   default_image=WIRING.default_image)
+    WIRING.reconciles += 1
+    WIRING.requests += outcome.requests
     return outcome

@@ -15,9 +15,10 @@ from pathlib import Path
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterable, Mapping
 
+from shardwise.crds import names
 from shardwise.crds.models import Checkpoint
 from shardwise.operator.decide import recovery
-from shardwise.operator.render.renderer import DEFAULT_PORT, LABEL_REPLICA, LABEL_STAGE
+from shardwise.operator.render.renderer import DEFAULT_PORT
 
 PROGRESS_TIMEOUT = 2.0   # seconds; a busy pod answers later, at the next pass
 POLL_SECONDS = 10.0      # how often a running job's progress is read (operator run --progress-seconds)
@@ -45,7 +46,7 @@ def fetch_progress(pod: Mapping[str, Any]) -> dict | None:
 def _first_stage_first(pods: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     def key(p):
         labels = p["metadata"].get("labels") or {}
-        return int(labels.get(LABEL_REPLICA, 0)), int(labels.get(LABEL_STAGE, 0))
+        return int(labels.get(names.LABEL_REPLICA, 0)), int(labels.get(names.LABEL_STAGE, 0))
     return sorted(pods, key=key)
 
 

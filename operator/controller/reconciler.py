@@ -3,8 +3,8 @@
     observe  state.observe: the model (typed spec, status records), its pods and its stored plan
     decide   decisions.decide: pure; the actions, group records, plan and Events of this pass
     act      run the actions in order through the applier (the only module that talks to the API)
-    report   report.build_status: status patched when it changed; Events returned to the caller;
-             metrics set
+    report   decide/status.py build_status (pure): status patched when it changed; Events returned
+             to the caller; report.record_metrics sets the metrics
 
 Level-based and idempotent: everything it needs is read from the API server or from the watched
 node and pod inventory, and what it decided is stored (plan ConfigMap, then group records) before the
@@ -20,11 +20,13 @@ import time
 from datetime import datetime
 from typing import Any, Callable, Mapping
 
-from shardwise.crds.models import PlanSummary
+from shardwise.crds import names
+from shardwise.crds.models import ModelPhase, PlanSummary
 from shardwise.operator.decide import decisions
 from shardwise.operator.controller import metrics
 from shardwise.operator.decide import probe
 from shardwise.operator.decide import recovery
+from shardwise.operator.decide import status
 from shardwise.operator.render import renderer
 from shardwise.operator.controller import report
 from shardwise.operator.controller import progress as training
@@ -79,7 +81,7 @@ def _reserve(capacity: Any, state: ModelState, decision: Decision) -> None:
     lags behind our own creates)."""
     for create in decision.new_pods():
         for pod in _pods(state, create):
-            stage = int(pod["metadata"]["labels"][renderer.LABEL_STAGE])
+            stage = int(pod["metadata"]["labels"][names.LABEL_STAGE])
             capacity.reserve(pod, create.plan.placement(create.replica, stage).node)
 
 
@@ -89,7 +91,7 @@ def _pods(state: ModelState, create: decisions.CreatePods) -> list[dict]:
                                         state.default_image)
     if create.stages is None:
         return pods
-    return [p for p in pods if int(p["metadata"]["labels"][renderer.LABEL_STAGE]) in create.stages]
+    return [p for p in pods if int(p["metadata"]["labels"][names.LABEL_STAGE]) in create.stages]
 
 
 @functools.singledispatch
@@ -146,14 +148,14 @@ def act(applier: Applier, state: ModelState, decision: Decision) -> None:
 def _report(applier: Applier, state: ModelState, decision: Decision, progress: training.Fetch,
             now: datetime, out: Outcome) -> None:
     job = _job_progress(state, decision, progress)
-    new = report.build_status(state, decision, job, now)
-    event = report.phase_event(state, new)
+    new = status.build_status(state, decision, job, now)
+    event = status.phase_event(state, new)
     out.events = decision.events + ([event] if event else [])
     out.phase = new["phase"]
     out.requeue_after = decision.requeue_after
-    if new["phase"] == "Running":
+    if new["phase"] == ModelPhase.RUNNING:
         out.requeue_after = min(out.requeue_after, training.POLL_SECONDS)
-    if report.changed(state.status, new):
+    if status.changed(state.status, new):
         applier.patch_status(state.namespace, state.name, new)
     report.record_metrics(state, decision, new, now)
 
@@ -164,6 +166,6 @@ def _job_progress(state: ModelState, decision: Decision, fetch: training.Fetch) 
         return {}
     current = [p for r in range(decision.size or 0) for p in state.pods.get(r, [])
                if r in decision.groups
-               and p["metadata"]["labels"].get(renderer.LABEL_ATTEMPT) == str(decision.groups[r].attempt)]
+               and p["metadata"]["labels"].get(names.LABEL_ATTEMPT) == str(decision.groups[r].attempt)]
     found = training.job_progress(current, fetch)
     return training.status_fields(found, state.spec.checkpoint) if found else {}

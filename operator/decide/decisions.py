@@ -23,101 +23,29 @@ from __future__ import annotations
 import dataclasses
 import time
 from datetime import datetime
-from typing import Any, Mapping, Sequence, Union
+from typing import Any, Mapping, Sequence
 
+from shardwise.crds import names
 from shardwise.crds.models import GroupPhase, ModelFactsStatus, ReplicaGroupStatus
 from shardwise.crds.modelshape import ModelFacts, ModelFactsError
 from shardwise.crds.plan import ShardPlan
-from shardwise.operator.decide import elastic
-from shardwise.operator.planning import groups as planning
-from shardwise.operator.decide import probe
-from shardwise.operator.decide import recovery
-from shardwise.operator.render import renderer
-from shardwise.operator.decide import status
+from shardwise.operator.decide import elastic, probe, recovery
+from shardwise.operator.decide.actions import (NOT_READY_REQUEUE, STEADY_REQUEUE, Action, ApplyShared, CreatePods,
+                                               CreateProbe, Decision, DeleteGroup, DeletePods, Event, SaveGroups,
+                                               World)
+from shardwise.operator.decide.conditions import condition
+from shardwise.operator.decide.recovery import StepAction
 from shardwise.operator.decide.state import ModelState
 from shardwise.operator.decide.workloads import finished
+from shardwise.operator.planning import groups as planning
+from shardwise.operator.planning.groups import drop_replicas, merge_plan, planned
+from shardwise.operator.render import renderer
 
-NOT_READY_REQUEUE = 5.0     # seconds between passes while something is on its way
-STEADY_REQUEUE = 30.0       # safety net when all is Ready (events wake us earlier)
+__all__ = ["NOT_READY_REQUEUE", "STEADY_REQUEUE", "Action", "ApplyShared", "CreatePods", "CreateProbe", "Decision",
+           "DeleteGroup", "DeletePods", "Event", "SaveGroups", "World", "decide"]
+
+# Group phases in which a pass has nothing on its way for the group (no quick requeue).
 SETTLED = (GroupPhase.READY, GroupPhase.FAILED, GroupPhase.SUCCEEDED, GroupPhase.PENDING, GroupPhase.RECOVERING)
-
-
-# --- actions, run in order by reconciler.act -----------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class DeleteGroup:
-    """Every pod of one replica, in one request; `force`: pods on a lost node (grace 0)."""
-    replica: int
-    force: tuple[str, ...] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class DeletePods:
-    names: tuple[str, ...]
-    force: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class ApplyShared:
-    """The per-model objects; the plan ConfigMap among them is where the plan is stored."""
-    plan: ShardPlan
-
-
-@dataclasses.dataclass(frozen=True)
-class SaveGroups:
-    """The group records (and the plan summary) into status, before pods that depend on them exist."""
-    plan: ShardPlan | None
-    groups: tuple[ReplicaGroupStatus, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class CreatePods:
-    """One replica's pods of one attempt (`stages`: only these; None: all)."""
-    replica: int
-    attempt: int
-    plan: ShardPlan
-    stages: tuple[int, ...] | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class CreateProbe:
-    """The short-lived pod that reads the model's shape where the model lives."""
-
-
-Action = Union[DeleteGroup, DeletePods, ApplyShared, SaveGroups, CreatePods, CreateProbe]
-
-
-@dataclasses.dataclass(frozen=True)
-class Event:
-    type: str      # Normal | Warning
-    reason: str
-    message: str
-
-
-@dataclasses.dataclass(frozen=True)
-class World:
-    """The cluster as the watches see it: nodes by name, and every live pod holding GPUs."""
-    nodes: Mapping[str, Mapping[str, Any]]
-    gpu_pods: Sequence[Mapping[str, Any]] = ()
-
-
-@dataclasses.dataclass
-class Decision:
-    actions: list[Action]
-    groups: dict[int, ReplicaGroupStatus]
-    plan: ShardPlan | None                 # the plan in effect after this pass
-    events: list[Event]
-    requeue_after: float = STEADY_REQUEUE
-    invalid: str = ""                      # why the spec cannot run (terminal until it changes)
-    finished: bool = False                 # a training job that did every step
-    facts: ModelFactsStatus | None = None  # the model's shape as read, for status
-    recovered: list[float] = dataclasses.field(default_factory=list)   # failure -> Ready again, seconds
-    recoveries: list[str] = dataclasses.field(default_factory=list)    # causes of the groups torn down now
-    plan_seconds: float | None = None
-    size: int | None = None                # the replicas the model runs with (a training job: maybe fewer)
-
-    def new_pods(self) -> list[CreatePods]:
-        return [a for a in self.actions if isinstance(a, CreatePods)]
 
 
 # --- the pass ------------------------------------------------------------------------------------
@@ -379,11 +307,11 @@ def _judge(d: _Draft, r: int, job_step: recovery.Step | None) -> None:
     d.groups[r] = step.group
     if step.event == "GroupReady":
         _note_recovered(d, r, before)
-    if step.action in ("teardown", "fail"):
+    if step.action in (StepAction.TEARDOWN, StepAction.FAIL):
         _tear_down(d, r, step)
-    elif step.action == "replan":
+    elif step.action == StepAction.REPLAN:
         d.replan.append(r)
-    elif step.action == "create":
+    elif step.action == StepAction.CREATE:
         assert d.plan is not None
         d.apply_shared()
         d.act(CreatePods(r, step.group.attempt, d.plan, verdict.missing))
@@ -404,12 +332,9 @@ def _note_recovered(d: _Draft, r: int, before: GroupPhase) -> None:
 def _tear_down(d: _Draft, r: int, step: recovery.Step) -> None:
     """Delete the whole group; pods on a lost node are force-deleted (their kubelet will not answer)."""
     g = d.groups[r]
-    lost = tuple(p["metadata"]["name"] for p in d.pods.get(r, [])
-                 if (p.get("spec") or {}).get("nodeName")
-                 and not recovery.node_ready(d.world.nodes.get(p["spec"]["nodeName"])))
-    d.act(DeleteGroup(r, force=lost))
+    d.act(DeleteGroup(r, force=_on_lost_nodes(d, d.pods.get(r, []))))
     d.pods[r] = []
-    if step.action == "teardown":
+    if step.action == StepAction.TEARDOWN:
         if step.event:
             d.recoveries.append(step.cause or "pod-failed")
             d.event("Warning", "Recovering", f"{d.workload.who(r)}: {step.reason}; "
@@ -529,9 +454,7 @@ def _live(pods: Sequence[Mapping[str, Any]]) -> bool:
 def _previous_run_stopping(d: _Draft) -> int:
     """Pods of the job's previous run that still exist (observed: deleted this pass, or stopping) on
     Ready nodes. Those on a lost node are force-deleted (their kubelet will not answer): not waited for."""
-    stranded = tuple(p["metadata"]["name"] for pods in d.state.pods.values() for p in pods
-                     if (p.get("spec") or {}).get("nodeName")
-                     and not recovery.node_ready(d.world.nodes.get(p["spec"]["nodeName"])))
+    stranded = _on_lost_nodes(d, [p for pods in d.state.pods.values() for p in pods])
     if stranded:
         d.act(DeletePods(stranded, force=True))
     return sum(len(pods) for pods in d.state.pods.values()) - len(stranded)
@@ -556,7 +479,7 @@ def _cannot_plan(d: _Draft, error: planning.PlanFailure) -> None:
             d.event("Warning", "NoFeasiblePlan", f"replica {r}: {message}")
     if invalid:
         d.invalid = message
-        said = status.condition(d.state.status.get("conditions"), "Planned") or {}
+        said = condition(d.state.status.get("conditions"), "Planned") or {}
         if said.get("reason") != "InvalidSpec" or said.get("message") != message:
             d.event("Warning", "InvalidSpec", message)
     d.requeue_in(STEADY_REQUEUE if invalid else NOT_READY_REQUEUE * 2)
@@ -618,40 +541,17 @@ def _remove_leftovers(d: _Draft) -> None:
         if g.phase not in SETTLED:
             d.requeue_in(NOT_READY_REQUEUE)
         leftovers = tuple(p["metadata"]["name"] for p in d.pods.get(r, [])
-                          if p["metadata"]["labels"].get(renderer.LABEL_ATTEMPT) != str(g.attempt)
+                          if p["metadata"]["labels"].get(names.LABEL_ATTEMPT) != str(g.attempt)
                           and not p["metadata"].get("deletionTimestamp"))
         if leftovers:
             d.act(DeletePods(leftovers, force=True))
 
 
-# --- plan helpers ----------------------------------------------------------------------------------
+# --- helpers ----------------------------------------------------------------------------------------
 
-def planned(plan: ShardPlan | None) -> set[int]:
-    return {p.replica for p in plan.placements} if plan is not None else set()
-
-
-def merge_plan(base: ShardPlan | None, new: ShardPlan, replicas: set[int]) -> ShardPlan:
-    """`new` for `replicas`, and `base` for the others when it has the same layout."""
-    same = base is not None and (base.tensor, base.pipeline, base.num_layers) == (new.tensor, new.pipeline,
-                                                                                  new.num_layers)
-    keep = [p for p in base.placements if p.replica not in replicas] if same and base else []
-    kept_groups = [g for g in base.groups if g.replica not in replicas] if same and base else []
-    placements = keep + [p for p in new.placements if p.replica in replicas]
-    groups = sorted(kept_groups + [g for g in new.groups if g.replica in replicas], key=lambda g: g.replica)
-    return new.model_copy(update={"placements": placements, "groups": groups,
-                                  "replicas": len({p.replica for p in placements}),
-                                  "cost": sum(g.cost for g in groups)})
-
-
-def drop_replicas(plan: ShardPlan | None, replicas: set[int]) -> ShardPlan | None:
-    """The plan without `replicas` (possibly with no placements left: the layout stays stored)."""
-    if plan is None:
-        return None
-    placements = [p for p in plan.placements if p.replica not in replicas]
-    groups = [g for g in plan.groups if g.replica not in replicas]
-    return plan.model_copy(update={"placements": placements, "groups": groups,
-                                   "replicas": len({p.replica for p in placements}),
-                                   "cost": sum(g.cost for g in groups)})
+def _on_lost_nodes(d: _Draft, pods: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
+    """Names of the pods on a lost node: force-deleted, since their kubelet will not answer."""
+    return tuple(p["metadata"]["name"] for p in pods if recovery.on_lost_node(p, d.world.nodes))
 
 
 def _others_serving(groups: Mapping[int, ReplicaGroupStatus], r: int, desired: int) -> bool:
@@ -663,8 +563,8 @@ def _others_serving(groups: Mapping[int, ReplicaGroupStatus], r: int, desired: i
 
 
 def _outdated_pods(pods: list[dict], attempt: int, spec_hash: str) -> bool:
-    live = [p for p in pods if p["metadata"]["labels"].get(renderer.LABEL_ATTEMPT) == str(attempt)]
-    return any(p["metadata"]["labels"].get(renderer.LABEL_SPEC_HASH) not in (None, spec_hash) for p in live)
+    live = [p for p in pods if p["metadata"]["labels"].get(names.LABEL_ATTEMPT) == str(attempt)]
+    return any(p["metadata"]["labels"].get(names.LABEL_SPEC_HASH) not in (None, spec_hash) for p in live)
 
 
 def _placement_line(plan: ShardPlan, r: int, attempt: int) -> str:

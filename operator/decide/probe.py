@@ -13,18 +13,18 @@ import hashlib
 import json
 from typing import Any, Mapping
 
+from shardwise.crds import names
 from shardwise.crds.models import ShardedModel
 from shardwise.crds.modelshape import ModelFacts, ModelFactsError
 from shardwise.operator.decide import recovery
 from shardwise.operator.render import renderer
 
-LABEL_ROLE = "shardwise.dev/role"
 ROLE = "model-probe"
 DEADLINE_SECONDS = 300      # a probe that hangs (a stuck volume) fails instead of waiting forever
 
 
 def is_probe(pod: Mapping[str, Any]) -> bool:
-    return (pod["metadata"].get("labels") or {}).get(LABEL_ROLE) == ROLE
+    return (pod["metadata"].get("labels") or {}).get(names.LABEL_ROLE) == ROLE
 
 
 def pod_name(model: str, uri: str) -> str:
@@ -54,7 +54,7 @@ def render(model: ShardedModel, default_image: str) -> dict:
         pod_spec["nodeSelector"] = dict(spec.placement.node_selector)
     if spec.placement.tolerations:
         pod_spec["tolerations"] = [t.to_api() for t in spec.placement.tolerations]
-    labels = {**renderer.model_labels(model.name), LABEL_ROLE: ROLE}
+    labels = {**renderer.model_labels(model.name), names.LABEL_ROLE: ROLE}
     meta = {"name": pod_name(model.name, spec.model.uri), "namespace": model.namespace, "labels": labels,
             "ownerReferences": [renderer.owner_reference(model)]}
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 from datetime import datetime, timezone
+from enum import Enum
 from typing import Any, Iterable, Mapping
 
+from shardwise.crds import names
 from shardwise.crds.models import GroupPhase, Recovery, ReplicaGroupStatus
-from shardwise.operator.render.renderer import ANNOTATION_PLANNED_NODE, LABEL_ATTEMPT, LABEL_STAGE
 
 CREATING, STARTING, READY, RECOVERING, PENDING, FAILED, SUCCEEDED, OUTDATED = (
     GroupPhase.CREATING, GroupPhase.STARTING, GroupPhase.READY, GroupPhase.RECOVERING, GroupPhase.PENDING,
@@ -61,10 +62,21 @@ class Policy:
         return min(self.max_backoff_seconds, self.backoff_seconds * 2 ** max(0, restarts - 1))
 
 
+class GroupHealth(str, Enum):
+    """What the pods of a group's current attempt say about it (Verdict.state)."""
+
+    MISSING = "missing"              # a stage's pod does not exist
+    FAILED = "failed"                # a pod failed, was deleted, or its node is lost
+    UNSCHEDULABLE = "unschedulable"  # a pod could not be placed for longer than the grace period
+    STARTING = "starting"            # every pod exists, not all Ready yet
+    READY = "ready"                  # every pod Ready
+    SUCCEEDED = "succeeded"          # training: every pod exited 0
+
+
 @dataclasses.dataclass(frozen=True)
 class Verdict:
     """What the pods of a group's current attempt say. `failure` is one line naming the pod and why."""
-    state: str  # "missing" | "failed" | "unschedulable" | "starting" | "ready" | "succeeded"
+    state: GroupHealth
     failure: str = ""
     missing: tuple[int, ...] = ()  # stages whose pod does not exist
     ready: int = 0                 # pods Ready
@@ -104,15 +116,17 @@ def unschedulable_message(pod: Mapping[str, Any]) -> str:
     return u[0] if u else ""
 
 
-def pod_failure(pod: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]], completes: bool = False) -> str:
-    """Why this pod ends its group, or "" when it does not. `completes`: the pod runs to an end
-    (training), so exiting 0 is its success, not a failure."""
-    return _pod_failure(pod, nodes, completes)[1]
+def on_lost_node(pod: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]]) -> bool:
+    """The pod is bound to a node that is NotReady or gone: its kubelet will not answer, so the pod
+    is force-deleted rather than waited for."""
+    node = (pod.get("spec") or {}).get("nodeName")
+    return bool(node) and not node_ready(nodes.get(node))
 
 
 def _pod_failure(pod: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]],
                  completes: bool) -> tuple[str, str]:
-    """(cause, one line) of what ends this pod's group, or ("", "")."""
+    """(cause, one line) of what ends this pod's group, or ("", ""). `completes`: the pod runs to an
+    end (training), so exiting 0 is its success, not a failure."""
     name = pod["metadata"]["name"]
     status = pod.get("status", {}) or {}
     if status.get("phase") == "Failed":
@@ -127,7 +141,7 @@ def _pod_failure(pod: Mapping[str, Any], nodes: Mapping[str, Mapping[str, Any]],
         # Not bound yet, and the node it is pinned to went away meanwhile (a group re-planned in the
         # seconds before a lost node is marked NotReady): it would only wait out the unschedulable
         # grace, so re-plan at once.
-        node = (pod["metadata"].get("annotations") or {}).get(ANNOTATION_PLANNED_NODE)
+        node = (pod["metadata"].get("annotations") or {}).get(names.ANNOTATION_PLANNED_NODE)
         of = f"planned for pod {name}"
     else:
         of = f"of pod {name}"
@@ -170,31 +184,31 @@ def assess(pods: Iterable[Mapping[str, Any]], attempt: int, stages: int,
     by_stage: dict[int, Mapping[str, Any]] = {}
     for pod in pods:
         labels = pod["metadata"].get("labels", {})
-        if labels.get(LABEL_ATTEMPT) != str(attempt):
+        if labels.get(names.LABEL_ATTEMPT) != str(attempt):
             continue
-        by_stage[int(labels[LABEL_STAGE])] = pod
+        by_stage[int(labels[names.LABEL_STAGE])] = pod
     missing = tuple(s for s in range(stages) if s not in by_stage)
     done = {s for s, p in by_stage.items() if (p.get("status") or {}).get("phase") == "Succeeded"}
     if completes and not missing and len(done) == stages:
-        return Verdict("succeeded", "", (), stages)  # training finished on every rank
+        return Verdict(GroupHealth.SUCCEEDED, "", (), stages)  # training finished on every rank
     for s in sorted(by_stage):
         cause, why = _pod_failure(by_stage[s], nodes, completes)
         if why:
-            return Verdict("failed", why, missing, cause=cause)
+            return Verdict(GroupHealth.FAILED, why, missing, cause=cause)
     ready = sum(pod_ready(p) or (completes and s in done) for s, p in by_stage.items())
     if missing:
-        return Verdict("missing", f"pod of stage {missing[0]} is missing", missing, ready, cause="pod-deleted")
+        return Verdict(GroupHealth.MISSING, f"pod of stage {missing[0]} is missing", missing, ready, cause="pod-deleted")
     for s in sorted(by_stage):
         u = _unschedulable(by_stage[s])
         if u:
             message, since = u
             waited = (now - since).total_seconds() if since else 0.0
             if waited >= policy.unschedulable_grace_seconds:
-                return Verdict("unschedulable", f"pod {by_stage[s]['metadata']['name']} cannot be scheduled: "
+                return Verdict(GroupHealth.UNSCHEDULABLE, f"pod {by_stage[s]['metadata']['name']} cannot be scheduled: "
                                                 f"{message}", (), ready, cause="unschedulable")
     if ready == stages:
-        return Verdict("ready", "", (), ready)
-    return Verdict("starting", "", (), ready)
+        return Verdict(GroupHealth.READY, "", (), ready)
+    return Verdict(GroupHealth.STARTING, "", (), ready)
 
 
 def gang_verdict(verdicts: Iterable[Verdict]) -> Verdict:
@@ -202,23 +216,33 @@ def gang_verdict(verdicts: Iterable[Verdict]) -> Verdict:
     torch.distributed world): the first failure fails them all; done when all are done."""
     verdicts = list(verdicts)
     for v in verdicts:
-        if v.state in ("failed", "unschedulable"):
+        if v.state in (GroupHealth.FAILED, GroupHealth.UNSCHEDULABLE):
             return v
     ready = sum(v.ready for v in verdicts)
-    if all(v.state == "succeeded" for v in verdicts):
-        return Verdict("succeeded", "", (), ready)
-    missing = next((v for v in verdicts if v.state == "missing"), None)
+    if all(v.state == GroupHealth.SUCCEEDED for v in verdicts):
+        return Verdict(GroupHealth.SUCCEEDED, "", (), ready)
+    missing = next((v for v in verdicts if v.state == GroupHealth.MISSING), None)
     if missing is not None:
-        return Verdict("missing", missing.failure, missing.missing, ready, cause=missing.cause)
-    if all(v.state in ("ready", "succeeded") for v in verdicts):
-        return Verdict("ready", "", (), ready)
-    return Verdict("starting", "", (), ready)
+        return Verdict(GroupHealth.MISSING, missing.failure, missing.missing, ready, cause=missing.cause)
+    if all(v.state in (GroupHealth.READY, GroupHealth.SUCCEEDED) for v in verdicts):
+        return Verdict(GroupHealth.READY, "", (), ready)
+    return Verdict(GroupHealth.STARTING, "", (), ready)
+
+
+class StepAction(str, Enum):
+    """What a group's step asks of the pass (Step.action)."""
+
+    NONE = "none"            # nothing now (maybe a requeue)
+    CREATE = "create"        # create the group's missing pods
+    TEARDOWN = "teardown"    # delete the group; it is re-planned after the backoff
+    REPLAN = "replan"        # plan the group afresh
+    FAIL = "fail"            # delete the group; its restart budget is spent
 
 
 @dataclasses.dataclass
 class Step:
     """What the reconciler must do for one group, and the group record to store afterwards."""
-    action: str                    # "none" | "create" | "teardown" | "replan" | "fail"
+    action: StepAction
     group: ReplicaGroupStatus
     reason: str = ""               # one line for the condition and the Event
     event: str = ""                # Event reason when this step is a transition worth reporting
@@ -235,34 +259,35 @@ def decide(group: ReplicaGroupStatus, verdict: Verdict, now: datetime, policy: P
     """
     g = group.model_copy()
     if g.phase in (FAILED, SUCCEEDED):
-        return Step("none", g)
-    if verdict.state == "succeeded":
+        return Step(StepAction.NONE, g)
+    if verdict.state == GroupHealth.SUCCEEDED:
         g.phase = SUCCEEDED
-        return Step("none", g, event="Succeeded")
+        return Step(StepAction.NONE, g, event="Succeeded")
 
     if g.phase == RECOVERING:
         # The group was torn down when the failure was seen; recreate it once the backoff has passed.
         until = parse_iso(g.retry_at)
         if until and now < until:
-            return Step("none", g, requeue_after=(until - now).total_seconds())
-        return Step("replan", g, g.last_failure or "")
+            return Step(StepAction.NONE, g, requeue_after=(until - now).total_seconds())
+        return Step(StepAction.REPLAN, g, g.last_failure or "")
 
     if g.phase == PENDING:
-        return Step("replan", g, g.last_failure or "")
+        return Step(StepAction.REPLAN, g, g.last_failure or "")
 
-    if verdict.state in ("failed", "unschedulable") or (verdict.state == "missing" and g.phase in (STARTING, READY)):
+    if verdict.state in (GroupHealth.FAILED, GroupHealth.UNSCHEDULABLE) or (
+            verdict.state == GroupHealth.MISSING and g.phase in (STARTING, READY)):
         return _failed(g, verdict, now, policy)
 
-    if verdict.state == "missing":
+    if verdict.state == GroupHealth.MISSING:
         g.phase = CREATING
-        return Step("create", g)
-    if verdict.state == "ready":
+        return Step(StepAction.CREATE, g)
+    if verdict.state == GroupHealth.READY:
         if g.phase != READY:
             g.phase, g.ready_since = READY, iso(now)
-            return Step("none", g, event="GroupReady")
-        return Step("none", g)
+            return Step(StepAction.NONE, g, event="GroupReady")
+        return Step(StepAction.NONE, g)
     g.phase = STARTING  # starting
-    return Step("none", g)
+    return Step(StepAction.NONE, g)
 
 
 def _failed(g: ReplicaGroupStatus, verdict: Verdict, now: datetime, policy: Policy) -> Step:
@@ -271,9 +296,9 @@ def _failed(g: ReplicaGroupStatus, verdict: Verdict, now: datetime, policy: Poli
     g.failed_at = g.failed_at or iso(now)
     if g.restarts > policy.max_restarts:
         g.phase = FAILED
-        return Step("fail", g, f"replica {g.replica} gave up after {policy.max_restarts} restarts; "
+        return Step(StepAction.FAIL, g, f"replica {g.replica} gave up after {policy.max_restarts} restarts; "
                                f"last failure: {verdict.failure}", event="RestartBudgetExhausted")
     g.phase = RECOVERING
     delay = policy.backoff(g.restarts)
     g.retry_at = iso(datetime.fromtimestamp(now.timestamp() + delay, timezone.utc))
-    return Step("teardown", g, verdict.failure, event="Recovering", requeue_after=delay, cause=verdict.cause)
+    return Step(StepAction.TEARDOWN, g, verdict.failure, event="Recovering", requeue_after=delay, cause=verdict.cause)

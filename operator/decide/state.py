@@ -17,6 +17,7 @@ from typing import Any, Mapping
 
 from pydantic import ValidationError
 
+from shardwise.crds import names
 from shardwise.crds.models import (ModelFactsStatus, ReplicaGroupStatus, ShardedModel, ShardedModelSpec,
                                    describe_validation_error)
 from shardwise.crds.modelshape import ModelFacts, ModelFactsError, from_hints, resolve
@@ -94,7 +95,7 @@ def parse_state(body: Mapping[str, Any], pods: list[dict], configmap: Mapping[st
         if probe.is_probe(pod):
             probe_pod = pod
             continue
-        replica = int(pod["metadata"]["labels"].get(renderer.LABEL_REPLICA, -1))
+        replica = int(pod["metadata"]["labels"].get(names.LABEL_REPLICA, -1))
         replica_pods.setdefault(replica, []).append(pod)
     local, error = _local_facts(spec)
     return ModelState(**base, model=ShardedModel(metadata=dict(meta), spec=spec),

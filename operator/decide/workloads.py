@@ -11,13 +11,15 @@ training.minReplicas, when capacity is short - elastic.py - growing back when it
 layout, replica count or spec restarts the whole job, which resumes from its latest complete
 checkpoint; 0 replicas pauses it; it ends Succeeded.
 
-`decisions.decide()` asks the workload instead of branching on `spec.workload`.
+`decisions.decide()` and decide/status.py ask the workload instead of branching on `spec.workload`
+(crds Workload, which render/ and planning/ read directly: they may not import decide/).
 """
 from __future__ import annotations
 
 from typing import Iterable
 
-from shardwise.crds.models import GroupPhase, ReplicaGroupStatus, ShardedModelSpec
+from shardwise.crds.models import GroupPhase, ModelPhase, ReplicaGroupStatus, ShardedModelSpec
+from shardwise.crds.models import Workload as WorkloadKind
 
 
 class Workload:
@@ -39,7 +41,7 @@ class Workload:
     def restarts(self, groups: Iterable[ReplicaGroupStatus]) -> int:
         return sum(g.restarts for g in groups)
 
-    def model_phase(self, phase: str, finished: bool, desired: int) -> tuple[str, str | None]:
+    def model_phase(self, phase: ModelPhase, finished: bool, desired: int) -> tuple[ModelPhase, str | None]:
         """The model's phase (and a message overriding the usual one) from the groups' phase."""
         return phase, None
 
@@ -66,13 +68,13 @@ class TrainingJob(Workload):
         # The replicas restart together: one restart of the job, not one per replica.
         return max((g.restarts for g in groups), default=0)
 
-    def model_phase(self, phase: str, finished: bool, desired: int) -> tuple[str, str | None]:
+    def model_phase(self, phase: ModelPhase, finished: bool, desired: int) -> tuple[ModelPhase, str | None]:
         if finished:
-            return "Succeeded", None
+            return ModelPhase.SUCCEEDED, None
         if desired == 0:
-            return "Pending", "paused at 0 replicas; scale up to resume from the last checkpoint"
-        if phase == "Ready":
-            return "Running", None
+            return ModelPhase.PENDING, "paused at 0 replicas; scale up to resume from the last checkpoint"
+        if phase == ModelPhase.READY:
+            return ModelPhase.RUNNING, None
         return phase, None
 
 
@@ -80,7 +82,7 @@ SERVING, TRAINING = Workload(), TrainingJob()
 
 
 def workload_of(spec: ShardedModelSpec) -> Workload:
-    return TRAINING if spec.workload == "training" else SERVING
+    return TRAINING if spec.workload == WorkloadKind.TRAINING else SERVING
 
 
 def finished(groups: Iterable[ReplicaGroupStatus]) -> bool:

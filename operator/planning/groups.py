@@ -1,4 +1,5 @@
-"""How the operator asks the pure planner for replica groups.
+"""Planning replica groups: how the operator asks the planner for a ShardPlan of some groups while
+the others keep theirs, and how the stored plan is merged with it or loses replicas.
 
 The planner (planner.plan) takes the spec, the model facts, the inventory and placements to keep. The
 operator plans only the groups that need it - a new model, a scaled-up replica, a group recovering
@@ -10,12 +11,12 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, Sequence
 
+from shardwise.crds import names
 from shardwise.crds.models import ShardedModelSpec
 from shardwise.crds.modelshape import ModelFacts
 from shardwise.crds.plan import ShardPlan, StagePlacement
 from shardwise.operator.planning import inventory
 from shardwise.operator.planning import planner
-from shardwise.operator.render.renderer import LABEL_MODEL, LABEL_REPLICA
 
 
 class PlanFailure(Exception):
@@ -48,8 +49,8 @@ def plan_groups(spec: ShardedModelSpec, facts: ModelFacts, namespace: str, model
 
     def own(p: Mapping[str, Any]) -> bool:
         labels = p.get("metadata", {}).get("labels") or {}
-        return (p.get("metadata", {}).get("namespace") == namespace and labels.get(LABEL_MODEL) == model
-                and labels.get(LABEL_REPLICA, "") in mine)
+        return (p.get("metadata", {}).get("namespace") == namespace and labels.get(names.LABEL_MODEL) == model
+                and labels.get(names.LABEL_REPLICA, "") in mine)
     pods = list(pods)
     infos = inventory.build(nodes.values(), pods, spec.gpu.resource_name, ignore_pod=own)
     if kept and not same_layout:
@@ -139,3 +140,30 @@ def _renumber(plan: ShardPlan, kept: set[int], wanted: list[int]) -> ShardPlan:
                                    "cost": sum(g.cost for g in groups)})
 
 
+def planned(plan: ShardPlan | None) -> set[int]:
+    """The replicas a plan places."""
+    return {p.replica for p in plan.placements} if plan is not None else set()
+
+
+def merge_plan(base: ShardPlan | None, new: ShardPlan, replicas: set[int]) -> ShardPlan:
+    """`new` for `replicas`, and `base` for the others when it has the same layout."""
+    same = base is not None and (base.tensor, base.pipeline, base.num_layers) == (new.tensor, new.pipeline,
+                                                                                  new.num_layers)
+    keep = [p for p in base.placements if p.replica not in replicas] if same and base else []
+    kept_groups = [g for g in base.groups if g.replica not in replicas] if same and base else []
+    placements = keep + [p for p in new.placements if p.replica in replicas]
+    groups = sorted(kept_groups + [g for g in new.groups if g.replica in replicas], key=lambda g: g.replica)
+    return new.model_copy(update={"placements": placements, "groups": groups,
+                                  "replicas": len({p.replica for p in placements}),
+                                  "cost": sum(g.cost for g in groups)})
+
+
+def drop_replicas(plan: ShardPlan | None, replicas: set[int]) -> ShardPlan | None:
+    """The plan without `replicas` (possibly with no placements left: the layout stays stored)."""
+    if plan is None:
+        return None
+    placements = [p for p in plan.placements if p.replica not in replicas]
+    groups = [g for g in plan.groups if g.replica not in replicas]
+    return plan.model_copy(update={"placements": placements, "groups": groups,
+                                   "replicas": len({p.replica for p in placements}),
+                                   "cost": sum(g.cost for g in groups)})

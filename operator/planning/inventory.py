@@ -1,7 +1,8 @@
 """Node inventory: which nodes could hold a ShardedModel's pods, how many GPUs each has free, and
 where each sits in the topology.
 
-Input is what `kubectl get nodes,pods -A -o yaml` prints (dicts), or kubernetes client objects.
+Input is what `kubectl get nodes,pods -A -o yaml` prints, as dicts (cli/plan.py turns the client
+objects it reads from a cluster into the same dicts).
 A node's free GPUs are its allocatable GPUs minus those requested by pods bound to it that have not
 finished. `usable()` then keeps the nodes a given spec may use and counts why the others were left
 out, so an infeasible plan can say so in one sentence.
@@ -15,10 +16,8 @@ from typing import Any, Callable, Iterable, Mapping
 
 import yaml
 
+from shardwise.crds import names
 from shardwise.crds.models import DEFAULT_GPU_RESOURCE, ShardedModelSpec, parse_quantity
-
-GPU_MEMORY_LABEL = "nvidia.com/gpu.memory"    # MiB, as GPU feature discovery writes it
-GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 
 
 @dataclass(frozen=True)
@@ -45,14 +44,7 @@ class NodeInfo:
 
     @property
     def product(self) -> str:
-        return self.labels.get(GPU_PRODUCT_LABEL, "")
-
-
-def _as_dict(obj: Any) -> dict[str, Any]:
-    if isinstance(obj, dict):
-        return obj
-    from kubernetes.client import ApiClient  # only for client objects; dicts need no kubernetes
-    return ApiClient().sanitize_for_serialization(obj)
+        return self.labels.get(names.GPU_PRODUCT_LABEL, "")
 
 
 def _int_quantity(value: Any) -> int:
@@ -80,7 +72,7 @@ def node_info(node: Mapping[str, Any], used: int = 0, resource_name: str = DEFAU
     labels = dict(meta.get("labels") or {})
     allocatable = (status.get("allocatable") or status.get("capacity") or {}).get(resource_name, 0)
     ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
-    memory_mib = labels.get(GPU_MEMORY_LABEL, "")
+    memory_mib = labels.get(names.GPU_MEMORY_LABEL, "")
     taints = tuple(Taint(t.get("key", ""), t.get("value") or "", t.get("effect", "NoSchedule"))
                    for t in spec.get("taints") or [])
     return NodeInfo(name=meta.get("name", ""), labels=labels, gpus=_int_quantity(allocatable), used=used,
@@ -88,7 +80,7 @@ def node_info(node: Mapping[str, Any], used: int = 0, resource_name: str = DEFAU
                     ready=ready, unschedulable=bool(spec.get("unschedulable")), taints=taints)
 
 
-def build(nodes: Iterable[Any], pods: Iterable[Any] = (), resource_name: str = DEFAULT_GPU_RESOURCE,
+def build(nodes: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]] = (), resource_name: str = DEFAULT_GPU_RESOURCE,
           ignore_pod: Callable[[Mapping[str, Any]], bool] | None = None) -> list[NodeInfo]:
     """NodeInfo for every node, GPUs held by live pods subtracted.
 
@@ -96,13 +88,13 @@ def build(nodes: Iterable[Any], pods: Iterable[Any] = (), resource_name: str = D
     whose kept placements the planner subtracts itself.
     """
     used: Counter[str] = Counter()
-    for pod in map(_as_dict, pods):
+    for pod in pods:
         if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
             continue
         node_name = (pod.get("spec") or {}).get("nodeName")
         if node_name and not (ignore_pod and ignore_pod(pod)):
             used[node_name] += pod_gpus(pod, resource_name)
-    infos = [node_info(n, 0, resource_name) for n in map(_as_dict, nodes)]
+    infos = [node_info(n, 0, resource_name) for n in nodes]
     return sorted((NodeInfo(**{**i.__dict__, "used": used[i.name]}) for i in infos), key=lambda i: i.name)
 
 

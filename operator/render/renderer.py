@@ -2,7 +2,7 @@
 
 One Pod per (replica, pipeline stage), pinned to the planned node and asking for `tensor` GPUs; a
 headless Service through which a replica's ranks find stage 0 (rendezvous); a serving Service in front
-of every replica's stage 0; a ConfigMap with the pod contract (crds/contract.py) as plan.json; a
+of every replica's stage 0; a ConfigMap with the pod contract (crds/contract.py) as contract.json; a
 PodDisruptionBudget. Every object carries an ownerReference to the ShardedModel, so deleting the model
 garbage-collects all of it.
 
@@ -21,28 +21,12 @@ import hashlib
 import json
 from typing import Any, Mapping
 
-from pydantic import ValidationError
-
+from shardwise.crds import names
 from shardwise.crds.contract import (SERVING_GRACE_SECONDS, ContractError, ModelContract, PodContract,
                                      ServingContract)
-from shardwise.crds.models import Serving, ShardedModel, ShardedModelSpec
+from shardwise.crds.models import API_VERSION, KIND, Serving, ShardedModel, ShardedModelSpec, Workload, parse_pvc
 from shardwise.crds.plan import ShardPlan, StagePlacement
 
-API_VERSION = "shardwise.dev/v1alpha1"
-KIND = "ShardedModel"
-
-LABEL_MODEL = "shardwise.dev/model"
-LABEL_REPLICA = "shardwise.dev/replica"
-LABEL_STAGE = "shardwise.dev/stage"
-LABEL_PLAN_HASH = "shardwise.dev/plan-hash"
-LABEL_ATTEMPT = "shardwise.dev/attempt"
-LABEL_SPEC_HASH = "shardwise.dev/spec-hash"
-LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
-ANNOTATION_PLANNED_NODE = "shardwise.dev/planned-node"   # where the plan put a pod not bound yet
-MANAGED_BY = "shardwise"
-
-PLAN_MOUNT = "/etc/shardwise"
-PLAN_FILE = "plan.json"        # the pod contract; the key and file name of the days it was a bare plan
 MODEL_MOUNT = "/models"
 DATA_MOUNT = "/data"
 TERMINATION_LOG = "/dev/termination-log"
@@ -132,8 +116,8 @@ def owner_reference(model: ShardedModel) -> dict:
 
 
 def model_labels(model: str) -> dict[str, str]:
-    return {LABEL_MODEL: model, LABEL_MANAGED_BY: MANAGED_BY,
-            "app.kubernetes.io/name": "shardwise-worker", "app.kubernetes.io/instance": model}
+    return {names.LABEL_MODEL: model, names.LABEL_MANAGED_BY: names.MANAGED_BY,
+            names.LABEL_APP_NAME: "shardwise-worker", names.LABEL_APP_INSTANCE: model}
 
 
 def _meta(model: ShardedModel, name: str, labels: dict[str, str]) -> dict:
@@ -148,8 +132,9 @@ def model_volume(uri: str, name: str = "model", root: str = MODEL_MOUNT) -> tupl
 
     `pvc://claim/sub/path` mounts the claim read-only at <root>/claim; any other uri is a path that
     already exists in the image or on the node and is passed through unchanged."""
-    if uri.startswith("pvc://"):
-        claim, _, sub = uri[len("pvc://"):].partition("/")
+    pvc = parse_pvc(uri)
+    if pvc is not None:
+        claim, sub = pvc
         mount = f"{root}/{claim}"
         volume = {"name": name, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
         return (f"{mount}/{sub}" if sub else mount), volume, {"name": name, "mountPath": mount,
@@ -181,18 +166,13 @@ def plan_from_configmap(configmap: Mapping[str, Any] | None) -> ShardPlan | None
     """The plan the pods were last given, read back from the model's ConfigMap; None when there is
     none or it cannot be read (the caller plans afresh).
 
-    Only the plan: the rest of the contract is the spec's, rendered again on every pass. An older
-    operator's ConfigMap holds a bare ShardPlan, which is read too."""
-    text = ((configmap or {}).get("data") or {}).get(PLAN_FILE)
+    Only the plan: the rest of the contract is the spec's, rendered again on every pass."""
+    text = ((configmap or {}).get("data") or {}).get(names.CONTRACT_FILE)
     if not text:
         return None
     try:
         return PodContract.from_json(text).plan
     except ContractError:
-        pass
-    try:
-        return ShardPlan.model_validate_json(text)
-    except ValidationError:
         return None
 
 
@@ -208,12 +188,12 @@ WORKER_CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": 
 def render_pod(model: ShardedModel, plan: ShardPlan, placement: StagePlacement, attempt: int,
                default_image: str = DEFAULT_IMAGE) -> dict:
     r, s = placement.replica, placement.stage
-    labels = {**model_labels(model.name), LABEL_REPLICA: str(r), LABEL_STAGE: str(s),
-              LABEL_PLAN_HASH: replica_hash(plan, r), LABEL_ATTEMPT: str(attempt),
-              LABEL_SPEC_HASH: spec_hash(model.spec, default_image)}
+    labels = {**model_labels(model.name), names.LABEL_REPLICA: str(r), names.LABEL_STAGE: str(s),
+              names.LABEL_PLAN_HASH: replica_hash(plan, r), names.LABEL_ATTEMPT: str(attempt),
+              names.LABEL_SPEC_HASH: spec_hash(model.spec, default_image)}
     meta = _meta(model, pod_name(model.name, r, s, attempt), labels)
-    meta["annotations"] = {"shardwise.dev/layers": f"{placement.layer_start}-{placement.layer_end}",
-                           ANNOTATION_PLANNED_NODE: placement.node}
+    meta["annotations"] = {names.ANNOTATION_LAYERS: f"{placement.layer_start}-{placement.layer_end}",
+                           names.ANNOTATION_PLANNED_NODE: placement.node}
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta,
             "spec": _pod_spec(model, placement, attempt, default_image)}
 
@@ -224,7 +204,7 @@ def _rendezvous(model: ShardedModel, replica: int, attempt: int) -> tuple[str, i
     Inference: each replica is a world of its own. Training: one world over every replica (data
     parallel averages gradients across them), rendezvousing at replica 0's first stage; the
     replicas are created, torn down and re-planned together, so they share the attempt number."""
-    leader = 0 if model.spec.workload == "training" else replica
+    leader = 0 if model.spec.workload == Workload.TRAINING else replica
     return (master_addr(model.name, model.namespace, leader),
             master_port(model.namespace, model.name, leader, attempt))
 
@@ -232,12 +212,12 @@ def _rendezvous(model: ShardedModel, replica: int, attempt: int) -> tuple[str, i
 def _env(placement: StagePlacement, addr: str, port: int) -> list[dict]:
     """The pod's identity and rendezvous: all that differs between pods sharing one contract."""
     return [
-        {"name": "SHARDWISE_REPLICA", "value": str(placement.replica)},
-        {"name": "SHARDWISE_STAGE", "value": str(placement.stage)},
-        {"name": "MASTER_ADDR", "value": addr},
-        {"name": "MASTER_PORT", "value": str(port)},
-        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        {"name": names.ENV_REPLICA, "value": str(placement.replica)},
+        {"name": names.ENV_STAGE, "value": str(placement.stage)},
+        {"name": names.ENV_MASTER_ADDR, "value": addr},
+        {"name": names.ENV_MASTER_PORT, "value": str(port)},
+        {"name": names.ENV_POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": names.ENV_NODE_NAME, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
     ]
 
 
@@ -246,7 +226,7 @@ def _volumes(model: ShardedModel) -> tuple[list[dict], list[dict]]:
     checkpoint claim."""
     spec = model.spec
     volumes = [{"name": "plan", "configMap": {"name": configmap_name(model.name)}}]
-    mounts = [{"name": "plan", "mountPath": PLAN_MOUNT, "readOnly": True}]
+    mounts = [{"name": "plan", "mountPath": names.CONTRACT_MOUNT, "readOnly": True}]
     claims = [model_volume(spec.model.uri)[1:]]
     if spec.training is not None:
         claims.append(_data_volume(model)[1:])
@@ -295,7 +275,7 @@ def _container(model: ShardedModel, placement: StagePlacement, attempt: int, def
         "name": "worker",
         "image": model.spec.image or default_image,
         "command": ["shardwise", "worker"],
-        "args": ["--contract", f"{PLAN_MOUNT}/{PLAN_FILE}"],
+        "args": ["--contract", names.CONTRACT_PATH],
         "env": _env(placement, addr, rendezvous),
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"},
                   {"name": "rendezvous", "containerPort": rendezvous, "protocol": "TCP"}],
@@ -350,7 +330,7 @@ def render_headless_service(model: ShardedModel) -> dict:
     name = model.name
     return {"apiVersion": "v1", "kind": "Service",
             "metadata": _meta(model, headless_service_name(name), model_labels(name)),
-            "spec": {"clusterIP": "None", "selector": {LABEL_MODEL: name},
+            "spec": {"clusterIP": "None", "selector": {names.LABEL_MODEL: name},
                      # Ranks rendezvous before any of them is Ready.
                      "publishNotReadyAddresses": True,
                      "ports": [{"name": "rendezvous", "port": MASTER_PORT, "targetPort": "rendezvous"}]}}
@@ -360,16 +340,16 @@ def render_serving_service(model: ShardedModel) -> dict:
     name, port = model.name, model.spec.serving.port
     return {"apiVersion": "v1", "kind": "Service",
             "metadata": _meta(model, serving_service_name(name), model_labels(name)),
-            "spec": {"selector": {LABEL_MODEL: name, LABEL_STAGE: "0"},
+            "spec": {"selector": {names.LABEL_MODEL: name, names.LABEL_STAGE: "0"},
                      "ports": [{"name": "http", "port": port, "targetPort": port}]}}
 
 
 def render_configmap(model: ShardedModel, plan: ShardPlan) -> dict:
-    """The pod contract every pod of the model mounts at /etc/shardwise/plan.json."""
+    """The pod contract every pod of the model mounts at /etc/shardwise/contract.json."""
     meta = _meta(model, configmap_name(model.name), model_labels(model.name))
-    meta["annotations"] = {"shardwise.dev/plan-hash": plan_hash(plan)}
+    meta["annotations"] = {names.ANNOTATION_PLAN_HASH: plan_hash(plan)}
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta,
-            "data": {PLAN_FILE: pod_contract(model, plan).to_json()}}
+            "data": {names.CONTRACT_FILE: pod_contract(model, plan).to_json()}}
 
 
 def render_pdb(model: ShardedModel, replicas: int, pipeline: int) -> dict:
@@ -379,7 +359,7 @@ def render_pdb(model: ShardedModel, replicas: int, pipeline: int) -> dict:
 
     Always an integer minAvailable: with maxUnavailable or a percentage the disruption controller
     would ask the pods' controller (the ShardedModel) for its scale, which counts replicas, not pods."""
-    spec: dict[str, Any] = {"selector": {"matchLabels": {LABEL_MODEL: model.name}},
+    spec: dict[str, Any] = {"selector": {"matchLabels": {names.LABEL_MODEL: model.name}},
                             "minAvailable": max(0, replicas - 1) * pipeline}
     return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
             "metadata": _meta(model, pdb_name(model.name), model_labels(model.name)), "spec": spec}
@@ -391,16 +371,7 @@ def render_shared(model: ShardedModel, plan: ShardPlan) -> list[dict]:
     A training job has no API to serve, and no disruption budget: losing any of its pods stops
     the whole job (it resumes from the last checkpoint), and a budget that forbade that would
     block node drains for as long as the job runs."""
-    if model.spec.workload == "training":
+    if model.spec.workload == Workload.TRAINING:
         return [render_headless_service(model), render_configmap(model, plan)]
     return [render_headless_service(model), render_serving_service(model), render_configmap(model, plan),
             render_pdb(model, plan.replicas, plan.pipeline)]
-
-
-def render_all(model: ShardedModel, plan: ShardPlan, attempts: Mapping[int, int] | None = None,
-               default_image: str = DEFAULT_IMAGE) -> list[dict]:
-    attempts = attempts or {}
-    objects = render_shared(model, plan)
-    for r in sorted({p.replica for p in plan.placements}):
-        objects += render_replica_pods(model, plan, r, attempts.get(r, 0), default_image)
-    return objects

@@ -224,7 +224,7 @@ def test_create_ready_with_planned_placement_then_delete_collects_everything(kub
         res = pod["spec"]["containers"][0]["resources"]
         assert res["limits"]["nvidia.com/gpu"] == "8"
     assert {s["metadata"]["name"] for s in kube.get("services")["items"]} >= {"llama", "llama-ranks"}
-    plan_json = json.loads(kube.get("configmap", "llama-plan")["data"]["plan.json"])
+    plan_json = json.loads(kube.get("configmap", "llama-plan")["data"]["contract.json"])
     assert len(plan_json["plan"]["placements"]) == 4   # the pod contract: the whole plan and more
     assert kube.get("pdb", "llama")["spec"]["minAvailable"] == 2
 

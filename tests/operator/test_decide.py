@@ -12,25 +12,21 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
+from shardwise.crds import names
 from shardwise.crds.models import GroupPhase
 from shardwise.operator.decide import decisions
 from shardwise.operator.decide import probe
 from shardwise.operator.render import renderer
 from shardwise.operator.controller import report
+from shardwise.operator.decide import status
 from shardwise.operator.decide.decisions import World
 from shardwise.operator.decide.state import parse_state
+from tests.operator.builders import RACK
+from tests.operator.builders import k8s_node as node
 
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
-RACK = "topology.shardwise.dev/rack"
 LLAMA_8B = {"uri": "/models/llama-8b", "parameters": 8_000_000_000, "layers": 32, "heads": 32, "kvHeads": 8,
             "hiddenSize": 4096, "vocabSize": 128256}
-
-
-def node(name: str, rack: str = "a", gpus: int = 8, ready: bool = True) -> dict:
-    return {"metadata": {"name": name, "labels": {RACK: rack, "topology.kubernetes.io/zone": "z",
-                                                  "kubernetes.io/hostname": name}},
-            "spec": {}, "status": {"allocatable": {"nvidia.com/gpu": str(gpus)},
-                                   "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
 
 
 class Cluster:
@@ -54,8 +50,8 @@ class Cluster:
         d = decisions.decide(state, World(self.nodes, self._gpu_pods()), self.now)
         for action in d.actions:
             self._run(action, state)
-        new = report.build_status(state, d, {}, self.now)
-        event = report.phase_event(state, new)
+        new = status.build_status(state, d, {}, self.now)
+        event = status.phase_event(state, new)
         self.body["status"] = {k: v for k, v in {**self.body["status"], **new}.items() if v is not None}
         self.events += d.events + ([event] if event else [])
         self.decision = d
@@ -64,7 +60,7 @@ class Cluster:
     def _run(self, action, state) -> None:
         if isinstance(action, decisions.DeleteGroup):
             for key in [k for k, p in self.pods.items()
-                        if p["metadata"]["labels"].get(renderer.LABEL_REPLICA) == str(action.replica)]:
+                        if p["metadata"]["labels"].get(names.LABEL_REPLICA) == str(action.replica)]:
                 del self.pods[key]
         elif isinstance(action, decisions.DeletePods):
             for name in action.names:
@@ -77,7 +73,7 @@ class Cluster:
         elif isinstance(action, decisions.CreatePods):
             for pod in renderer.render_replica_pods(state.model, action.plan, action.replica, action.attempt,
                                                     "img:1"):
-                if action.stages is None or int(pod["metadata"]["labels"][renderer.LABEL_STAGE]) in action.stages:
+                if action.stages is None or int(pod["metadata"]["labels"][names.LABEL_STAGE]) in action.stages:
                     self.pods.setdefault(pod["metadata"]["name"], {**pod, "status": {"phase": "Pending"}})
         elif isinstance(action, decisions.CreateProbe):
             pod = probe.render(state.model, "img:1")
@@ -96,7 +92,7 @@ class Cluster:
         """Every pending pod is bound to its planned node and Ready."""
         for p in self.replica_pods():
             if p["status"]["phase"] == "Pending":
-                p["spec"]["nodeName"] = p["metadata"]["annotations"][renderer.ANNOTATION_PLANNED_NODE]
+                p["spec"]["nodeName"] = p["metadata"]["annotations"][names.ANNOTATION_PLANNED_NODE]
                 p["status"] = {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}
 
     def finish_all(self, message: str = "") -> None:
@@ -117,7 +113,7 @@ class Cluster:
 
     def replica_pods(self, replica: int | None = None) -> list[dict]:
         return [p for p in self.pods.values() if not probe.is_probe(p) and (
-            replica is None or p["metadata"]["labels"][renderer.LABEL_REPLICA] == str(replica))]
+            replica is None or p["metadata"]["labels"][names.LABEL_REPLICA] == str(replica))]
 
     def group(self, replica: int) -> dict:
         return next(g for g in self.status["groups"] if g["replica"] == replica)
@@ -129,8 +125,8 @@ class Cluster:
         return [e.reason for e in self.events]
 
     def nodes_of(self, replica: int) -> list[str]:
-        return [p["spec"].get("nodeName") or p["metadata"]["annotations"][renderer.ANNOTATION_PLANNED_NODE]
-                for p in sorted(self.replica_pods(replica), key=lambda p: p["metadata"]["labels"][renderer.LABEL_STAGE])]
+        return [p["spec"].get("nodeName") or p["metadata"]["annotations"][names.ANNOTATION_PLANNED_NODE]
+                for p in sorted(self.replica_pods(replica), key=lambda p: p["metadata"]["labels"][names.LABEL_STAGE])]
 
     def ready(self, replicas: int | None = None) -> None:
         """Passes until the model is Ready, pods starting as they are created."""
@@ -263,7 +259,7 @@ def test_pods_of_an_older_attempt_are_removed():
     old = dict(c.replica_pods(0)[0])
     old = json.loads(json.dumps(old))
     old["metadata"]["name"] = "m-r0-s0-a0"
-    old["metadata"]["labels"][renderer.LABEL_ATTEMPT] = "0"
+    old["metadata"]["labels"][names.LABEL_ATTEMPT] = "0"
     c.pods["m-r0-s0-a0"] = old
     d = c.reconcile()
     assert decisions.DeletePods(("m-r0-s0-a0",), force=True) in d.actions
@@ -312,14 +308,14 @@ def test_a_new_layout_rolls_one_replica_at_a_time_keeping_one_serving():
 def test_a_new_image_replaces_replicas_one_at_a_time():
     c = Cluster(serving(tensor=8, pipeline=1, replicas=2), rack("n0 n1", "a"))
     c.ready(2)
-    old = {p["metadata"]["labels"][renderer.LABEL_SPEC_HASH] for p in c.replica_pods()}
+    old = {p["metadata"]["labels"][names.LABEL_SPEC_HASH] for p in c.replica_pods()}
     c.edit(image="img:2")
     c.reconcile()
     assert c.reasons().count("Rolling") == 1 and c.status["readyReplicas"] == 1
     for _ in range(6):
         c.run_all()
         c.reconcile()
-    new = {p["metadata"]["labels"][renderer.LABEL_SPEC_HASH] for p in c.replica_pods()}
+    new = {p["metadata"]["labels"][names.LABEL_SPEC_HASH] for p in c.replica_pods()}
     assert c.reasons().count("Rolling") == 2 and new.isdisjoint(old) and c.status["phase"] == "Ready"
 
 
@@ -485,13 +481,13 @@ def test_every_group_phase_survives_a_status_round_trip(phase):
 def test_a_new_zero3_shard_degree_restarts_the_job_on_a_new_plan():
     c = Cluster(training(replicas=4), rack("n0 n1", "a"))
     c.ready()
-    assert json.loads(c.configmap["data"]["plan.json"])["plan"]["data_shard"] == 1   # GPUs large enough
+    assert json.loads(c.configmap["data"]["contract.json"])["plan"]["data_shard"] == 1   # GPUs large enough
     c.edit(training={"data": "/data/text.txt", "steps": 100, "dataParallel": {"shard": 2}})
     c.reconcile()
     told = [e.message for e in c.events if e.reason == "Restarting"]
     assert told and told[-1].startswith("layout changed from TP=4 PP=1 ZeRO-3 shard 1 to TP=4 PP=1 ZeRO-3 shard 2")
     c.reconcile()
-    contract = json.loads(c.configmap["data"]["plan.json"])
+    contract = json.loads(c.configmap["data"]["contract.json"])
     assert contract["plan"]["data_shard"] == 2 and contract["training"]["data_parallel"]["shard"] == 2
     assert {c.group(r)["attempt"] for r in range(4)} == {2} and len(c.replica_pods()) == 4
 
@@ -524,7 +520,7 @@ def test_an_elastic_job_short_of_capacity_runs_with_fewer_replicas_and_says_why(
     assert shrunk["status"] == "True" and shrunk["reason"] == "ShortOfCapacity"
     assert shrunk["message"].startswith("running 1 of 2 replicas (minReplicas 1): "), shrunk["message"]
     assert "running 1 of 2 replicas" in c.status["message"] and "Shrunk" in c.reasons()
-    contract = json.loads(c.configmap["data"]["plan.json"])
+    contract = json.loads(c.configmap["data"]["contract.json"])
     assert contract["plan"]["replicas"] == 1 and contract["training"]["batch_size"] == 8   # the global batch
     assert c.status["restarts"] == 1
 
@@ -573,7 +569,7 @@ def test_a_shrunk_job_keeps_the_asked_shard_degree_dividing_its_replicas():
     c.nodes["n1"] = node("n1", "b", gpus=4, ready=False)
     c.nodes["n2"] = node("n2", "b", gpus=4)
     c.reconcile()
-    plan = json.loads(c.configmap["data"]["plan.json"])["plan"]
+    plan = json.loads(c.configmap["data"]["contract.json"])["plan"]
     assert (plan["replicas"], plan["data_shard"]) == (2, 2) and plan["shrunk"]
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 import yaml
 from kubernetes import client as k8s
 
+from shardwise.operator.cli import plan as plan_cmd
 from shardwise.crds.models import ShardedModelSpec
 from shardwise.operator.planning import inventory
 
@@ -70,7 +71,7 @@ def test_kubernetes_client_objects_are_accepted():
     pod = k8s.V1Pod(spec=k8s.V1PodSpec(node_name="n1", containers=[k8s.V1Container(
         name="c", resources=k8s.V1ResourceRequirements(limits={"nvidia.com/gpu": "1"}))]),
         status=k8s.V1PodStatus(phase="Pending"))
-    [info] = inventory.build([node], [pod])
+    [info] = inventory.build(plan_cmd.as_dicts([node]), plan_cmd.as_dicts([pod]))   # what --from-cluster does
     assert (info.gpus, info.free, info.gpu_memory) == (4, 3, 40 * 2**30)
     assert info.taints == (inventory.Taint("gpu", "a100", "NoSchedule"),)
 

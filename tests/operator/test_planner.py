@@ -14,8 +14,9 @@ from shardwise.crds.models import ShardedModelSpec
 from shardwise.crds.modelshape import ModelFacts, from_hf_config
 from shardwise.operator.planning.inventory import NodeInfo, Taint
 from shardwise.operator.planning.planner import GiB, PlanError, plan
+from tests.operator.builders import RACK, ZONE
+from tests.operator.builders import gpu_node as node
 
-ZONE, RACK = "topology.kubernetes.io/zone", "topology.shardwise.dev/rack"
 
 LLAMA_70B = from_hf_config(dict(num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
                                 hidden_size=8192, intermediate_size=28672, vocab_size=128256), "bfloat16")
@@ -32,12 +33,6 @@ TINY = ModelFacts(layers=12, heads=8, kv_heads=8, hidden=64, vocab=100, intermed
 def spec(**parallelism) -> ShardedModelSpec:
     extra = parallelism.pop("spec", {})
     return ShardedModelSpec.model_validate({"model": {"uri": "/models/m"}, "parallelism": parallelism, **extra})
-
-
-def node(name: str, free: int, zone: str = "z1", rack: str = "r1", gpus: int = 8, memory_gib: int = 80,
-         **kw) -> NodeInfo:
-    return NodeInfo(name, {ZONE: zone, RACK: rack}, gpus=gpus, used=gpus - free,
-                    gpu_memory=memory_gib * GiB, **kw)
 
 
 # ------------------------------------------------------------------ random inventories

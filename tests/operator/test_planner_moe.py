@@ -8,7 +8,7 @@ import pytest
 from shardwise.crds.models import ShardedModelSpec
 from shardwise.crds.modelshape import from_hf_config
 from shardwise.operator.planning.planner import LayoutError, plan
-from tests.operator.test_planner import node
+from tests.operator.builders import gpu_node as node
 
 # A Mixtral-8x7B-shaped config, with 6 experts so that only some tensor degrees split them.
 MIXTRAL = dict(architectures=["MixtralForCausalLM"], num_hidden_layers=32, num_attention_heads=32,

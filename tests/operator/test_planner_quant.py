@@ -12,8 +12,10 @@ from pydantic import ValidationError
 
 from shardwise.crds.models import ShardedModelSpec
 from shardwise.crds.modelshape import from_hf_config
-from shardwise.operator.planning.planner import CUDA_OVERHEAD, GiB, USABLE_FRACTION, LayoutError, PlanError, plan
-from tests.operator.test_planner import LLAMA_70B, SMOL, node
+from shardwise.operator.planning.layouts import CUDA_OVERHEAD, USABLE_FRACTION
+from shardwise.operator.planning.planner import GiB, LayoutError, PlanError, plan
+from tests.operator.builders import gpu_node as node
+from tests.operator.test_planner import LLAMA_70B, SMOL
 
 LLAMA_8B = dict(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, hidden_size=4096,
                 intermediate_size=14336, vocab_size=128256)

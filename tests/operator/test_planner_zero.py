@@ -10,10 +10,11 @@ from shardwise.crds.models import ShardedModelSpec
 from shardwise.crds.modelshape import from_hf_config
 from shardwise.operator.planning import groups as planning
 from shardwise.operator.planning.inventory import NodeInfo
-from shardwise.operator.planning.planner import (CUDA_OVERHEAD, GiB, LayoutError, TRAINING_ACTIVATION_FRACTION,
-                                        PlanError, largest_unit, plan, training_state_bytes)
+from shardwise.operator.planning.layouts import (CUDA_OVERHEAD, GiB, LayoutError, TRAINING_ACTIVATION_FRACTION,
+                                                PlanError, largest_unit, training_state_bytes)
+from shardwise.operator.planning.planner import plan
+from tests.operator.builders import gpu_node
 
-ZONE, RACK = "topology.kubernetes.io/zone", "topology.shardwise.dev/rack"
 LLAMA_8B = from_hf_config(dict(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                                hidden_size=4096, intermediate_size=14336, vocab_size=128256), "bfloat16")
 
@@ -28,8 +29,7 @@ def training_spec(replicas: int, tensor: int | None = 1, pipeline: int | None = 
 
 
 def nodes(count: int, memory_gib: float, gpus: int = 8) -> list[NodeInfo]:
-    return [NodeInfo(f"n{i:02d}", {ZONE: "z", RACK: "r"}, gpus=gpus, used=0, gpu_memory=int(memory_gib * GiB))
-            for i in range(count)]
+    return [gpu_node(f"n{i:02d}", gpus, zone="z", rack="r", gpus=gpus, memory_gib=memory_gib) for i in range(count)]
 
 
 def expected_memory(facts, tensor: int, pipeline: int, shard: int) -> int:
@@ -132,7 +132,7 @@ def test_sharding_comes_before_more_stages_or_a_larger_tensor_degree():
 def test_the_shard_degree_must_fit_enough_gpus_for_every_replica_not_just_the_largest():
     """One 141 GiB node holds 8 unsharded replicas (126.4 GiB each); 16 replicas also need the 80 GiB
     nodes, which hold them from shard 2 on."""
-    big = [NodeInfo("big", {ZONE: "z", RACK: "r"}, gpus=8, used=0, gpu_memory=141 * GiB)]
+    big = [gpu_node("big", 8, zone="z", rack="r", memory_gib=141)]
     assert plan(training_spec(8), LLAMA_8B, big + nodes(2, 80)).data_shard == 1
     result = plan(training_spec(16), LLAMA_8B, big + nodes(2, 80))
     assert result.data_shard == 2 and result.replicas == 16

@@ -7,17 +7,8 @@ import pytest
 from shardwise.crds.models import ModelSource, ShardedModelSpec
 from shardwise.operator.planning import groups as planning
 from shardwise.crds.modelshape import from_hints
-from shardwise.operator.decide.decisions import merge_plan
-
-RACK = "topology.shardwise.dev/rack"
-
-
-def _node(name: str, rack: str, ready: bool = True, gpus: int = 8) -> dict:
-    return {"metadata": {"name": name, "labels": {RACK: rack, "topology.kubernetes.io/zone": "z",
-                                                  "kubernetes.io/hostname": name}},
-            "spec": {}, "status": {"allocatable": {"nvidia.com/gpu": str(gpus)},
-                                   "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
-
+from shardwise.operator.planning.groups import merge_plan
+from tests.operator.builders import k8s_node
 
 def _spec(replicas: int = 1, tensor: int = 8, pipeline: int = 2) -> ShardedModelSpec:
     return ShardedModelSpec.model_validate({
@@ -31,7 +22,9 @@ def _plan_groups(spec: ShardedModelSpec, *args, **kw):
 
 
 def _nodes(*specs) -> dict[str, dict]:
-    return {n["metadata"]["name"]: n for n in (_node(*s) for s in specs)}
+    """(name, rack[, ready[, gpus]]) each."""
+    return {s[0]: k8s_node(s[0], s[1], ready=s[2] if len(s) > 2 else True, gpus=s[3] if len(s) > 3 else 8)
+            for s in specs}
 
 
 def test_a_recovering_group_stays_in_its_rack_when_the_rack_has_room():

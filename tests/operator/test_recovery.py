@@ -6,13 +6,10 @@ from datetime import datetime, timedelta, timezone
 from shardwise.crds.models import ReplicaGroupStatus
 from shardwise.operator.decide import recovery
 from shardwise.operator.decide import status
+from tests.operator.builders import k8s_node
 
 NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
 POLICY = recovery.Policy(max_restarts=2, backoff_seconds=4, unschedulable_grace_seconds=10)
-
-
-def _node(name, ready=True):
-    return {"metadata": {"name": name}, "status": {"conditions": [{"type": "Ready", "status": str(ready)}]}}
 
 
 def _pod(stage, attempt=1, node="n1", phase="Running", ready=True, **extra):
@@ -25,7 +22,7 @@ def _pod(stage, attempt=1, node="n1", phase="Running", ready=True, **extra):
     return pod
 
 
-NODES = {"n1": _node("n1"), "n2": _node("n2")}
+NODES = {"n1": k8s_node("n1"), "n2": k8s_node("n2")}
 
 
 def G(**record) -> ReplicaGroupStatus:
@@ -42,7 +39,7 @@ def test_all_ready_group_is_ready_and_older_attempts_are_ignored():
 
 
 def test_node_not_ready_fails_the_whole_group_and_counts_a_restart():
-    nodes = {"n1": _node("n1"), "n2": _node("n2", ready=False)}
+    nodes = {"n1": k8s_node("n1"), "n2": k8s_node("n2", ready=False)}
     v = recovery.assess([_pod(0), _pod(1, node="n2")], 1, 2, nodes, NOW, POLICY)
     assert v.state == "failed" and "node n2" in v.failure and "NotReady" in v.failure
     step = recovery.decide(G(replica=0, attempt=1, phase="Ready", restarts=0), v, NOW, POLICY)
@@ -120,7 +117,7 @@ def test_training_pods_that_exited_zero_are_done_not_failed():
     assert v.state == "ready" and v.ready == 2
     done = [_pod(0, phase="Succeeded", ready=False), _pod(1, node="n2", phase="Succeeded", ready=False)]
     # a finished pod on a node lost afterwards is still finished
-    lost = {"n1": _node("n1"), "n2": _node("n2", ready=False)}
+    lost = {"n1": k8s_node("n1"), "n2": k8s_node("n2", ready=False)}
     assert recovery.assess(done, 1, 2, lost, NOW, POLICY, completes=True).state == "succeeded"
     step = recovery.decide(G(replica=0, attempt=1, phase="Ready"),
                            recovery.assess(done, 1, 2, lost, NOW, POLICY, completes=True), NOW, POLICY)
@@ -141,7 +138,7 @@ def test_failure_message_quotes_the_last_log_line_of_a_failed_pod():
     pod = _pod(0, phase="Failed", ready=False, status={"containerStatuses": [{"state": {"terminated": {
         "exitCode": 2, "reason": "Error",
         "message": "loading...\nshardwise worker: error: model /m/x not found\n"}}}]})
-    why = recovery.pod_failure(pod, NODES)
+    why = recovery.assess([pod, _pod(1)], 1, 2, NODES, NOW, POLICY).failure
     assert why.endswith("container exited with code 2 (Error): shardwise worker: error: model /m/x not found")
 
 
@@ -149,7 +146,7 @@ def test_a_pod_pinned_to_a_node_that_went_not_ready_before_binding_fails_at_once
     pending = _pod(1, node=None, phase="Pending", ready=False,
                    metadata={"annotations": {"shardwise.dev/planned-node": "n2"}})
     pending["spec"] = {}
-    nodes = {"n1": _node("n1"), "n2": _node("n2", ready=False)}
+    nodes = {"n1": k8s_node("n1"), "n2": k8s_node("n2", ready=False)}
     v = recovery.assess([_pod(0), pending], 1, 2, nodes, NOW, POLICY)
     assert v.state == "failed" and v.failure == "node n2 planned for pod m-r0-s1-a1 is NotReady"
     assert recovery.assess([_pod(0), pending], 1, 2, NODES, NOW, POLICY).state == "starting"

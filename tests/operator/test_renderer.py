@@ -21,7 +21,16 @@ def _model(**spec) -> ShardedModel:
 
 
 def _contract(configmap: dict) -> PodContract:
-    return PodContract.from_json(configmap["data"]["plan.json"])
+    return PodContract.from_json(configmap["data"]["contract.json"])
+
+
+def _render(model: ShardedModel, plan: ShardPlan, attempts: dict[int, int] | None = None) -> list[dict]:
+    """Every object of the model as the reconciler makes them: the shared ones, then each replica's pods."""
+    attempts = attempts or {}
+    objects = renderer.render_shared(model, plan)
+    for r in sorted({p.replica for p in plan.placements}):
+        objects += renderer.render_replica_pods(model, plan, r, attempts.get(r, 0))
+    return objects
 
 
 def _plan(replicas=2, pipeline=2, tensor=2, layers=30):
@@ -40,7 +49,7 @@ def _plan(replicas=2, pipeline=2, tensor=2, layers=30):
 
 def test_one_pod_per_replica_and_stage_pinned_to_its_node_with_tp_gpus():
     plan = _plan()
-    objects = renderer.render_all(_model(), plan)
+    objects = _render(_model(), plan)
     pods = [o for o in objects if o["kind"] == "Pod"]
     assert len(pods) == 4
     for pod in pods:
@@ -72,7 +81,7 @@ def test_worker_gets_rendezvous_env_and_command():
     assert 20000 <= int(port) < 30000
     assert {"name": "rendezvous", "containerPort": int(port), "protocol": "TCP"} in c["ports"]
     assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
-    assert c["command"] + c["args"] == ["shardwise", "worker", "--contract", "/etc/shardwise/plan.json"]
+    assert c["command"] + c["args"] == ["shardwise", "worker", "--contract", "/etc/shardwise/contract.json"]
     assert {"name": "plan", "mountPath": "/etc/shardwise", "readOnly": True} in c["volumeMounts"]
     assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": 8080}
     # The pod's DNS name is what MASTER_ADDR of its replica points at (stage 0), stable across attempts.
@@ -82,7 +91,7 @@ def test_worker_gets_rendezvous_env_and_command():
 
 
 def test_everything_is_owned_by_the_model():
-    objects = renderer.render_all(_model(), _plan())
+    objects = _render(_model(), _plan())
     assert {o["kind"] for o in objects} == {"Pod", "Service", "ConfigMap", "PodDisruptionBudget"}
     for o in objects:
         (ref,) = o["metadata"]["ownerReferences"]
@@ -101,13 +110,13 @@ def test_configmap_carries_the_contract_the_worker_validates():
     assert contract.termination_log == "/dev/termination-log"
 
 
-def test_the_plan_is_read_back_from_the_configmap_and_from_an_older_bare_plan():
+def test_the_plan_is_read_back_from_the_configmap():
     plan = _plan()
     cm = renderer.render_configmap(_model(), plan)
     assert renderer.plan_from_configmap(cm) == plan
-    older = {**cm, "data": {"plan.json": plan.model_dump_json()}}   # before the contract: a bare ShardPlan
-    assert renderer.plan_from_configmap(older) == plan
-    for unreadable in (None, {}, {"data": {}}, {"data": {"plan.json": "{not json"}}, {"data": {"plan.json": "{}"}}):
+    bare = {**cm, "data": {"contract.json": plan.model_dump_json()}}   # a bare ShardPlan is no contract
+    assert renderer.plan_from_configmap(bare) is None
+    for unreadable in (None, {}, {"data": {}}, {"data": {"contract.json": "{not json"}}, {"data": {"contract.json": "{}"}}):
         assert renderer.plan_from_configmap(unreadable) is None
 
 
@@ -178,7 +187,7 @@ def _training_model(**spec):
 
 def test_training_pods_form_one_world_over_all_replicas_and_get_the_job_settings():
     plan = _plan(replicas=2, pipeline=2, tensor=2)
-    objects = renderer.render_all(_training_model(), plan, {0: 3, 1: 3})
+    objects = _render(_training_model(), plan, {0: 3, 1: 3})
     pods = [o for o in objects if o["kind"] == "Pod"]
     envs = [{e["name"]: e.get("value") for e in p["spec"]["containers"][0]["env"]} for p in pods]
     # every replica rendezvouses with replica 0's first stage, on the same port: one world (of the

@@ -19,29 +19,18 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+from shardwise.crds import schedules as schedule_rules
+
 SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}
-DEFAULT_SCHEDULE = "1F1B"
-
-
-def virtual_stages(schedule: str) -> int:
-    """Stages each pipeline rank holds."""
-    return 2 if schedule == "Interleaved1F1B" else 1
+DEFAULT_SCHEDULE = schedule_rules.DEFAULT_SCHEDULE.value
+# The rules (stages per rank, the micro-batch multiple, the default micro-batches) are the API's.
+virtual_stages = schedule_rules.virtual_stages
+default_micro_batches = schedule_rules.default_micro_batches
 
 
 def stage_indices(pp_rank: int, pipeline: int, schedule: str) -> list[int]:
     """Which of the P·V stages pipeline rank `pp_rank` holds (round robin: p, p + P, ...)."""
     return [pp_rank + v * pipeline for v in range(virtual_stages(schedule))]
-
-
-def default_micro_batches(pipeline: int, per_replica_batch: int, schedule: str = DEFAULT_SCHEDULE) -> int:
-    """Two micro-batches per stage where the replica's batch splits so: the largest divisor of the
-    batch up to 2·P (for interleaved 1F1B, the largest such multiple of P, if any)."""
-    if pipeline == 1:
-        return 1
-    fits = [m for m in range(1, min(2 * pipeline, per_replica_batch) + 1) if per_replica_batch % m == 0]
-    if schedule == "Interleaved1F1B":
-        fits = [m for m in fits if m % pipeline == 0] or fits
-    return max(fits)
 
 
 def bubble_fraction(pipeline: int, micro_batches: int, schedule: str) -> float:
@@ -54,14 +43,7 @@ def check_schedule(schedule: str, pipeline: int, micro_batches: int, layers: int
     """Why this schedule cannot run (one line naming the option), or None."""
     if schedule not in SCHEDULES:
         return f"schedule {schedule!r} is not one of {', '.join(SCHEDULES)}"
-    stages = pipeline * virtual_stages(schedule)
-    if stages > layers:
-        return (f"{schedule} with {pipeline} pipeline ranks needs {stages} stages, more than the "
-                f"model's {layers} layers")
-    if schedule == "Interleaved1F1B" and pipeline > 1 and micro_batches % pipeline:
-        return (f"Interleaved1F1B needs micro-batches ({micro_batches}) to be a multiple of the "
-                f"pipeline degree {pipeline}")
-    return None
+    return schedule_rules.schedule_problem(schedule, pipeline, micro_batches, layers)
 
 
 def build_schedule(modules: list[nn.Module], indices: list[int], pipeline: int, schedule: str,

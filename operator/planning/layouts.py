@@ -1,0 +1,278 @@
+"""Layouts and their memory, for the planner (pure): which tensor x pipeline layouts hold a model,
+and how many bytes one GPU of a stage needs under each.
+
+Memory per GPU = weights/TP + KV cache + activations (inference), or the ZeRO-3 training state of
+training_state_bytes + activations (training), + a fixed CUDA overhead, against 90% of the GPU's
+memory. Layouts are tried smallest tensor degree first at pipeline 1, then the fewest stages that fit
+(largest tensor first); a training job's schedule may rule some out (fit_schedule). Weights are sized
+in the dtype the worker holds them in on a GPU, or as spec.serving.quantization holds them
+(ModelFacts.quantized), and a streaming plan's resident share is offload_budget.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from shardwise.crds.layout import split_layers
+from shardwise.crds.models import ShardedModelSpec, Workload
+from shardwise.crds.modelshape import ModelFacts
+from shardwise.crds.plan import StagePlacement
+from shardwise.crds.schedules import micro_batches_fit, virtual_stages
+from shardwise.operator.planning.inventory import NodeInfo
+
+GiB = 2**30
+CUDA_OVERHEAD = 1 * GiB          # context, cuBLAS workspace, NCCL buffers per GPU
+USABLE_FRACTION = 0.90           # of a GPU's memory the planner fills
+ACTIVATION_FRACTION = 0.10       # inference activations as a share of the rank's weights
+TRAINING_ACTIVATION_FRACTION = 0.25
+# ZeRO-3 (FSDP2) with mixed precision, bytes per parameter, sharded over tensor x shard ranks:
+MASTER_BYTES = 4                 # fp32 master weights (on float32 the weights themselves)
+GRADIENT_BYTES = 4               # fp32 gradients (reduced in fp32)
+ADAM_BYTES = 8                   # the two fp32 AdamW moments
+BLOCKS_IN_FLIGHT = 2             # unsharded: the block FSDP gathered and the next one, prefetched
+
+
+class PlanError(ValueError):
+    """Nothing fits; str(error) is one sentence saying why. More capacity may fix it."""
+
+
+class LayoutError(PlanError):
+    """The layout asked for cannot hold the model at all, or the spec asks for what this model
+    cannot have (quantization gguf of a model not stored as Q8_0, Q4_0 or Q4_1): no amount of
+    capacity fixes it."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    tensor: int
+    pipeline: int
+    memory: int                   # bytes per GPU, worst stage
+    ranges: tuple[tuple[int, int], ...]
+    stage_params: tuple[int, ...]
+    shard: int = 1                # training: ZeRO-3 shard degree the memory is sized at
+
+
+def activation_bytes(facts: ModelFacts) -> float:
+    """Bytes per KV-cache and activation element: quantized weights still compute in 16 bits."""
+    return max(2.0, facts.bytes_per_param) if facts.bytes_per_param <= 4 else 4.0
+
+
+def weight_bytes(facts: ModelFacts, params: int, tensor: int) -> float:
+    """Bytes of weights one GPU of a stage holding `params` parameters keeps, once loaded."""
+    return params * facts.bytes_per_param / tensor
+
+
+def training_state_bytes(facts: ModelFacts, params: int, tensor: int, shard: int, block: int) -> float:
+    """Bytes of training state one GPU of a stage holding `params` parameters keeps under ZeRO-3.
+
+    Sharded over its `tensor` ranks and the `shard` data-parallel replicas: fp32 master weights,
+    fp32 gradients and both fp32 AdamW moments, 16 bytes a parameter. Unsharded, in the compute
+    dtype (bytes_per_param): the blocks in flight - FSDP all-gathers one block (a decoder layer,
+    or the embedding or LM head, `block` parameters) while prefetching the next, and frees them
+    after use. On float32 the master weights are the weights: no other copy is kept or counted.
+    """
+    sharded = (MASTER_BYTES + GRADIENT_BYTES + ADAM_BYTES) * params / (tensor * shard)
+    gathered = BLOCKS_IN_FLIGHT * block * facts.bytes_per_param / tensor
+    return sharded + gathered
+
+
+def largest_unit(facts: ModelFacts, embedding: bool, head: bool) -> int:
+    """Parameters of a stage's largest FSDP unit: a decoder layer, the embedding, the LM head."""
+    return max(facts.layer_params, facts.embedding_params if embedding else 0, facts.head_params if head else 0)
+
+
+def stage_memory(facts: ModelFacts, spec: ShardedModelSpec, tensor: int, params: int, layers: int,
+                 shard: int = 1, block: int = 0) -> int:
+    """Bytes one GPU of a stage needs: its slice of the weights (training: of the ZeRO-3 state over
+    `shard` replicas, `block` the largest unit it gathers) plus headroom."""
+    weights = weight_bytes(facts, params, tensor)
+    if spec.workload == Workload.TRAINING:
+        state = training_state_bytes(facts, params, tensor, shard, block or facts.layer_params)
+        need = state + TRAINING_ACTIVATION_FRACTION * weights
+    else:
+        kv = spec.serving.kv_cache_tokens * layers * facts.kv_bytes_per_token_per_layer(activation_bytes(facts))
+        if spec.serving.offload:
+            # layers beyond two stream through two slots (worker/weights/offload.py): the GPU holds the
+            # stage's weights outside its layers and two layers' worth
+            weights = min(weights, weight_bytes(facts, params - max(0, layers - 2) * facts.layer_params, tensor))
+        need = weights + kv / tensor + ACTIVATION_FRACTION * weights
+    return int(need + CUDA_OVERHEAD)
+
+
+def asked_shard(spec: ShardedModelSpec) -> int | None:
+    """The ZeRO-3 shard degree spec.training.dataParallel fixes (shard, or replicas / replicate)."""
+    dp = spec.training.data_parallel if spec.workload == Workload.TRAINING and spec.training else None
+    replicas = spec.parallelism.replicas
+    if dp is None or replicas == 0 or not (dp.shard or dp.replicate):
+        return None
+    shard = dp.shard or replicas // dp.replicate
+    replicate = dp.replicate or replicas // shard
+    if shard * replicate != replicas:   # the API refuses it; a spec built in code may not be checked
+        raise LayoutError(f"training.dataParallel (shard {dp.shard}, replicate {dp.replicate}) does not "
+                          f"split parallelism.replicas {replicas}")
+    return shard
+
+
+def shard_degrees(spec: ShardedModelSpec) -> list[int]:
+    """ZeRO-3 shard degrees a layout may be sized at, least sharded first: the spec's, else every
+    divisor of the replicas (more sharding, more communication). [1] when not training."""
+    replicas = spec.parallelism.replicas
+    fixed = asked_shard(spec)
+    if fixed or spec.workload != Workload.TRAINING or replicas < 2:
+        return [fixed or 1]
+    return _divisors(replicas)
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
+def _worst_stage(facts: ModelFacts, spec: ShardedModelSpec, tensor: int, ranges: Sequence[tuple[int, int]],
+                 params: Sequence[int], shard: int) -> int:
+    last = len(ranges) - 1
+    return max(stage_memory(facts, spec, tensor, p, e - s, shard, largest_unit(facts, i == 0, i == last))
+               for i, (p, (s, e)) in enumerate(zip(params, ranges)))
+
+
+def make_layout(facts: ModelFacts, spec: ShardedModelSpec, tensor: int, pipeline: int,
+                roomy: Callable[[int], bool] | None = None) -> Layout:
+    """The layout's layer split and worst-stage memory. Training: at the least-sharded ZeRO-3
+    degree whose memory `roomy` accepts (memory falls as the degree grows: a binary search), the
+    most sharded when none is, the least when there is no `roomy` to ask."""
+    try:
+        ranges, params = split_layers(facts, pipeline)
+    except ValueError as e:  # more stages than layers: no capacity makes that fit
+        raise LayoutError(str(e)) from None
+    degrees = shard_degrees(spec)
+    lo, hi = 0, len(degrees) - 1 if roomy else 0
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if roomy(_worst_stage(facts, spec, tensor, ranges, params, degrees[mid])):
+            hi = mid
+        else:
+            lo = mid + 1
+    memory = _worst_stage(facts, spec, tensor, ranges, params, degrees[lo])
+    return Layout(tensor, pipeline, memory, ranges, params, degrees[lo])
+
+
+def fits(memory: int, node: NodeInfo) -> bool:
+    return node.gpu_memory == 0 or memory <= node.gpu_memory * USABLE_FRACTION
+
+
+def candidate_layouts(spec: ShardedModelSpec, facts: ModelFacts, nodes: Sequence[NodeInfo]) -> list[Layout]:
+    """Layouts to try, most preferred first (see the module docstring)."""
+    largest_block = max((n.free for n in nodes), default=0)
+    memories = [n.gpu_memory for n in nodes if n.gpu_memory] or [0]
+    largest_memory = max(memories)
+
+    def fits_some(layout: Layout) -> bool:
+        return any(n.free >= layout.tensor and fits(layout.memory, n) for n in nodes)
+
+    def roomy(tensor: int, pipeline: int) -> Callable[[int], bool]:
+        """Training's shard degree: enough free GPUs hold `memory` for every replica's stages."""
+        need = max(1, spec.parallelism.replicas) * pipeline
+        return lambda memory: sum(n.free // tensor for n in nodes if fits(memory, n)) >= need
+
+    if spec.parallelism.tensor:
+        tensors = [spec.parallelism.tensor]
+    else:
+        tensors = [t for t in range(1, max(1, largest_block) + 1) if facts.tensor_fits(t)]
+    if spec.parallelism.pipeline:
+        return [make_layout(facts, spec, t, spec.parallelism.pipeline, roomy(t, spec.parallelism.pipeline)) for t in tensors]
+    single, multi = [], []
+    for t in tensors:
+        # fewest stages whose worst stage fits the largest GPU (memory falls roughly as 1/stages);
+        # ZeRO-3 sharding costs no GPUs, so a training layout shards more before it adds stages
+        pp = 1
+        while True:
+            layout = make_layout(facts, spec, t, pp, roomy(t, pp))
+            if largest_memory == 0 or fits_some(layout) or pp >= facts.layers:
+                break
+            pp += 1
+        (single if pp == 1 else multi).append(layout)
+    return single + sorted(multi, key=lambda l: (l.pipeline, -l.tensor))
+
+
+def offload_budget(spec: ShardedModelSpec, facts: ModelFacts, layout: Layout, gpus: Sequence[NodeInfo]) -> int:
+    """Bytes of weights each GPU of a streaming plan may keep resident: what the smallest GPU placed
+    on leaves after the worst stage's KV cache, the CUDA overhead and activations (stage_memory's
+    terms, solved for the weights)."""
+    usable = min(n.gpu_memory for n in gpus if n.gpu_memory) * USABLE_FRACTION
+    layers = max(e - s for s, e in layout.ranges)
+    kv = spec.serving.kv_cache_tokens * layers * facts.kv_bytes_per_token_per_layer(activation_bytes(facts))
+    return max(0, int((usable - kv / layout.tensor - CUDA_OVERHEAD) / (1 + ACTIVATION_FRACTION)))
+
+
+def check_layout(spec: ShardedModelSpec, facts: ModelFacts) -> None:
+    """The degrees the spec names must fit the model's heads and layers, whatever the capacity:
+    one line naming the spec's field and what would work."""
+    if spec.parallelism.expert and not facts.experts:
+        raise LayoutError(f"parallelism.expert {spec.parallelism.expert} is for mixture-of-experts models; "
+                          f"this model has no experts (use parallelism.tensor)")
+    if spec.parallelism.tensor:
+        for name, count in (("attention heads", facts.heads), ("KV heads", facts.kv_heads),
+                            ("experts (expert parallel splits them over the tensor group)", facts.experts),
+                            ("shared expert width (intermediate size, split like a dense MLP)", facts.shared_intermediate)):
+            if count and count % spec.parallelism.tensor:
+                fitting = ", ".join(map(str, _divisors(math.gcd(facts.heads, facts.kv_heads, facts.experts,
+                                                                facts.shared_intermediate))))
+                raise LayoutError(f"parallelism.tensor {spec.parallelism.tensor} does not divide the model's "
+                                  f"{count} {name}; use one of {fitting}")
+    if spec.parallelism.pipeline and spec.parallelism.pipeline > facts.layers:
+        raise LayoutError(f"parallelism.pipeline {spec.parallelism.pipeline} exceeds the model's "
+                          f"{facts.layers} layers; use 1 to {facts.layers}")
+    asked_shard(spec)   # a dataParallel that does not split the replicas (a spec the API did not check)
+
+
+def fit_schedule(spec: ShardedModelSpec, facts: ModelFacts, layouts: list[Layout]) -> list[Layout]:
+    """The layouts the training schedule can run (crds/schedules.py): Interleaved1F1B cuts the model
+    into 2 stages per pipeline rank, so 2 x pipeline <= layers, and runs a multiple of the pipeline
+    degree as micro-batches (training.microBatches, when given). Pipeline 1 runs as 1F1B."""
+    t = spec.training if spec.workload == Workload.TRAINING else None
+    if t is None or not layouts:
+        return layouts
+    per_rank = virtual_stages(t.schedule)
+    fitting = [layout for layout in layouts if layout.pipeline == 1 or (
+        per_rank * layout.pipeline <= facts.layers
+        and micro_batches_fit(t.schedule, layout.pipeline, t.micro_batches))]
+    p = layouts[0].pipeline
+    if not fitting and per_rank * p > facts.layers:
+        raise LayoutError(f"training.schedule Interleaved1F1B needs {per_rank * p} stages for "
+                          f"{p} pipeline ranks, more than the model's {facts.layers} layers; use 1F1B or GPipe")
+    if not fitting:
+        raise LayoutError(f"training.microBatches {t.micro_batches} is not a multiple of the {p} pipeline stages "
+                          f"the model needs; schedule Interleaved1F1B needs that: set microBatches to a "
+                          f"multiple of {p}, or parallelism.pipeline")
+    return fitting
+
+
+def layouts_to_try(spec: ShardedModelSpec, facts: ModelFacts, pool, kept: dict[int, list[StagePlacement]],
+             wanted: int) -> list[Layout]:
+    """The layouts to try, most preferred first: the kept replicas' own, else the candidates."""
+    if kept:
+        first = next(iter(kept.values()))
+        return [make_layout(facts, spec, first[0].gpus, len(first))]
+    if wanted == 0 and not pool.nodes:
+        return [make_layout(facts, spec, spec.parallelism.tensor or 1, spec.parallelism.pipeline or 1)]
+    if not pool.nodes:
+        raise PlanError(f"no node can run it ({pool.why_not()})" if pool.excluded else "the inventory has no nodes")
+    layouts = candidate_layouts(spec, facts, pool.nodes)
+    if not layouts:
+        raise LayoutError(f"no tensor degree up to the largest free block of "
+                          f"{max(n.free for n in pool.nodes)} GPUs divides the model's "
+                          f"{facts.heads} attention and {facts.kv_heads} KV heads"
+                          + (f" and {facts.experts} experts" if facts.experts else ""))
+    return fit_schedule(spec, facts, layouts)
+
+
+def sharded(spec: ShardedModelSpec, facts: ModelFacts, layout: Layout, replicas: int) -> Layout:
+    """The layout at a shard degree dividing the replicas planned: a plan shrunk to replicas its
+    degree does not divide takes the least-sharded divisor at least as sharded, else all of them."""
+    if replicas % layout.shard == 0:   # always so for serving (shard 1) and for a plan not shrunk
+        return layout
+    shard = next((d for d in _divisors(replicas) if d >= layout.shard), replicas)
+    memory = _worst_stage(facts, spec, layout.tensor, layout.ranges, layout.stage_params, shard)
+    return dataclasses.replace(layout, shard=shard, memory=memory)
