@@ -53,7 +53,7 @@ def _fail(kind: str) -> PydanticCustomError:
 
 class _Model(BaseModel):
     # fields of OpenAI's API this server ignores (user, metadata, tool_choice, ...) are dropped
-    model_config = ConfigDict(extra="ignore", protected_namespaces=(), arbitrary_types_allowed=True)
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
 
 
 class TextPart(_Model):

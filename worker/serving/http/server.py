@@ -11,9 +11,7 @@ Request threads validate and tokenize, submit to the engine, and detokenize what
 one engine thread owns every torch.distributed call and batches whatever requests are running at
 each step. A bad request gets a 4xx JSON error in OpenAI's shape ({"error": {"message", "type",
 "param", "code"}}) and the server keeps serving. What of the OpenAI API is implemented:
-docs/openai-api.md. The package's modules: protocol (request bodies), app (shared state, engine
-requests), handler (routes), streaming and detokenize (tokens to text), responses (answers'
-JSON), metrics, errors; this one starts the server and runs the engine.
+docs/openai-api.md. The other modules of this package: its __init__.
 """
 from __future__ import annotations
 
