@@ -176,3 +176,10 @@ def test_the_engine_thread_only_queues_tokens():
     assert tokenizer.threads == set()           # nothing decoded on the engine thread
     text = "".join(p.text for p in feed.pieces())
     assert text == "the quick brown fox" and tokenizer.threads == {threading.current_thread().name}
+
+
+def test_a_text_shorter_than_the_held_back_tail_is_all_held():
+    # "Yes, the" is 8 characters, less than the 11 a 12-character stop string holds back: none of
+    # it goes out before the stop string is found (the text ends before it, at "Yes")
+    seq = TOKENIZER.encode("Yes, the answer is")
+    assert _text(seq, [", the answer"]) == ("Yes", "stop", 4)
