@@ -66,13 +66,13 @@ class ChoiceStream:
             self.chars += len(self.utf8.decode(self.token_text.visible(token)))
         if self.finished:
             return None
-        stable = False
         if token >= 0:
             self.tokens += 1
             fresh, stable = self.detokenizer.push(token)
-            self.pending = "" if stable else fresh
             if stable:
-                self.unsent += fresh
+                self.unsent, self.pending = self.unsent + fresh, ""
+            else:
+                self.pending = fresh        # the text of every token since the last stable one
         window = self.unsent + self.pending             # the text after what was given out
         text = self._cut(window, finish_reason)
         if text is None:
@@ -95,6 +95,8 @@ class ChoiceStream:
             return window
         if window.endswith(REPLACEMENT):
             return None
+        # all but the held-back tail, and only text that is stable (a decoder's text for tokens
+        # that add none yet can still change)
         cut = min(max(0, len(window) - self.hold), len(self.unsent))
         self.unsent = self.unsent[cut:]
         return window[:cut]
