@@ -1,0 +1,24 @@
+"""OpenAI's error shape, the one every error response of the HTTP API has:
+{"error": {"message", "type", "param", "code"}}."""
+from __future__ import annotations
+
+import json
+
+
+class BadRequest(Exception):
+    """A request the server answers with an error status (4xx, or 503 while loading or draining)
+    instead of a completion; `param` names the offending parameter, `code` is OpenAI's code."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+
+def error_object(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
+    """The {"error": ...} object; `type` follows the status (server_error from 500 on)."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> bytes:
+    return json.dumps(error_object(message, status, param, code)).encode()

@@ -1,0 +1,222 @@
+"""The HTTP side: routes, request bodies, and answers written plainly or as server-sent events.
+
+Request threads (one per connection) validate and tokenize, submit to the engine, then turn the
+engine's tokens into text (streaming.py) and write it; the engine thread only queues tokens.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from http.server import BaseHTTPRequestHandler
+from urllib.parse import unquote
+
+from shardwise.worker.errors import WorkerError
+from shardwise.worker.serving.http.app import App
+from shardwise.worker.serving.http.errors import BadRequest, error_body, error_object
+from shardwise.worker.serving.http.responses import Answer, Job
+from shardwise.worker.serving.http.streaming import ChoiceStream, TokenFeed
+
+MAX_BODY = 4 << 20
+COMPLETIONS = ("/v1/completions", "/v1/chat/completions")
+
+
+class Handler(BaseHTTPRequestHandler):
+    """One connection's requests; `app` is set on the subclass make_handler makes."""
+    app: App
+    protocol_version = "HTTP/1.1"
+    server_version = "shardwise"
+
+    def log_message(self, fmt, *args):  # quiet: metrics carry the request figures
+        pass
+
+    # ---- plumbing ----
+    def _send(self, status: int, body: bytes, ctype: str = "application/json", endpoint: str = "") -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        if status == 503 and self.app.draining.is_set():
+            self.send_header("Retry-After", "1")      # another replica, or this one's successor
+        self.end_headers()
+        self.wfile.write(body)
+        self.app.metrics.requests.labels(endpoint=endpoint or self.path, code=str(status)).inc()
+
+    def _json(self, status: int, obj, endpoint: str = "") -> None:
+        self._send(status, json.dumps(obj).encode(), endpoint=endpoint)
+
+    def _error(self, status: int, message: str, endpoint: str = "", param: str | None = None,
+               code: str | None = None) -> None:
+        self._send(status, error_body(message, status, param, code), endpoint=endpoint)
+
+    def _sse(self, obj) -> None:
+        self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+        self.wfile.flush()
+
+    # ---- GET ----
+    def do_GET(self):  # noqa: N802 - http.server's naming
+        path = self.path.split("?", 1)[0]
+        if path == "/healthz":
+            self._healthz()
+        elif path == "/metrics":
+            self._send(200, self.app.metrics.render(self.app.engine, self.app.rank),
+                       "text/plain; version=0.0.4; charset=utf-8", "/metrics")
+        elif path == "/v1/models":
+            self._json(200, {"object": "list", "data": [self.app.model_card()]}, path)
+        elif path.startswith("/v1/models/"):
+            try:
+                self.app.check_model(unquote(path[len("/v1/models/"):]))
+            except BadRequest as e:
+                return self._error(e.status, str(e), "/v1/models", e.param, e.code)
+            self._json(200, self.app.model_card(), "/v1/models")
+        else:
+            self._error(404, f"no route GET {path}", "other")
+
+    def _healthz(self) -> None:
+        app = self.app
+        if app.draining.is_set():      # unready first, so that the endpoints drop this pod
+            self._json(503, {"status": "draining", "running": app.engine.running if app.engine else 0}, "/healthz")
+        elif app.ready.is_set():
+            self._json(200, {"status": "ok", "model": app.model_name, "ranks": len(app.loaded)}, "/healthz")
+        else:
+            self._json(503, {"status": "failed" if app.failed else "loading",
+                             **({"error": app.failed} if app.failed else {})}, "/healthz")
+
+    # ---- POST ----
+    def do_POST(self):  # noqa: N802 - http.server's naming
+        path = self.path.split("?", 1)[0]
+        if path not in COMPLETIONS:
+            self._skip_body()
+            return self._error(404, f"no route POST {path}", "other")
+        app = self.app
+        try:
+            body = self._read_json()
+            if app.draining.is_set():
+                raise BadRequest("the server is shutting down; retry on another replica", 503)
+            if not app.ready.is_set():
+                raise BadRequest(app.failed or "model is still loading", 503)
+            self._complete(path, app.build_request(body, chat=path.endswith("chat/completions")))
+        except BadRequest as e:
+            self._error(e.status, str(e), path, e.param, e.code)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        except Exception as e:  # noqa: BLE001 - a bug, not the request: one line, a JSON 500
+            print(f"shardwise serve: {path}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            self._error(500, f"internal error: {type(e).__name__}: {e}", path)
+
+    def _skip_body(self) -> None:
+        n = int(self.headers.get("Content-Length") or 0)
+        if 0 < n <= MAX_BODY:
+            self.rfile.read(n)
+
+    def _read_json(self):
+        try:
+            n = int(self.headers.get("Content-Length", ""))
+        except ValueError:
+            self.close_connection = True
+            raise BadRequest("a JSON body with Content-Length is required", 411) from None
+        if n > MAX_BODY:
+            self.close_connection = True
+            raise BadRequest(f"body of {n} bytes is larger than {MAX_BODY}", 413)
+        raw = self.rfile.read(n)
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise BadRequest(f"body is not valid JSON: {e}") from None
+        try:   # "\ud800" escapes parse, but no tokenizer takes a lone surrogate
+            json.dumps(body, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise BadRequest("body is not valid JSON: a string holds a lone UTF-16 surrogate") from None
+        return body
+
+    # ---- completions ----
+    def _complete(self, path: str, job: Job) -> None:
+        app = self.app
+        t0 = time.perf_counter()
+        tt = app.token_text if job.logprobs else None
+        streams = [ChoiceStream(i, req, app.tokenizer, job.stop, tt) for i, req in enumerate(job.reqs)]
+        feed = TokenFeed(streams, app.metrics)
+        app.metrics.prompt.inc(sum(len(r.prompt_ids) for r in job.reqs))
+        try:
+            for req in job.reqs:
+                app.engine.submit(req)
+        except WorkerError as e:
+            for req in job.reqs:
+                req.cancel()
+            raise BadRequest(str(e)) from None
+        answer = Answer(job, app.model_name, tt)
+        if job.stream:
+            return self._stream(path, feed, answer, t0)
+        self._whole(path, feed, answer, t0)
+
+    def _whole(self, path: str, feed: TokenFeed, answer: Answer, t0: float) -> None:
+        """The answer as one JSON object, once every choice has ended."""
+        reqs = answer.job.reqs
+        texts: list[list[str]] = [[] for _ in reqs]
+        entries: list[list] = [[] for _ in reqs]
+        for i, text, got, _ in feed.pieces():
+            texts[i].append(text)
+            entries[i] += got
+        for req in reqs:
+            req.done.wait()
+        failed = next((r.error for r in reqs if r.error), None)
+        if failed:
+            return self._error(503, failed, path)
+        metrics = self.app.metrics
+        firsts = [r.first_token_at for r in reqs if r.first_token_at is not None]
+        if firsts:
+            metrics.ttft.labels(endpoint=path).observe(min(firsts) - reqs[0].created)
+        metrics.latency.labels(endpoint=path).observe(time.perf_counter() - t0)
+        self._json(200, answer.whole(feed.streams, ["".join(t) for t in texts], entries), path)
+
+    def _stream(self, path: str, feed: TokenFeed, answer: Answer, t0: float) -> None:
+        """The answer as server-sent events, a chunk per piece of a choice's text."""
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+        reqs = answer.job.reqs
+        try:
+            self._chunks(path, feed, answer, t0)
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError):
+            for r in reqs:
+                r.cancel()
+        except Exception as e:  # noqa: BLE001 - a bug mid-stream: the headers are sent, so an event
+            for r in reqs:
+                r.cancel()
+            print(f"shardwise serve: {path}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            self._sse(error_object(f"internal error: {type(e).__name__}: {e}", 500))
+            self.wfile.write(b"data: [DONE]\n\n")
+        finally:
+            self.app.metrics.latency.labels(endpoint=path).observe(time.perf_counter() - t0)
+            self.app.metrics.requests.labels(endpoint=path, code="200").inc()
+
+    def _chunks(self, path: str, feed: TokenFeed, answer: Answer, t0: float) -> None:
+        job, first = answer.job, True
+        if job.chat:
+            for i in range(len(job.reqs)):
+                self._sse(answer.chunk(i, {"role": "assistant", "content": ""}))
+        for i, text, entries, finished in feed.pieces():
+            req = job.reqs[i]
+            if req.error:
+                for r in job.reqs:
+                    r.cancel()
+                self._sse(error_object(req.error, 500))
+                return
+            if text or entries:
+                if first:
+                    self.app.metrics.ttft.labels(endpoint=path).observe(time.perf_counter() - t0)
+                    first = False
+                self._sse(answer.chunk(i, text, entries=entries))
+            if finished:
+                self._sse(answer.chunk(i, {} if job.chat else "", feed.streams[i].finish_reason))
+        if job.include_usage:
+            self._sse(answer.usage_chunk(feed.streams))
+
+
+def make_handler(app: App) -> type[Handler]:
+    """The handler class of a server that serves `app`."""
+    return type("Handler", (Handler,), {"app": app})
