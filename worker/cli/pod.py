@@ -32,10 +32,12 @@ import json
 import os
 import signal
 import sys
-import threading
 import time
 
-from shardwise.worker.cli.generate import add_cache_arguments
+from shardwise.worker.cli.flags import (QUANTIZATIONS, add_batch_arguments, add_cache_arguments,
+                                        add_decode_argument, add_device_argument)
+from shardwise.worker.cli.pod_health import StageHealth
+from shardwise.worker.distributed.launch import Ending, Exit, Policy, stop_on_signals, supervise
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,13 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="address to bind (default: $POD_IP when it is a loopback address, else 0.0.0.0)")
     parser.add_argument("--replica", type=int, default=None, help="default: $SHARDWISE_REPLICA")
     parser.add_argument("--stage", type=int, default=None, help="default: $SHARDWISE_STAGE")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--max-seq-len", type=int, default=0)
-    parser.add_argument("--max-batch", type=int, default=8)
+    add_device_argument(parser, auto=True)
+    add_batch_arguments(parser)
     add_cache_arguments(parser)
-    parser.add_argument("--decode", choices=["auto", "eager", "graphs", "compile"], default="auto",
-                        help="how decode steps run (as for serve); auto: CUDA graphs on cuda, eager on cpu")
-    parser.add_argument("--quantize", choices=["none", "int8", "gguf"], default=None,
+    add_decode_argument(parser)
+    parser.add_argument("--quantize", choices=QUANTIZATIONS, default=None,
                         help="weights as for serve; default: the plan's quantization (what the planner "
                              "sized the pods for, spec.serving.quantization)")
     parser.add_argument("--offload-budget", default=None, metavar="SIZE",
@@ -101,7 +101,7 @@ def run(args) -> int:
         return _run(args)
     except _input_errors() as e:
         _say(f"error: {e}")
-        return 2
+        return Exit.BAD_INPUT
 
 
 def _run(args) -> int:
@@ -110,7 +110,7 @@ def _run(args) -> int:
     from shardwise.crds.layout import RankLayout
 
     from shardwise.worker.errors import WorkerError
-    from shardwise.worker.cli.generate import cache_settings
+    from shardwise.worker.cli.flags import serving_settings
     from shardwise.worker.weights.offload import parse_bytes
     from shardwise.worker.serving.rank import RankSpec, validate
 
@@ -134,10 +134,10 @@ def _run(args) -> int:
     spec = RankSpec(model=contract.model.path, tensor=plan.tensor, pipeline=plan.pipeline,
                     layers=[(p.layer_start, p.layer_end) for p in plan.stages_of(replica)],
                     device=device, dtype=contract.model.dtype,   # validate() resolves auto
-                    max_batch=args.max_batch, max_seq=args.max_seq_len, decode=args.decode,
+                    decode=args.decode,
                     quantize=args.quantize or plan.quantization,
                     offload_budget=plan.offload_budget if args.offload_budget is None else parse_bytes(args.offload_budget),
-                    **cache_settings(args, contract.serving.kv_cache_tokens))
+                    **serving_settings(args, contract.serving.kv_cache_tokens))
     source = validate(spec)
     if source.config.num_layers != plan.num_layers:
         raise WorkerError(f"plan splits {plan.num_layers} layers but model {contract.model.path} has "
@@ -152,108 +152,63 @@ def _run(args) -> int:
     _say(f"replica {replica} stage {stage}: layers [{placement.layer_start}, {placement.layer_end}), "
          f"ranks {ranks[0]}..{ranks[-1]} of {world}, {device} {spec.dtype}")
 
-    procs, loaded_q = _start_ranks(plan.tensor, _rank_main, lambda local, q: (
+    start, loaded_q = _rank_starter(plan.tensor, _rank_main, lambda local, q: (
         spec, ranks[local], world, local, host, contract.serving.port, contract.serving.model_name, q,
         dict(os.environ)))
     health = None
     if stage != 0:
-        health = _StageHealth(plan.tensor, host, contract.serving.port)
+        health = StageHealth(plan.tensor, host, contract.serving.port)
     # graceful: SIGTERM goes on to the ranks; rank 0 drains its requests (server.run_engine) and
     # then stops the pipeline, whose other ranks exit when the stop reaches them. The pod waits
     # for them all (its grace period bounds the wait).
-    return _supervise(procs, loaded_q, health, graceful=True,
+    return _supervise(start, loaded_q, health,
                       stopping="stopping: rank 0 finishes its requests, then stops the pipeline")
 
 
-def _start_ranks(count: int, target, args_of):
-    """One process per local rank (from the fork server); each gets `args_of(local_rank, queue)`,
-    the queue being where ranks report that they have loaded. Returns (processes, queue)."""
+def _rank_starter(count: int, target, args_of):
+    """What starts one process per local rank (from the fork server), each given
+    `args_of(local_rank, queue)`, the queue being where ranks report that they have loaded.
+    Returns (start, queue)."""
     from shardwise.worker.serving.rank import forkserver
     mp = forkserver()
     queue = mp.Queue()
-    procs = [mp.Process(target=target, args=args_of(local, queue), daemon=False) for local in range(count)]
-    for p in procs:
-        p.start()
-    return procs, queue
+
+    def start() -> list:
+        procs = [mp.Process(target=target, args=args_of(local, queue), daemon=False) for local in range(count)]
+        for p in procs:
+            p.start()
+        return procs
+    return start, queue
 
 
-# A training rank's status when a signal stopped the job at an agreed step (128 + SIGINT / SIGTERM).
-_STOPPED = (130, 143)
+# How a pod watches its ranks: SIGTERM goes on to them, whatever signal the pod got; they stop by
+# themselves (training: at an agreed step after a checkpoint; serving: rank 0 drains its requests,
+# then stops the pipeline), and once they are stopping the pod waits for all of them, a failed
+# one too (the pod's grace period bounds the wait). A rank that exits with a stop status (130/143)
+# is waited out the same way. What still runs at the end is asked to stop, rank 0 first.
+POD_GROUP = Policy(forward=signal.SIGTERM, wait_out_failures=True, poll_s=0.2, leftovers_grace_s=10)
 
 
-def _exitcode(p) -> int | None:
-    """A rank process's exit status, None while it runs. When the fork server that started the
-    ranks is gone (a SIGTERM to the pod's whole process group, as local nodes send it), its
-    children live on, but multiprocessing reports 255 for every one of them: those are looked up
-    by pid instead."""
-    code = p.exitcode
-    if code == 255:
-        try:
-            os.kill(p.pid, 0)
-        except ProcessLookupError:
-            return code
-        except PermissionError:
-            pass
-        return None
-    return code
-
-
-def _supervise(procs, loaded_q, health, stopped_code: int = 0, graceful: bool = False,
+def _supervise(start, loaded_q, health, stopped_code: int = Exit.OK,
                stopping: str = "stopping: the ranks finish their step and save a checkpoint") -> int:
-    """Wait for the ranks; report their loading; stop them all when one fails or on SIGTERM.
-    0 when every rank exited 0, 1 when one failed, `stopped_code` when a signal stopped them.
-
-    `graceful`: a signal is forwarded to the ranks, which stop by themselves (training: at an
-    agreed step after a checkpoint; serving: rank 0 drains its requests, then stops the pipeline),
-    and the pod waits for all of them (the pod's grace period bounds the wait); a rank that exits
-    with a stop status (130/143) is waited out the same way."""
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    code, forwarded = 0, False
-    while True:
+    """Start the ranks and wait for them; report their loading; stop them all when one fails or on
+    SIGTERM. 0 when every rank exited 0, 1 when one failed, `stopped_code` when a signal stopped them."""
+    def report_loaded() -> None:
         while not loaded_q.empty():
             stats = loaded_q.get()
             _say(f"rank {stats['rank']} loaded {stats['weight_bytes']} weight bytes in {stats['load_seconds']:.1f}s")
             if health is not None:
                 health.loaded(stats)
-        if stop.is_set() and not graceful:
-            break
-        if stop.is_set() and not forwarded:
-            forwarded = True
-            _say(stopping)
-            for p in procs:
-                if _exitcode(p) is None:
-                    os.kill(p.pid, signal.SIGTERM)
-        dead = [p for p in procs if _exitcode(p) is not None]
-        if graceful and (forwarded or any(_exitcode(p) in _STOPPED for p in dead)):
-            if len(dead) == len(procs):
-                # stopped (a signal); else a rank failed while the others stopped
-                if not all(_exitcode(p) == 0 or _exitcode(p) in _STOPPED for p in procs):
-                    code = next(_exitcode(p) for p in procs if _exitcode(p) not in (0, *_STOPPED))
-                elif any(_exitcode(p) in _STOPPED for p in procs):
-                    stop.set()
-                break
-        elif dead:
-            # the first non-zero status, killed by a signal (negative) included
-            code = next((_exitcode(p) for p in dead if _exitcode(p)), 0)
-            if code or len(dead) == len(procs):
-                break
-        time.sleep(0.2)
-    # A signal stopped the pod before its ranks were all done.
-    stopped = stop.is_set() and not code and not all(_exitcode(p) == 0 for p in procs)
-    # Rank 0 first: it stops the pipeline in order (STOP travels down the stages) before exiting.
-    for p in procs:
-        if _exitcode(p) is None:
-            p.terminate()
-            p.join(10)
+
+    outcome = supervise(start, POD_GROUP, on_poll=report_loaded, on_forward=lambda sig: _say(stopping))
     if health is not None:
         health.close()
-    if stopped:
+    if outcome.ending is Ending.STOPPED:      # a signal stopped the pod before its ranks were all done
         return stopped_code
-    if code:
-        _say(f"a rank exited with code {code}; stopping the pod")
-    return 1 if code else 0
+    if outcome.ending is Ending.FAILED:
+        _say(f"a rank exited with code {outcome.failed[0][1]}; stopping the pod")
+        return Exit.FAILED
+    return Exit.OK
 
 
 def _bind_address(pod_ip: str) -> str:
@@ -273,12 +228,12 @@ def _run_training(contract, replica: int, stage: int, device: str, dtype: str, h
     first = pod_rank(replica, stage, 0, plan)
     _say(f"training replica {replica} stage {stage}: ranks {first}..{first + plan.tensor - 1} of "
          f"{opts.world_size}, {device} {dtype}, {opts.steps} steps, checkpoints in {opts.checkpoint_dir}")
-    procs, started_q = _start_ranks(plan.tensor, _train_rank_main, lambda local, q: (
+    start, started_q = _rank_starter(plan.tensor, _train_rank_main, lambda local, q: (
         opts, plan, replica, stage, local, dict(os.environ), q))
-    health = _StageHealth(plan.tensor, host, contract.serving.port, progress_dir=opts.checkpoint_dir)
+    health = StageHealth(plan.tensor, host, contract.serving.port, progress_dir=opts.checkpoint_dir)
     # Stopped by a signal before the last step, the pod must not look finished (exit 0 = Succeeded).
-    code = _supervise(procs, started_q, health, stopped_code=143, graceful=True)
-    if code == 0:
+    code = _supervise(start, started_q, health, stopped_code=Exit.TERMINATED)
+    if code == Exit.OK:
         _write_result(opts.checkpoint_dir, contract.termination_log)
     return code
 
@@ -310,7 +265,7 @@ def _train_rank_main(opts, plan, replica, stage, local_rank, env, started_q) -> 
         raise SystemExit(run_training_rank(opts, plan, replica, stage, local_rank, on_started=started))
     except _input_errors() as e:
         print(f"shardwise worker: rank {os.environ.get('RANK', local_rank)}: error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(2)
+        raise SystemExit(Exit.BAD_INPUT)
 
 
 def _rank_main(spec, rank, world, local_rank, host, port, model_name, loaded_q, env) -> None:
@@ -326,7 +281,6 @@ def _rank_main(spec, rank, world, local_rank, host, port, model_name, loaded_q, 
             run_rank(spec, rank, world, local_rank, "env://", spec.tensor,
                      on_loaded=lambda ctx: loaded_q.put(ctx.loaded[rank]))
             return
-        from shardwise.worker.cli.serve import stop_on_signals
         from shardwise.worker.weights.loader import open_model
         from shardwise.worker.serving.http.server import App, Server, run_engine
         from shardwise.worker.weights.tokenizer import load_tokenizer
@@ -344,81 +298,7 @@ def _rank_main(spec, rank, world, local_rank, host, port, model_name, loaded_q, 
             server.close()
     except WorkerError as e:
         print(f"shardwise worker: rank {rank}: error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(2)
+        raise SystemExit(Exit.BAD_INPUT)
     except OSError as e:
         print(f"shardwise worker: rank {rank}: error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(1)
-
-
-def _training_metrics(progress_dir: str | None) -> list[str]:
-    """A training job's step, loss and gradient bytes sent between replicate groups (by rank 0,
-    since the pod started), from its progress.json; none before the first step."""
-    if progress_dir is None:
-        return []
-    from shardwise.worker.training.trainer import read_progress
-    progress = read_progress(progress_dir) or {}
-    if "step" not in progress:
-        return []
-    lines = ["# TYPE shardwise_train_step gauge", f"shardwise_train_step {progress['step']}"]
-    if progress.get("loss") is not None:
-        lines += ["# TYPE shardwise_train_loss gauge", f"shardwise_train_loss {progress['loss']}"]
-    method = progress.get("compression", "none")
-    lines += ["# TYPE shardwise_train_replicate_bytes_total counter",
-              f'shardwise_train_replicate_bytes_total{{compression="{method}"}} {progress.get("replicate_bytes", 0)}']
-    return lines
-
-
-class _StageHealth:
-    """/healthz and /metrics of a pod that does not serve the API (pipeline stage > 0, training);
-    /progress of a training job when `progress_dir` (its checkpoint directory) is given."""
-
-    def __init__(self, ranks: int, host: str, port: int, progress_dir: str | None = None):
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-        self.expected, self.stats = ranks, {}
-        health = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def do_GET(self):
-                if self.path == "/healthz":
-                    ready = len(health.stats) == health.expected
-                    body = json.dumps({"status": "ok" if ready else "loading",
-                                       "ranks": sorted(health.stats)}).encode()
-                    self._send(200 if ready else 503, body, "application/json")
-                elif self.path == "/metrics":
-                    lines = ["# TYPE shardwise_weight_bytes gauge"]
-                    lines += [f'shardwise_weight_bytes{{rank="{r}",stage="{s["stage"]}",tp_rank="{s["tp_rank"]}"}} '
-                              f'{s["weight_bytes"]}' for r, s in sorted(health.stats.items())]
-                    lines += ["# TYPE shardwise_ready gauge",
-                              f"shardwise_ready {int(len(health.stats) == health.expected)}"]
-                    lines += _training_metrics(progress_dir)
-                    self._send(200, ("\n".join(lines) + "\n").encode(), "text/plain; version=0.0.4")
-                elif self.path == "/progress" and progress_dir is not None:
-                    from shardwise.worker.training.trainer import read_progress
-                    progress = read_progress(progress_dir)
-                    self._send(200 if progress else 404,
-                               json.dumps(progress or {"error": {"message": "no progress yet"}}).encode(),
-                               "application/json")
-                else:
-                    self._send(404, b'{"error": {"message": "no route"}}', "application/json")
-
-            def _send(self, code, body, ctype):
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-        ThreadingHTTPServer.allow_reuse_address = True
-        self.httpd = ThreadingHTTPServer((host, port), Handler)
-        self.httpd.daemon_threads = True
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def loaded(self, stats: dict) -> None:
-        self.stats[stats["rank"]] = stats
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        raise SystemExit(Exit.FAILED)

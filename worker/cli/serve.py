@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
-import threading
 
-from shardwise.worker.cli.generate import add_model_arguments
+from shardwise.worker.cli.flags import add_model_arguments, spec_from_args
+from shardwise.worker.distributed.launch import Exit, stop_on_signals
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,19 +20,11 @@ def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def stop_on_signals() -> threading.Event:
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    return stop
-
-
 def run(args) -> int:
     from shardwise.worker.errors import WorkerError
     from shardwise.worker.serving.rank import LocalRuntime, validate
     from shardwise.worker.serving.http.server import App, Server, run_engine
     from shardwise.worker.weights.tokenizer import load_tokenizer
-    from shardwise.worker.cli.generate import spec_from_args
 
     runtime = server = None
     try:
@@ -52,10 +43,10 @@ def run(args) -> int:
         _say("ready; weight bytes per rank: " + ", ".join(str(r["weight_bytes"]) for r in ctx.loaded))
         run_engine(app, ctx, stop, args.micro_batches)
         _say("stopping")
-        return 0
+        return Exit.OK
     except WorkerError as e:
         _say(f"shardwise serve: error: {e}")
-        return 2
+        return Exit.BAD_INPUT
     finally:
         if runtime is not None:
             try:

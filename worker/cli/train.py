@@ -15,15 +15,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 import warnings
+
+from shardwise.worker.cli.flags import add_device_argument, add_layout_arguments
+from shardwise.worker.distributed.launch import Ending, Exit, Outcome, Policy, stopped_by, supervise
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="HF model folder, .gguf file, or a training checkpoint")
     p.add_argument("--data", required=True, help="UTF-8 text file to train on")
-    p.add_argument("--tensor-parallel", type=int, default=1, metavar="T")
-    p.add_argument("--pipeline-parallel", type=int, default=1, metavar="P")
+    add_layout_arguments(p)
     p.add_argument("--data-parallel", type=int, default=1, metavar="D",
                    help="replicas that each take a share of the batch and average gradients")
     p.add_argument("--data-shard", type=int, default=0, metavar="S",
@@ -59,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--micro-batches", type=int, default=0,
                    help="pipeline micro-batches per replica (default: the largest divisor of the per-replica batch up to twice the pipeline degree)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    add_device_argument(p)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: float32 on cpu; on cuda the model's own dtype (bfloat16 for a quantized GGUF)")
     p.add_argument("--sync-checkpoint", action="store_true",
@@ -127,8 +128,6 @@ def check_inputs(opts, local_dir_name: str = "--local-checkpoint-dir") -> None:
         ckpt.check_same_model(found[2].get("model", {}), ckpt.structure_of(source.config.to_dict()), found[1])
 
 
-
-
 def _rank_main(opts, rank: int, world: int, port: int) -> None:
     """One local rank: named `shardwise-rk<N>` in ps/top; only rank 0 prints to stdout."""
     import torch
@@ -154,13 +153,15 @@ def _rank_main(opts, rank: int, world: int, port: int) -> None:
     except (WorkerError, DataError, ckpt.CheckpointError) as e:
         if rank == 0:
             print(f"shardwise train: {e}", file=sys.stderr, flush=True)
-        code = 2
+        code = Exit.BAD_INPUT
     sys.stdout.flush()
     os._exit(code)
 
 
-# What a rank returns when a signal stopped the job at an agreed step (128 + SIGINT / SIGTERM).
-STOPPED = (130, 143)
+# How a local group of ranks is watched: the signal received goes on to them; a second one stops
+# them at once; a failed rank stops the others, after a moment in which a rank killed by a signal
+# takes its peers down (their collectives fail), so that the killed one is reported as the cause.
+LOCAL_GROUP = Policy(second_signal_aborts=True, settle_s=0.5, poll_s=0.05)
 
 
 def launch(opts, world: int) -> int:
@@ -169,65 +170,33 @@ def launch(opts, world: int) -> int:
     SIGINT/SIGTERM are forwarded to the ranks, which stop together after a shared checkpoint:
     the launcher waits for all of them and returns their status (130/143). A second signal
     stops them at once."""
-    import signal
-
     from shardwise.worker.serving.rank import forkserver, free_port
     port = free_port()
     ctx = forkserver("shardwise.worker.training.trainer")   # ranks start with the training code imported
-    procs = [ctx.Process(target=_rank_main, args=(opts, rank, world, port), name=f"rank{rank}")
-             for rank in range(world)]
-    signals: list[int] = []
-    previous = {sig: signal.signal(sig, lambda sig, frame: signals.append(sig))
-                for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
+
+    def start() -> list:
+        procs = [ctx.Process(target=_rank_main, args=(opts, rank, world, port), name=f"rank{rank}")
+                 for rank in range(world)]
         for p in procs:
             p.start()
-        code = _watch(procs, signals)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    # Whatever is still running now is not stopping by itself: a failed group, a second signal.
-    for p in procs:
-        if p.exitcode is None:
-            p.kill()
-    for p in procs:
-        p.join()
-    return code
+        return procs
+    return status_of(supervise(start, LOCAL_GROUP))
 
 
-def _watch(procs, signals: list[int]) -> int:
-    """Wait for the ranks: 0 when all finished; their stop status (130/143) when a signal stopped
-    them at an agreed step; 1 (or 128 + signal) when one failed or a second signal came."""
-    forwarded = False
-    while True:
-        if len(signals) > 1:           # asked again: do not wait for the checkpoint
-            return 128 + signals[0]
-        if signals and not forwarded:
-            forwarded = True
-            for p in procs:
-                if p.exitcode is None:
-                    os.kill(p.pid, signals[0])
-        codes = [p.exitcode for p in procs]
-        stopping = forwarded or any(c in STOPPED for c in codes)
-        failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0) and c not in STOPPED]
-        if failed:
-            # A rank killed by a signal takes its peers down within moments (their collectives
-            # fail): give them that moment, then report the killed one, the cause.
-            time.sleep(0.5)
-            failed = [(r, c) for r, c in enumerate(p.exitcode for p in procs)
-                      if c not in (None, 0) and c not in STOPPED]
-            rank, code = min(failed, key=lambda rc: (rc[1] >= 0, rc[0]))
-            if code < 0:
-                print(f"shardwise train: rank {rank} was killed by signal {-code}; stopping the other "
-                      f"ranks (run again to resume from the last complete checkpoint)", file=sys.stderr)
-                return 1
-            return code
-        if all(c is not None for c in codes):
-            # Stopped together at an agreed step (or all done, the stop having come at the last step).
-            return next((c for c in codes if c in STOPPED), 0)
-        if not stopping and all(c == 0 for c in codes):
-            return 0
-        time.sleep(0.05)
+def status_of(outcome: Outcome) -> int:
+    """0 when all finished; their stop status (130/143) when a signal stopped them at an agreed
+    step; 1 (or 128 + signal) when one failed or a second signal came."""
+    if outcome.ending is Ending.ABORTED:
+        return stopped_by(outcome.signals[0])
+    if outcome.ending is Ending.FAILED:
+        rank, code = min(outcome.failed, key=lambda rc: (rc[1] >= 0, rc[0]))
+        if code < 0:
+            print(f"shardwise train: rank {rank} was killed by signal {-code}; stopping the other "
+                  f"ranks (run again to resume from the last complete checkpoint)", file=sys.stderr)
+            return Exit.FAILED
+        return code
+    # Stopped together at an agreed step (or all done, the stop having come at the last step).
+    return outcome.stop_status
 
 
 def run(args) -> int:
@@ -247,4 +216,4 @@ def run(args) -> int:
     except (WorkerError, DataError, ckpt.CheckpointError) as e:
         if not in_group or os.environ.get("RANK") == "0":
             print(f"shardwise train: {e}", file=sys.stderr)
-        return 2
+        return Exit.BAD_INPUT
