@@ -43,10 +43,9 @@ class Engine:
         self.block_size = block_size
         self.pool = BlockPool(blocks, block_size, lanes=max_batch, prefix_cache=prefix_cache)
         self.stats = EngineStats()
-        self.scheduler = Scheduler(self.pool, max_batch, max_seq, self.micro_batches, prefill_chunk,
-                                   tuple(eos_ids), self.stats)
         self.sampler = Sampler()
-        self.scheduler.on_finish = self.sampler.forget
+        self.scheduler = Scheduler(self.pool, max_batch, max_seq, self.micro_batches, prefill_chunk,
+                                   tuple(eos_ids), self.stats, on_finish=self.sampler.forget)
         self.runner = Runner(stage, blocks, max_seq, block_size)
 
     @classmethod

@@ -1,8 +1,8 @@
 """One generation request: what the caller asks for and what it gets back, nothing the engine keeps
 for itself (its row, blocks and progress are the scheduler's, scheduler.py SequenceState).
 
-Threads: the caller builds the request, submits it, and waits on `done`; every other field is
-written on the engine thread, which calls `on_token` after each token and sets `done` last.
+Threads: the caller builds the request, submits it, may cancel it, and waits on `done`; the engine
+thread writes the results, calls `on_token` after each token and sets `done` last.
 """
 from __future__ import annotations
 

@@ -38,7 +38,8 @@ DEFAULT_PREFILL_CHUNK = 512      # prompt tokens per prefill step
 
 @dataclass
 class EngineStats:
-    """Counts since the engine started."""
+    """Counts since the engine started, kept by the scheduler: each is of its decisions or of the
+    steps it completes."""
     prefill_tokens: int = 0      # prompt tokens (and a resumption's tokens so far) fed
     decode_tokens: int = 0       # tokens fed one per row by decode steps
     steps: int = 0               # steps collected
@@ -46,7 +47,7 @@ class EngineStats:
     preempted: int = 0           # requests preempted when the cache ran out of blocks
 
     def __getitem__(self, name: str) -> int:
-        # Reads by name (`stats["preempted"]`) from the callers that predate the attributes.
+        # `stats["reused_tokens"]`, `stats["preempted"]`: the metrics collector reads them by name.
         return getattr(self, name)
 
 
@@ -84,7 +85,7 @@ class Scheduler:
 
     def __init__(self, pool: BlockPool, max_batch: int, max_seq: int, micro_batches: int = 1,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, eos_ids: tuple[int, ...] = (),
-                 stats: EngineStats | None = None):
+                 stats: EngineStats | None = None, on_finish: Callable[[Request], None] | None = None):
         self.pool, self.block_size = pool, pool.block_size
         self.max_batch, self.max_seq = max_batch, max_seq
         self.micro_batches, self.prefill_chunk = micro_batches, max(1, prefill_chunk)
@@ -95,7 +96,7 @@ class Scheduler:
         self.busy = [False] * micro_batches                # a step of the micro-batch is in flight
         self.decoded_last = [True] * micro_batches         # which kind of step each ran last
         self.lock = threading.Condition()
-        self.on_finish: Callable[[Request], None] | None = None   # told of every request that ends
+        self.on_finish = on_finish                         # told of every request that ends
         self._admissions = itertools.count(1)
 
     # ---- requests ----------------------------------------------------------------------------
