@@ -71,7 +71,7 @@ def largest_batch(ctx, budget: int, text: list[int], rows: int) -> dict:
             eng.submit(r)
         peak, t0 = 0, time.perf_counter()
         while eng.step():
-            peak = max(peak, sum(r is not None and r.token_ids != [] for r in eng.slots))
+            peak = max(peak, sum(s is not None and s.req.token_ids != [] for s in eng.scheduler.rows))
         seconds = time.perf_counter() - t0
         out["paged" if paged else "fixed"] = (peak, sum(len(r.token_ids) for r in reqs) / seconds,
                                               eng.stats["preempted"])

@@ -14,7 +14,7 @@ hidden states are identical on every TP rank of a stage). The TP peers of rank 0
 a broadcast inside stage 0's TP group.
 
 Several steps are in flight at once: `launch` returns as soon as stage 0 has sent its part, so
-rank 0 can start the next micro-batch while later stages work on the previous one (engine.py
+rank 0 can start the next micro-batch while later stages work on the previous one (scheduler.py
 keeps one micro-batch per stage in flight).
 """
 from __future__ import annotations
@@ -237,7 +237,7 @@ class Stage:
 
     def collect(self) -> torch.Tensor:
         """Logits [B, V] (float32) of the oldest launched step, on the device they were made or
-        received on (Engine.step brings back only what it needs)."""
+        received on (sampling.choose brings back only what it needs)."""
         item = self.pending.popleft()
         if self.info.pipeline == 1:
             return item

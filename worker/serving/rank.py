@@ -52,7 +52,7 @@ class RankSpec:
     decode: str = "auto"          # pipeline.py decode_mode: auto, eager, graphs, compile
     quantize: str = "none"        # quantize.py: none, int8 (weight-only, decoder layers), gguf (the file's blocks)
     offload_budget: int = 0       # offload.py: bytes of weights kept on the device, the other layers streamed; 0: all
-    # The KV cache (engine.py, kv_blocks.py): its size in tokens (0: max_batch whole contexts),
+    # The KV cache (scheduler.py, kv_blocks.py): its size in tokens (0: max_batch whole contexts),
     # tokens per block, and prompt tokens per prefill step.
     kv_tokens: int = 0
     kv_block: int = 16

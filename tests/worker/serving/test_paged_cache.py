@@ -1,4 +1,4 @@
-"""The paged KV cache (worker/serving/kv_blocks.py, model.KVCache, engine.py): block allocation and prefix
+"""The paged KV cache (worker/serving/kv_blocks.py, model.KVCache, scheduler.py): block allocation and prefix
 reuse as pure bookkeeping, then real ranks: many concurrent requests of different lengths, under a
 cache small enough to preempt and with prompts fed in chunks, give the tokens each gives alone;
 a shared prompt prefix is prefilled once; a cancelled request gives its blocks back."""
@@ -121,7 +121,7 @@ def test_concurrent_requests_under_a_small_paged_cache_match_their_answers_alone
         engine = Engine(ctx.stage, 6, MAX_SEQ, [], kv_tokens=200, block_size=8, prefill_chunk=7)
         reqs = engine.generate([Request(p, max_new_tokens=24) for p in prompts])
         assert [r.token_ids for r in reqs] == want
-        assert engine.stats["preempted"] > 0
+        assert engine.stats.preempted > 0
         assert engine.pool.available == engine.pool.num_blocks       # every block given back
 
 
@@ -135,7 +135,7 @@ def test_a_shared_system_prompt_is_prefilled_once(tiny):
         rest = engine.generate([Request(system + q, max_new_tokens=8) for q in questions[1:]])
         assert first.reused_tokens == 0
         assert all(r.reused_tokens == len(system) // 8 * 8 for r in rest)
-        assert engine.stats["prefill_tokens"] == len(system) + sum(map(len, questions)) + \
+        assert engine.stats.prefill_tokens == len(system) + sum(map(len, questions)) + \
             2 * (len(system) % 8)
         assert [r.token_ids for r in [first] + rest] == want
 
@@ -151,7 +151,7 @@ def test_requests_that_arrive_together_with_one_system_prompt_prefill_it_once(ti
         reqs = engine.generate([Request(system + q, max_new_tokens=8) for q in questions])
         assert [r.token_ids for r in reqs] == want
         assert [r.reused_tokens for r in reqs] == [0] + [len(system) // 8 * 8] * 2
-        assert engine.stats["prefill_tokens"] == len(system) + sum(map(len, questions)) + 2 * (len(system) % 8)
+        assert engine.stats.prefill_tokens == len(system) + sum(map(len, questions)) + 2 * (len(system) % 8)
 
 
 def test_a_long_prompt_is_fed_in_chunks_between_the_running_streams_steps(tiny):

@@ -1,0 +1,315 @@
+"""Which requests run next, and on which cache blocks: the engine's decisions, in plain Python
+(no torch, no ranks), so they are tested alone.
+
+Rows (at most max_batch requests at once) are split into one micro-batch per pipeline stage
+(row % micro_batches). Each micro-batch has at most one step in flight; while stage 1 works on
+micro-batch 0, stage 0 already runs micro-batch 1, so with as many micro-batches as stages every
+stage stays busy. Within a micro-batch, a step is either one decode token for every request that
+has its prompt in the cache, or the next chunk of one request's prompt; when both wait they take
+turns, so a long prompt delays the running streams by one chunk at a time, not by its whole prefill.
+
+The cache is a pool of blocks (kv_blocks.py): a request is admitted when the blocks for its prompt
+are free (less the blocks of a prefix another request left in the cache, which it shares), takes a
+block every block_size tokens as it decodes, and gives them back when it ends. When a decode finds
+no block, the request admitted last among those not in flight is preempted: its blocks are
+released (registered first, so that its resumption finds most of them still cached) and it goes
+back to the front of the queue, to be prefilled again, prompt and tokens so far, when blocks free up.
+
+A step's life: `schedule` decides it (and marks its micro-batch in flight), the runner launches it
+and collects its logits, `complete` records what it fed, and when it ends a request's prompt or
+decodes, `append_tokens` hands the sampled tokens to the requests and ends those that are done.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from shardwise.worker.errors import WorkerError
+from shardwise.worker.serving.kv_blocks import BlockPool, blocks_for
+from shardwise.worker.serving.request import FinishReason, Request
+
+DEFAULT_BLOCK_SIZE = 16          # tokens per KV-cache block (vLLM's default)
+DEFAULT_PREFILL_CHUNK = 512      # prompt tokens per prefill step
+
+
+@dataclass
+class EngineStats:
+    """Counts since the engine started, kept by the scheduler: each is of its decisions or of the
+    steps it completes."""
+    prefill_tokens: int = 0      # prompt tokens (and a resumption's tokens so far) fed
+    decode_tokens: int = 0       # tokens fed one per row by decode steps
+    steps: int = 0               # steps collected
+    reused_tokens: int = 0       # prompt tokens found in the cache on admission, resumptions included
+    preempted: int = 0           # requests preempted when the cache ran out of blocks
+
+    def __getitem__(self, name: str) -> int:
+        # `stats["reused_tokens"]`, `stats["preempted"]`: the metrics collector reads them by name.
+        return getattr(self, name)
+
+
+@dataclass(eq=False)
+class SequenceState:
+    """What the scheduler keeps about one request from its submission to its end."""
+    req: Request
+    row: int = -1                                        # -1: waiting (not admitted, or preempted)
+    blocks: list[int] = field(default_factory=list)      # its block table
+    fed: int = 0                                         # tokens whose keys/values are cached
+    admitted: int = 0                                    # admission order (the last is preempted first)
+    preemptions: int = 0
+
+
+@dataclass(eq=False)
+class Step:
+    """One step the scheduler decided: a micro-batch's rows, the tokens each row feeds (`fed` per
+    row, from position `starts[i]`) and each row's block table up to the step's last position."""
+    micro_batch: int
+    seqs: list[SequenceState]
+    fed: int                     # tokens per row: a prompt chunk's length, or 1 for a decode
+    prefill: bool                # one request's prompt chunk (positions start..start+fed), or a decode
+    tokens: list[list[int]]      # [rows][fed]
+    starts: list[int]            # each row's first position
+    tables: list[list[int]]      # [rows][blocks], padded with block 0
+
+    @property
+    def requests(self) -> list[Request]:
+        return [s.req for s in self.seqs]
+
+
+class Scheduler:
+    """Rows, the waiting queue and every request's blocks; `lock` guards the queue, which request
+    threads append to (submit) while the engine thread takes from it."""
+
+    def __init__(self, pool: BlockPool, max_batch: int, max_seq: int, micro_batches: int = 1,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, eos_ids: tuple[int, ...] = (),
+                 stats: EngineStats | None = None, on_finish: Callable[[Request], None] | None = None):
+        self.pool, self.block_size = pool, pool.block_size
+        self.max_batch, self.max_seq = max_batch, max_seq
+        self.micro_batches, self.prefill_chunk = micro_batches, max(1, prefill_chunk)
+        self.eos_ids = tuple(eos_ids)
+        self.stats = stats if stats is not None else EngineStats()
+        self.rows: list[SequenceState | None] = [None] * max_batch
+        self.waiting: deque[SequenceState] = deque()
+        self.busy = [False] * micro_batches                # a step of the micro-batch is in flight
+        self.decoded_last = [True] * micro_batches         # which kind of step each ran last
+        self.lock = threading.Condition()
+        self.on_finish = on_finish                         # told of every request that ends
+        self._admissions = itertools.count(1)
+
+    # ---- requests ----------------------------------------------------------------------------
+    def check(self, req: Request) -> None:
+        if not req.prompt_ids:
+            raise WorkerError("prompt is empty")
+        if len(req.prompt_ids) >= self.max_seq:
+            raise WorkerError(f"prompt is {len(req.prompt_ids)} tokens; the context holds {self.max_seq} "
+                              f"(prompt plus at least one generated token)")
+        if req.max_new_tokens < 1:
+            raise WorkerError("max_tokens must be at least 1")
+        need = blocks_for(len(req.prompt_ids) + 1, self.block_size)
+        if need > self.pool.num_blocks:
+            raise WorkerError(f"prompt is {len(req.prompt_ids)} tokens; the KV cache holds "
+                              f"{self.pool.num_blocks * self.block_size} (--kv-cache-tokens)")
+
+    def add(self, req: Request) -> None:
+        """Queue a checked request (any thread)."""
+        with self.lock:
+            self.waiting.append(SequenceState(req))
+            self.lock.notify_all()
+
+    def wait_for_work(self, timeout: float) -> None:
+        """Block until a request is queued or `timeout` seconds pass (the idle engine thread)."""
+        with self.lock:
+            if not self.waiting:
+                self.lock.wait(timeout)
+
+    @property
+    def running(self) -> int:
+        return sum(s is not None for s in self.rows)
+
+    def take_all(self) -> list[Request]:
+        """Every queued and running request, the queue emptied (the engine fails them)."""
+        with self.lock:
+            reqs = [s.req for s in self.waiting] + [s.req for s in self.rows if s is not None]
+            self.waiting.clear()
+        return reqs
+
+    def finish(self, seq: SequenceState, reason: FinishReason | None = None) -> None:
+        """End a request: its row and blocks given back, then `done` set."""
+        req = seq.req
+        if reason is not None:
+            req.finish_reason = reason
+        req.finished_at = time.perf_counter()
+        if seq.row >= 0:
+            self._release(seq)
+        req.done.set()
+        if self.on_finish is not None:
+            self.on_finish(req)
+
+    # ---- the cache ---------------------------------------------------------------------------
+    def _admit(self, mb: int) -> None:
+        """Give free rows of micro-batch `mb` to waiting requests, first come first served, while
+        the cache has the blocks for their prompts."""
+        while True:
+            with self.lock:
+                if not self.waiting:
+                    return
+                seq = self.waiting[0]
+                if seq.req.cancelled:
+                    self.waiting.popleft()
+                    self.finish(seq, FinishReason.STOP)
+                    continue
+                row = self._free_row(mb)
+                if row < 0:
+                    return
+                tokens = seq.req.sequence()
+                shared = self.pool.match(tokens)
+                need = blocks_for(len(tokens), self.block_size) - len(shared)
+                if need > self.pool.available or self._prefilling_same(tokens, len(shared)):
+                    self.pool.release(shared)
+                    return
+                self.waiting.popleft()
+            seq.row, seq.blocks, seq.admitted = row, shared, next(self._admissions)
+            seq.fed = len(shared) * self.block_size
+            if not seq.preemptions:         # what the prompt found cached, not a resumption's
+                seq.req.reused_tokens = seq.fed
+            self.stats.reused_tokens += seq.fed
+            self.rows[row] = seq
+            self._grow(seq, len(tokens))                  # fits: checked above
+
+    def _prefilling_same(self, tokens: list[int], cached_blocks: int) -> bool:
+        """Whether a running request is prefilling the block of `tokens` that follows its cached
+        ones: then `tokens` waits for that prefill to register the blocks it shares, rather than
+        computing them a second time (requests with one system prompt often arrive together)."""
+        bs = self.block_size
+        start, end = cached_blocks * bs, (cached_blocks + 1) * bs
+        if end >= len(tokens):
+            return False
+        block = tokens[start:end]
+        return any(s.req.length - s.fed > 1 and s.fed < end <= s.req.length
+                   and s.req.sequence()[start:end] == block for s in self.rows if s is not None)
+
+    def _grow(self, seq: SequenceState, tokens: int) -> bool:
+        """Blocks for `seq`'s first `tokens` positions, preempting others if none is free. False
+        when none can be had now."""
+        while len(seq.blocks) < blocks_for(tokens, self.block_size):
+            block = self.pool.take(seq.row, len(seq.blocks))
+            if block is None:
+                victim = self._victim(seq)
+                if victim is None:
+                    return False
+                self._preempt(victim)
+                continue
+            seq.blocks.append(block)
+        return True
+
+    def _victim(self, seq: SequenceState) -> SequenceState | None:
+        """The request admitted last among those holding blocks with no step in flight."""
+        idle = [s for s in self.rows if s is not None and s is not seq and s.blocks
+                and not self.busy[s.row % self.micro_batches]]
+        return max(idle, key=lambda s: s.admitted, default=None)
+
+    def _preempt(self, seq: SequenceState) -> None:
+        self._release(seq)
+        seq.fed, seq.preemptions = 0, seq.preemptions + 1
+        self.stats.preempted += 1
+        with self.lock:
+            self.waiting.appendleft(seq)
+
+    def _release(self, seq: SequenceState) -> None:
+        """Give back `seq`'s row and blocks, its full blocks registered for reuse."""
+        self.pool.register(seq.req.sequence()[:seq.fed], seq.blocks)
+        self.pool.release(seq.blocks)
+        seq.blocks = []
+        self.rows[seq.row] = None
+        seq.row = -1
+
+    # ---- steps -------------------------------------------------------------------------------
+    def _free_row(self, mb: int) -> int:
+        for r in range(mb, self.max_batch, self.micro_batches):
+            if self.rows[r] is None:
+                return r
+        return -1
+
+    def schedule(self, mb: int) -> Step | None:
+        """The next step of idle micro-batch `mb` (marked in flight), or None when it has no work:
+        a chunk of the prompt admitted first, or one decode token for every row that has its
+        prompt cached, taking turns when both wait."""
+        self._admit(mb)
+        live = []
+        for seq in self.rows[mb::self.micro_batches]:
+            if seq is None:
+                continue
+            if seq.req.cancelled:         # a client that went away: end it now, free its blocks
+                self.finish(seq, FinishReason.STOP)
+            else:
+                live.append(seq)
+        decoding = [s for s in live if s.req.length - s.fed == 1]
+        prefilling = [s for s in live if s.req.length - s.fed > 1]
+        if prefilling and (not decoding or self.decoded_last[mb]):
+            seq = min(prefilling, key=lambda s: s.admitted)
+            n = min(seq.req.length - seq.fed, self.prefill_chunk)
+            step = Step(mb, [seq], n, True, [seq.req.sequence()[seq.fed:seq.fed + n]], [seq.fed],
+                        self._tables([seq], seq.fed + n))
+            self.decoded_last[mb] = False
+        else:
+            decoding = self._room_to_decode(decoding)
+            if not decoding:
+                return None
+            step = Step(mb, decoding, 1, False, [[s.req.token_at(s.fed)] for s in decoding],
+                        [s.fed for s in decoding], self._tables(decoding, max(s.fed for s in decoding) + 1))
+            self.decoded_last[mb] = True
+        self.busy[mb] = True
+        return step
+
+    def _room_to_decode(self, decoding: list[SequenceState]) -> list[SequenceState]:
+        """The decoding rows that have (or could take) a block for their next position; one that
+        alone holds the whole cache and needs more ends (length)."""
+        for s in decoding:
+            if s.row >= 0 and not self._grow(s, s.fed + 1) and self.pool.used == len(s.blocks):
+                self.finish(s, FinishReason.LENGTH)
+        return [s for s in decoding if s.row >= 0 and len(s.blocks) * self.block_size > s.fed]
+
+    def _tables(self, seqs: list[SequenceState], positions: int) -> list[list[int]]:
+        """Each row's block table for its first `positions` positions, padded with block 0."""
+        nb = blocks_for(positions, self.block_size)
+        pad = [0] * nb
+        return [(s.blocks + pad)[:nb] for s in seqs]
+
+    def complete(self, step: Step) -> bool:
+        """A launched step came back: its tokens are cached and its micro-batch is free. Returns
+        whether it gives tokens (the end of a prompt, or a decode)."""
+        self.busy[step.micro_batch] = False
+        seqs, n = step.seqs, step.fed
+        first = seqs[0]
+        stats = self.stats
+        stats.steps += 1
+        if n > 1 or len(first.req.token_ids) == 0:
+            stats.prefill_tokens += n
+        else:
+            stats.decode_tokens += len(seqs)
+        for s in seqs:
+            s.fed += n
+        if n > 1:                  # a prefill chunk: its full blocks are shareable at once
+            self.pool.register(first.req.sequence()[:first.fed], first.blocks)
+        return first.fed >= first.req.length          # short of the prompt's end: no token yet
+
+    def append_tokens(self, step: Step, tokens: list[int]) -> None:
+        """Each row's sampled token to its request, which ends on an end-of-sequence or stop
+        token, a cancel, max_new_tokens or the context's end."""
+        now = time.perf_counter()
+        for seq, token in zip(step.seqs, tokens):
+            req = seq.req
+            req.token_ids.append(token)
+            if req.first_token_at is None:
+                req.first_token_at = now
+            if token in self.eos_ids or token in req.stop_ids or req.cancelled:
+                req.finish_reason = FinishReason.STOP
+            elif len(req.token_ids) >= req.max_new_tokens or seq.fed + 1 >= self.max_seq:
+                req.finish_reason = FinishReason.LENGTH
+            if req.on_token is not None:
+                req.on_token(req, token)
+            if req.finish_reason:
+                self.finish(seq)
