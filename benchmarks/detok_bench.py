@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from shardwise.worker.serving.engine import Request
+from shardwise.worker.serving.request import Request
 from shardwise.worker.serving.http.detokenize import REPLACEMENT
 from shardwise.worker.serving.http.streaming import ChoiceStream
 from shardwise.worker.weights.loader import open_model

@@ -198,7 +198,7 @@ def teacher_forced_logits(worker: Worker, prompt: list[int], continuation: list[
 # ------------------------------------------------------------------ parity
 
 def parity(shape: str, hf, folder: str, device: str, prompts: list[list[int]], new: int = 32) -> dict:
-    from shardwise.worker.serving.engine import Request
+    from shardwise.worker.serving.request import Request
     out: dict = {"prompts": len(prompts), "new_tokens": new}
     with torch.no_grad():
         hf_tokens, hf_gaps = [], []
@@ -353,7 +353,7 @@ def hf_decode(hf, prompt: list[int], new: int, static: bool, device: str, rounds
 def worker_decode(folder: str, device: str, mode: str, prompt: list[int], new: int, rounds: int):
     """The worker at batch 1 (`mode`: a --decode value, with ":int8" for --quantize int8):
     (seconds per decode token, seconds to first token, weight bytes)."""
-    from shardwise.worker.serving.engine import Request
+    from shardwise.worker.serving.request import Request
     decode, _, quantize = mode.partition(":")
     w = Worker(folder, device, "bfloat16" if device == "cuda" else "float32", decode, max_batch=1,
                max_seq=len(prompt) + new + 8, quantize=quantize or "none")
@@ -406,7 +406,7 @@ def profile_decode(shape: str, folder: str, device: str, ceil: dict, prompt: lis
     against a contiguous [in, out] copy, for the model's matrix shapes."""
     from torch.profiler import ProfilerActivity, profile
 
-    from shardwise.worker.serving.engine import Request
+    from shardwise.worker.serving.request import Request
     out: dict = {}
     timer = Timer(device)
     for mode in modes:
@@ -529,7 +529,7 @@ def offload_speed(shape: str, folder: str, device: str, prompt: list[int], new: 
 
 def batched(folder: str, device: str, decode: str, batches: list[int], prompt: list[int], new: int,
             long_prompt: list[int]) -> dict:
-    from shardwise.worker.serving.engine import Request
+    from shardwise.worker.serving.request import Request
     top = max(batches)
     w = Worker(folder, device, "bfloat16" if device == "cuda" else "float32", decode, max_batch=top,
                max_seq=max(len(prompt) + new, len(long_prompt) + 8) + 8)

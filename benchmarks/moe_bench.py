@@ -38,7 +38,8 @@ def model_dir(cache: str) -> str:
 
 def measure(path: str, ep: int, prompt: list[int], text: list[int], new_tokens: int, rounds: int) -> dict:
     from shardwise.worker.distributed import tensor_parallel as parallel
-    from shardwise.worker.serving.engine import Engine, Request
+    from shardwise.worker.serving.engine import Engine
+    from shardwise.worker.serving.request import Request
     from shardwise.worker.model.moe import expert_load, imbalance
     from shardwise.worker.serving.rank import LocalRuntime, RankSpec
     spec = RankSpec(path, ep, 1, max_batch=1, max_seq=max(len(prompt) + new_tokens, len(text)) + 8)

@@ -55,7 +55,8 @@ def formats(model: str, cache: str) -> dict[str, tuple[str, str, str]]:
 def measure(path: str, dtype: str, quantize: str, prompt: list[int], text: list[int], new_tokens: int,
             threads: int, with_ppl: bool) -> dict:
     """One runtime: weight bytes, best-of-2 decode seconds a token and prefill seconds, perplexity."""
-    from shardwise.worker.serving.engine import Engine, Request
+    from shardwise.worker.serving.engine import Engine
+    from shardwise.worker.serving.request import Request
     from shardwise.worker.serving.rank import LocalRuntime, RankSpec, teacher_forced_nll
     spec = RankSpec(path, 1, 1, dtype=dtype, max_batch=1, quantize=quantize, threads=threads,
                     max_seq=max(len(text), len(prompt) + new_tokens) + 8)

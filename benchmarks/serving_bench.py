@@ -42,7 +42,7 @@ def run(eng, reqs) -> float:
 
 
 def time_to_first_token(ctx, system: list[int], rounds: int) -> tuple[float, float]:
-    from shardwise.worker.serving.engine import Request
+    from shardwise.worker.serving.request import Request
     cold = warm = float("inf")
     for r in range(rounds):
         eng = engine(ctx, 2, True)
@@ -58,7 +58,8 @@ def time_to_first_token(ctx, system: list[int], rounds: int) -> tuple[float, flo
 
 def largest_batch(ctx, budget: int, text: list[int], rows: int) -> dict:
     """Peak requests decoding together, and tokens/s, for 24 short and 4 long requests."""
-    from shardwise.worker.serving.engine import Engine, Request
+    from shardwise.worker.serving.engine import Engine
+    from shardwise.worker.serving.request import Request
     out = {}
     for paged in (False, True):
         if paged:
@@ -74,12 +75,12 @@ def largest_batch(ctx, budget: int, text: list[int], rows: int) -> dict:
             peak = max(peak, sum(s is not None and s.req.token_ids != [] for s in eng.scheduler.rows))
         seconds = time.perf_counter() - t0
         out["paged" if paged else "fixed"] = (peak, sum(len(r.token_ids) for r in reqs) / seconds,
-                                              eng.stats["preempted"])
+                                              eng.stats.preempted)
     return out
 
 
 def decode_rate(ctx, concurrent: int, paged: bool, text: list[int], new_tokens: int) -> float:
-    from shardwise.worker.serving.engine import Request
+    from shardwise.worker.serving.request import Request
     eng = engine(ctx, concurrent, paged)
     reqs = [Request(text[i * 5:i * 5 + 32], max_new_tokens=new_tokens) for i in range(concurrent)]
     for r in reqs:
@@ -96,7 +97,7 @@ def decode_rate(ctx, concurrent: int, paged: bool, text: list[int], new_tokens: 
 def shared_prefix_decode(ctx, system: list[int], concurrent: int, paged: bool, new_tokens: int) -> tuple[float, int]:
     """Decode tokens/s of `concurrent` requests that share `system`, and the cache positions they
     hold at the end of their prefills."""
-    from shardwise.worker.serving.engine import Request
+    from shardwise.worker.serving.request import Request
     eng = engine(ctx, concurrent, paged)
     reqs = [Request(system + [20 + i, 30 + i], max_new_tokens=new_tokens) for i in range(concurrent)]
     for r in reqs:
@@ -112,7 +113,8 @@ def shared_prefix_decode(ctx, system: list[int], concurrent: int, paged: bool, n
 
 
 def longest_pause(ctx, long_prompt: list[int], chunk: int) -> float:
-    from shardwise.worker.serving.engine import Engine, Request
+    from shardwise.worker.serving.engine import Engine
+    from shardwise.worker.serving.request import Request
     eng = Engine(ctx.stage, 2, ctx.max_seq, [], prefill_chunk=chunk)
     stream = eng.submit(Request(long_prompt[:8], max_new_tokens=10 ** 6))
     stamps = []
@@ -142,7 +144,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
 
-    from shardwise.worker.serving.engine import Request
+    from shardwise.worker.serving.request import Request
     from shardwise.worker.serving.rank import LocalRuntime, RankSpec, validate
     from shardwise.worker.weights.tokenizer import load_tokenizer
     spec = RankSpec(args.model, max_batch=32, max_seq=args.max_seq_len)

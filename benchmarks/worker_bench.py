@@ -116,7 +116,8 @@ def compare(model: str, layouts: list[tuple[int, int, bool]], prompt: list[int],
             dtype: str, rounds: int, threads: int, bandwidth: "Bandwidth", with_hf: bool, concurrent: int = 4) -> dict:
     """Ours per layout, with transformers measured in the same rounds (alternating, best of each),
     so both see the same load on a shared machine."""
-    from shardwise.worker.serving.engine import Engine, Request
+    from shardwise.worker.serving.engine import Engine
+    from shardwise.worker.serving.request import Request
     from shardwise.worker.weights.loader import DTYPES
     from shardwise.worker.serving.rank import LocalRuntime, RankSpec
     hf = HFRunner(model, prompt, DTYPES[dtype], bandwidth.threads) if with_hf else None

@@ -6,13 +6,15 @@ Each flag is defined here once; `shardwise generate` and `serve` take the whole 
 
 The serving numbers (batch, sequence length, threads, the KV cache's size, block and prefill chunk)
 default to None here: a flag not given leaves the field to RankSpec's own default
-(worker/serving/rank.py), the one definition of each; the help repeats it for the reader, and
-tests/worker/cli/test_flags.py holds the two together. Nothing here imports torch, so `--help`
-answers at once and works where torch is not installed.
+(worker/serving/rank.py), which takes it from worker/serving/defaults.py, the one definition of
+each; the help states it from there too. Nothing here imports torch, so `--help` answers at once and
+works where torch is not installed.
 """
 from __future__ import annotations
 
 import argparse
+
+from shardwise.worker.serving import defaults
 
 DECODE_MODES = ["auto", "eager", "graphs", "compile"]
 QUANTIZATIONS = ["none", "int8", "gguf"]
@@ -68,7 +70,7 @@ def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
     """Requests decoded together and the context of each (generate, serve, worker)."""
     parser.add_argument("--max-seq-len", type=int, default=None,
                         help="KV cache length per request (default: the model's context, at most 4096)")
-    parser.add_argument("--max-batch", type=int, default=None, help="requests decoded together (default 8)")
+    parser.add_argument("--max-batch", type=int, default=None, help=f"requests decoded together (default {defaults.MAX_BATCH})")
 
 
 def add_decode_argument(parser: argparse.ArgumentParser) -> None:
@@ -85,10 +87,10 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                              "--max-batch x --max-seq-len, a whole context per request)")
     parser.add_argument("--kv-block-size", type=int, default=None, metavar="N",
                         help="tokens per KV-cache block: requests take blocks as they grow and share "
-                             "the blocks of a common prompt prefix (default 16)")
+                             f"the blocks of a common prompt prefix (default {defaults.KV_BLOCK_SIZE})")
     parser.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                         help="prompt tokens per prefill step; the running requests decode between "
-                             "a long prompt's chunks (default 512)")
+                             f"a long prompt's chunks (default {defaults.PREFILL_CHUNK})")
 
 
 def serving_settings(args, kv_tokens: int = 0) -> dict:

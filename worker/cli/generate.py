@@ -95,7 +95,8 @@ def _prepare(args):
 def _generate(args, ctx, tokenizer, prompt_ids):
     """Generate on the loaded ranks, streaming the text to stdout unless --json. Returns the
     request, the text printed so far, when generation began and how long it took."""
-    from shardwise.worker.serving.engine import Engine, Request
+    from shardwise.worker.serving.engine import Engine
+    from shardwise.worker.serving.request import Request
 
     engine = Engine.for_rank(ctx, tokenizer.eos_ids, rows=1)
     req = Request(prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,

@@ -19,7 +19,8 @@ from shardwise.worker.serving.kv_blocks import BlockPool, blocks_for
 from shardwise.worker.serving.request import FinishReason, Request
 from shardwise.worker.serving.runner import Runner
 from shardwise.worker.serving.sampling import Sampler
-from shardwise.worker.serving.scheduler import (DEFAULT_BLOCK_SIZE, DEFAULT_PREFILL_CHUNK, EngineStats,
+from shardwise.worker.serving.defaults import KV_BLOCK_SIZE, PREFILL_CHUNK
+from shardwise.worker.serving.scheduler import (EngineStats,
                                                 Scheduler)
 
 __all__ = ["Engine", "EngineStats", "FinishReason", "Request"]
@@ -31,8 +32,8 @@ class Engine:
     one fixed row per request, as CUDA graphs need); `prefill_chunk`: prompt tokens per step."""
 
     def __init__(self, stage, max_batch: int, max_seq: int, eos_ids: list[int], micro_batches: int = 0,
-                 kv_tokens: int = 0, block_size: int = DEFAULT_BLOCK_SIZE,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, prefix_cache: bool = True):
+                 kv_tokens: int = 0, block_size: int = KV_BLOCK_SIZE,
+                 prefill_chunk: int = PREFILL_CHUNK, prefix_cache: bool = True):
         self.stage = stage
         self.max_batch, self.max_seq = max_batch, max_seq
         self.micro_batches = max(1, min(micro_batches or stage.info.pipeline, max_batch))

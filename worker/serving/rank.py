@@ -30,6 +30,7 @@ from shardwise.crds.modelshape import in_memory_dtype
 from shardwise.worker.distributed import tensor_parallel as parallel
 from shardwise.worker.errors import WorkerError
 from shardwise.worker.weights.loader import DTYPES, check_layout, load_stage, open_model
+from shardwise.worker.serving import defaults
 from shardwise.worker.serving.pipeline import OP_SETUP, OP_STEP, Stage, StageInfo, decode_mode
 from shardwise.worker.weights.offload import apply_offload
 from shardwise.worker.weights.quantize import check_method, quantize_weights
@@ -46,7 +47,7 @@ class RankSpec:
     layers: list[tuple[int, int]] = field(default_factory=list)   # per stage; empty: the planner's split
     device: str = "cpu"
     dtype: str = "auto"           # validate() resolves auto (crds/modelshape.py in_memory_dtype)
-    max_batch: int = 8
+    max_batch: int = defaults.MAX_BATCH
     max_seq: int = 0              # 0: min(model context, 4096)
     threads: int = 0              # torch intra-op threads per rank; 0: cores / local ranks
     decode: str = "auto"          # pipeline.py decode_mode: auto, eager, graphs, compile
@@ -55,8 +56,8 @@ class RankSpec:
     # The KV cache (scheduler.py, kv_blocks.py): its size in tokens (0: max_batch whole contexts),
     # tokens per block, and prompt tokens per prefill step.
     kv_tokens: int = 0
-    kv_block: int = 16
-    prefill_chunk: int = 512
+    kv_block: int = defaults.KV_BLOCK_SIZE
+    prefill_chunk: int = defaults.PREFILL_CHUNK
 
 
 @dataclass
@@ -302,7 +303,8 @@ def generate_local(spec: RankSpec, prompts: list[list[int]], max_new_tokens: int
                    eos_ids: list[int] = ()) -> tuple[list[list[int]], list[dict]]:
     """Greedy-generate for token-id prompts (batched together) on a fresh local launch.
     Returns the generated ids per prompt and each rank's load figures."""
-    from shardwise.worker.serving.engine import Engine, Request
+    from shardwise.worker.serving.engine import Engine
+    from shardwise.worker.serving.request import Request
     with LocalRuntime(spec) as ctx:
         engine = Engine.for_rank(ctx, list(eos_ids))
         reqs = engine.generate([Request(list(p), max_new_tokens=max_new_tokens) for p in prompts])

@@ -31,9 +31,8 @@ from typing import Callable
 from shardwise.worker.errors import WorkerError
 from shardwise.worker.serving.kv_blocks import BlockPool, blocks_for
 from shardwise.worker.serving.request import FinishReason, Request
+from shardwise.worker.serving.defaults import KV_BLOCK_SIZE, PREFILL_CHUNK
 
-DEFAULT_BLOCK_SIZE = 16          # tokens per KV-cache block (vLLM's default)
-DEFAULT_PREFILL_CHUNK = 512      # prompt tokens per prefill step
 
 
 @dataclass
@@ -45,10 +44,6 @@ class EngineStats:
     steps: int = 0               # steps collected
     reused_tokens: int = 0       # prompt tokens found in the cache on admission, resumptions included
     preempted: int = 0           # requests preempted when the cache ran out of blocks
-
-    def __getitem__(self, name: str) -> int:
-        # `stats["reused_tokens"]`, `stats["preempted"]`: the metrics collector reads them by name.
-        return getattr(self, name)
 
 
 @dataclass(eq=False)
@@ -84,7 +79,7 @@ class Scheduler:
     threads append to (submit) while the engine thread takes from it."""
 
     def __init__(self, pool: BlockPool, max_batch: int, max_seq: int, micro_batches: int = 1,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, eos_ids: tuple[int, ...] = (),
+                 prefill_chunk: int = PREFILL_CHUNK, eos_ids: tuple[int, ...] = (),
                  stats: EngineStats | None = None, on_finish: Callable[[Request], None] | None = None):
         self.pool, self.block_size = pool, pool.block_size
         self.max_batch, self.max_seq = max_batch, max_seq
@@ -137,13 +132,17 @@ class Scheduler:
         return reqs
 
     def finish(self, seq: SequenceState, reason: FinishReason | None = None) -> None:
-        """End a request: its row and blocks given back, then `done` set."""
+        """End a request: its row and blocks given back, then `done` set. A request ended with a
+        `reason` of its own (cancelled, out of cache) gave no token that carried its end, so its
+        `on_token` hears of it as token -1: a reader of the tokens never waits for one more."""
         req = seq.req
         if reason is not None:
             req.finish_reason = reason
         req.finished_at = time.perf_counter()
         if seq.row >= 0:
             self._release(seq)
+        if reason is not None and req.on_token is not None:
+            req.on_token(req, -1)
         req.done.set()
         if self.on_finish is not None:
             self.on_finish(req)

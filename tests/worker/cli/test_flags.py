@@ -9,7 +9,6 @@ import re
 import pytest
 
 from shardwise.worker.cli import flags, generate, pod, serve, train
-from shardwise.worker.serving import engine
 from shardwise.worker.serving.rank import RankSpec
 
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(RankSpec)}
@@ -31,9 +30,6 @@ def test_the_help_states_rankspecs_defaults(module):
     for flag, field in (("--max-batch", "max_batch"), ("--kv-block-size", "kv_block"),
                         ("--prefill-chunk", "prefill_chunk")):
         assert re.search(rf"\(default {DEFAULTS[field]}\)", _help(parser, flag)), flag
-    # what the engine takes when it is given nothing is the same
-    assert (DEFAULTS["kv_block"], DEFAULTS["prefill_chunk"]) == (engine.DEFAULT_BLOCK_SIZE,
-                                                                 engine.DEFAULT_PREFILL_CHUNK)
 
 
 def test_flags_not_given_leave_rankspecs_defaults():

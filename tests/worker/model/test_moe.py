@@ -111,7 +111,8 @@ def test_expert_counts_follow_the_router(models):
     """Every token goes to top-k experts: the counts over all experts sum to tokens x k."""
     path, _ = models["8e-top2"]
     with LocalRuntime(RankSpec(path, 1, 1, max_batch=1, max_seq=32)) as ctx:
-        from shardwise.worker.serving.engine import Engine, Request
+        from shardwise.worker.serving.engine import Engine
+        from shardwise.worker.serving.request import Request
         Engine(ctx.stage, 1, ctx.max_seq, []).generate([Request(PROMPTS[0], max_new_tokens=4)])
         counts = ctx.stage.model.layers["0"].feed_forward.tokens_per_expert
         # 7 prompt tokens, then 3 decode steps of one token (the 4th token is never fed back)

@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from shardwise.worker.errors import WorkerError
-from shardwise.worker.serving.engine import Request
+from shardwise.worker.serving.request import Request
 from shardwise.worker.serving.http.detokenize import REPLACEMENT, IncrementalDetokenizer
 from shardwise.worker.serving.http.metrics import Metrics
 from shardwise.worker.serving.http.streaming import ChoiceStream, TokenFeed

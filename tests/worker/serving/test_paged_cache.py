@@ -9,7 +9,8 @@ import random
 import pytest
 import torch
 
-from shardwise.worker.serving.engine import Engine, Request
+from shardwise.worker.serving.engine import Engine
+from shardwise.worker.serving.request import Request
 from shardwise.worker.errors import WorkerError
 from shardwise.worker.serving.kv_blocks import BlockPool
 from shardwise.worker.serving.rank import LocalRuntime, RankSpec

@@ -84,7 +84,8 @@ NEW_TOKENS = 16
 
 
 def _run(model: str, tp: int, pp: int, quantize: str, prompts, text):
-    from shardwise.worker.serving.engine import Engine, Request
+    from shardwise.worker.serving.engine import Engine
+    from shardwise.worker.serving.request import Request
     spec = RankSpec(model, tp, pp, max_batch=2, max_seq=384, quantize=quantize)
     with LocalRuntime(spec) as ctx:
         nll = teacher_forced_nll(ctx, text)

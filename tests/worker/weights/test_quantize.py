@@ -125,7 +125,8 @@ TEXT = (Path(__file__).resolve().parents[3] / "benchmarks" / "data" / "river.txt
 
 
 def _run(tp: int, pp: int, quantize: str, prompts: list[list[int]], text: list[int]):
-    from shardwise.worker.serving.engine import Engine, Request
+    from shardwise.worker.serving.engine import Engine
+    from shardwise.worker.serving.request import Request
     spec = RankSpec("smollm2", tp, pp, max_batch=2, max_seq=384, quantize=quantize)
     with LocalRuntime(spec) as ctx:
         nll = teacher_forced_nll(ctx, text)

@@ -6,7 +6,7 @@ import threading
 import time
 
 from shardwise.worker.errors import WorkerError
-from shardwise.worker.serving.engine import Request
+from shardwise.worker.serving.request import Request
 from shardwise.worker.serving.http import protocol
 from shardwise.worker.serving.http.detokenize import TokenText
 from shardwise.worker.serving.http.errors import BadRequest

@@ -57,9 +57,9 @@ class KVCacheUse:
         size = GaugeMetricFamily("shardwise_kv_cache_block_tokens", "Token positions per KV-cache block",
                                  value=pool.block_size)
         reused = CounterMetricFamily("shardwise_prefix_reused_tokens", "Prompt tokens found in the KV "
-                                     "cache instead of prefilled", value=engine.stats["reused_tokens"])
+                                     "cache instead of prefilled", value=engine.stats.reused_tokens)
         preempted = CounterMetricFamily("shardwise_preempted_requests", "Requests preempted when the "
-                                        "KV cache ran out of blocks", value=engine.stats["preempted"])
+                                        "KV cache ran out of blocks", value=engine.stats.preempted)
         return [blocks, size, reused, preempted]
 
 

@@ -6,7 +6,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from shardwise.worker.serving.engine import Request
+from shardwise.worker.serving.request import Request
 from shardwise.worker.serving.http.detokenize import TokenText
 from shardwise.worker.serving.http.streaming import ChoiceStream, Entry
 

@@ -15,7 +15,7 @@ import codecs
 import queue
 from typing import Iterator, NamedTuple
 
-from shardwise.worker.serving.engine import Request
+from shardwise.worker.serving.request import FinishReason, Request
 from shardwise.worker.serving.http.detokenize import REPLACEMENT, IncrementalDetokenizer, TokenText
 from shardwise.worker.serving.http.metrics import Metrics
 
@@ -88,7 +88,7 @@ class ChoiceStream:
         hit = min((i for i in (window.find(s) for s in self.stop) if i >= 0), default=-1)
         if hit >= 0:
             self.req.cancel()
-            self.finished, self.finish_reason = True, "stop"
+            self.finished, self.finish_reason = True, FinishReason.STOP
             return window[:hit]
         if finish_reason:
             self.finished, self.finish_reason = True, finish_reason

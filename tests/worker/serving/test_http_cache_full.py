@@ -1,0 +1,62 @@
+"""A request that outgrows the whole KV cache alone ends with finish_reason "length" and its answer,
+plain and streamed: the engine ends it without a token that carries its end, and the HTTP side must
+still hear of it (it reads tokens off a queue, off the engine thread)."""
+from __future__ import annotations
+
+import json
+import threading
+import urllib.request
+
+import pytest
+
+from shardwise.worker.serving.http.server import App, Server, run_engine
+from shardwise.worker.serving.rank import LocalRuntime, RankSpec
+from shardwise.worker.weights.tiny import write_tiny_model
+from shardwise.worker.weights.tokenizer import load_tokenizer
+
+TEXT = "the quick brown fox jumps over the lazy dog. pack my box with five dozen liquor jugs. " * 20
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    path = write_tiny_model(tmp_path_factory.mktemp("tiny"), TEXT, layers=2, hidden=64, heads=4, kv_heads=2)
+    # 32 cached tokens (two blocks of 16) for a context of 128: one request outgrows the cache
+    spec = RankSpec(str(path), max_batch=2, max_seq=128, kv_tokens=32)
+    runtime = LocalRuntime(spec)
+    app = App("tiny", load_tokenizer(runtime.source))
+    server = Server(app, "127.0.0.1", 0).start()
+    ctx = runtime.start()
+    stop = threading.Event()
+    loop = threading.Thread(target=run_engine, args=(app, ctx, stop), daemon=True)
+    loop.start()
+    assert app.ready.wait(60)
+    yield f"http://127.0.0.1:{server.port}"
+    stop.set()
+    loop.join(30)
+    runtime.stop()
+    server.close()
+
+
+def _post(url: str, body: dict) -> bytes:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:    # a hang fails here instead of stalling
+        assert r.status == 200
+        return r.read()
+
+
+def test_a_request_that_outgrows_the_cache_ends_with_length(base):
+    body = {"prompt": "the quick brown fox", "max_tokens": 100}
+    answer = json.loads(_post(base + "/v1/completions", body))
+    choice = answer["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert 0 < answer["usage"]["completion_tokens"] < 100
+    # every token but the last sampled one holds a cache position
+    assert answer["usage"]["prompt_tokens"] + answer["usage"]["completion_tokens"] <= 32 + 1
+
+
+def test_its_stream_ends_too(base):
+    raw = _post(base + "/v1/completions", {"prompt": "the quick brown fox", "max_tokens": 100, "stream": True})
+    events = [line[len(b"data: "):] for line in raw.splitlines() if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]"
+    reasons = [json.loads(e)["choices"][0]["finish_reason"] for e in events[:-1] if json.loads(e)["choices"]]
+    assert reasons[-1] == "length"
