@@ -4,9 +4,9 @@
 
 For each completion length L, the server-side work per token (detokenization, stop-string
 matching, holding back a tail that could grow into a stop string) is timed for
-- the old method (the baseline, reimplemented here): decode the whole generated text and look for
+- re-decoding, the baseline (implemented here): decode the whole generated text and look for
   the stop strings in all of it at every token, O(L) per token, O(L^2) per completion;
-- the new one (worker/serving/http/streaming.py ChoiceStream): decode the last few tokens, look
+- incremental (worker/serving/http/streaming.py ChoiceStream): decode the last few tokens, look
   for stop strings in the text not given out yet, O(1) per token;
 and printed in microseconds of the thread's CPU time per token (time.thread_time, so that other
 processes on a busy machine do not count; the best of --runs), with the ratio. The tokens are the
@@ -62,7 +62,7 @@ def tokens_of(tokenizer, n: int) -> list[int]:
     return ids[:n]
 
 
-def old_method(tokenizer, ids: list[int]) -> tuple[float, str]:
+def redecode_method(tokenizer, ids: list[int]) -> tuple[float, str]:
     stream, generated, out = OldStream(tokenizer, STOP), [], []
     t0 = time.thread_time()
     for i, token in enumerate(ids):
@@ -71,7 +71,7 @@ def old_method(tokenizer, ids: list[int]) -> tuple[float, str]:
     return time.thread_time() - t0, "".join(out)
 
 
-def new_method(tokenizer, ids: list[int]) -> tuple[float, str]:
+def incremental_method(tokenizer, ids: list[int]) -> tuple[float, str]:
     stream, out = ChoiceStream(0, Request([0], max_new_tokens=len(ids)), tokenizer, STOP), []
     t0 = time.thread_time()
     for i, token in enumerate(ids):
@@ -86,13 +86,13 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
     tokenizer = load_tokenizer(open_model("smollm2"))
-    print(f"{'tokens':>7} {'old us/token':>13} {'new us/token':>13} {'old/new':>8}")
+    print(f"{'tokens':>7} {'re-decode us/token':>18} {'incremental us/token':>20} {'ratio':>8}")
     for n in args.lengths:
         ids = tokens_of(tokenizer, n)
-        old = min(old_method(tokenizer, ids)[0] for _ in range(args.runs))
-        new = min(new_method(tokenizer, ids)[0] for _ in range(args.runs))
-        assert old_method(tokenizer, ids)[1] == new_method(tokenizer, ids)[1] == tokenizer.decode(ids)
-        print(f"{n:>7} {old / n * 1e6:>13.1f} {new / n * 1e6:>13.1f} {old / new:>8.1f}")
+        full = min(redecode_method(tokenizer, ids)[0] for _ in range(args.runs))
+        incr = min(incremental_method(tokenizer, ids)[0] for _ in range(args.runs))
+        assert redecode_method(tokenizer, ids)[1] == incremental_method(tokenizer, ids)[1] == tokenizer.decode(ids)
+        print(f"{n:>7} {full / n * 1e6:>18.1f} {incr / n * 1e6:>20.1f} {full / incr:>8.1f}")
 
 
 if __name__ == "__main__":
