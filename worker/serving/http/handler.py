@@ -14,10 +14,10 @@ from urllib.parse import unquote
 from shardwise.worker.errors import WorkerError
 from shardwise.worker.serving.http.app import App
 from shardwise.worker.serving.http.errors import BadRequest, error_body, error_object
+from shardwise.worker.serving.http.framing import body_length, parse_json
 from shardwise.worker.serving.http.responses import Answer, Job
 from shardwise.worker.serving.http.streaming import ChoiceStream, TokenFeed
 
-MAX_BODY = 4 << 20
 COMPLETIONS = ("/v1/completions", "/v1/chat/completions")
 
 
@@ -48,6 +48,23 @@ class Handler(BaseHTTPRequestHandler):
                code: str | None = None) -> None:
         self._send(status, error_body(message, status, param, code), endpoint=endpoint)
 
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """What http.server answers itself (a malformed request line or headers, an unknown
+        method, an over-long URL), in OpenAI's error shape instead of an HTML page; the
+        connection closes, as the request was not understood."""
+        self.close_connection = True
+        if self.request_version == "HTTP/0.9":      # an unparsed request line: still give a status line
+            self.request_version = "HTTP/1.0"
+        body = error_body(message or self.responses.get(code, ("error",))[0], code)
+        self.send_response(code, message)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        if self.command != "HEAD" and code >= 200 and code not in (204, 304):
+            self.wfile.write(body)
+        self.app.metrics.requests.labels(endpoint="other", code=str(code)).inc()
+
     def _sse(self, obj) -> None:
         self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
         self.wfile.flush()
@@ -55,6 +72,10 @@ class Handler(BaseHTTPRequestHandler):
     # ---- GET ----
     def do_GET(self):  # noqa: N802 - http.server's naming
         path = self.path.split("?", 1)[0]
+        try:
+            self._read_body()       # a GET may carry one: bounded like any other, then dropped
+        except BadRequest as e:
+            return self._error(e.status, str(e), "other")
         if path == "/healthz":
             self._healthz()
         elif path == "/metrics":
@@ -84,12 +105,16 @@ class Handler(BaseHTTPRequestHandler):
     # ---- POST ----
     def do_POST(self):  # noqa: N802 - http.server's naming
         path = self.path.split("?", 1)[0]
-        if path not in COMPLETIONS:
-            self._skip_body()
+        known = path in COMPLETIONS
+        try:
+            raw = self._read_body()
+        except BadRequest as e:
+            return self._error(e.status, str(e), path if known else "other")
+        if not known:
             return self._error(404, f"no route POST {path}", "other")
         app = self.app
         try:
-            body = self._read_json()
+            body = parse_json(raw)
             if app.draining.is_set():
                 raise BadRequest("the server is shutting down; retry on another replica", 503)
             if not app.ready.is_set():
@@ -103,30 +128,15 @@ class Handler(BaseHTTPRequestHandler):
             print(f"shardwise serve: {path}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
             self._error(500, f"internal error: {type(e).__name__}: {e}", path)
 
-    def _skip_body(self) -> None:
-        n = int(self.headers.get("Content-Length") or 0)
-        if 0 < n <= MAX_BODY:
-            self.rfile.read(n)
-
-    def _read_json(self):
+    def _read_body(self) -> bytes:
+        """The request's body, its length checked first (framing.body_length); on a BadRequest
+        the connection closes, since the body it declared was not read."""
         try:
-            n = int(self.headers.get("Content-Length", ""))
-        except ValueError:
+            n = body_length(self.headers, self.command)
+        except BadRequest:
             self.close_connection = True
-            raise BadRequest("a JSON body with Content-Length is required", 411) from None
-        if n > MAX_BODY:
-            self.close_connection = True
-            raise BadRequest(f"body of {n} bytes is larger than {MAX_BODY}", 413)
-        raw = self.rfile.read(n)
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise BadRequest(f"body is not valid JSON: {e}") from None
-        try:   # "\ud800" escapes parse, but no tokenizer takes a lone surrogate
-            json.dumps(body, ensure_ascii=False).encode()
-        except UnicodeEncodeError:
-            raise BadRequest("body is not valid JSON: a string holds a lone UTF-16 surrogate") from None
-        return body
+            raise
+        return self.rfile.read(n) if n else b""
 
     # ---- completions ----
     def _complete(self, path: str, job: Job) -> None:
