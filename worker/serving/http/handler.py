@@ -6,14 +6,13 @@ engine's tokens into text (streaming.py) and write it; the engine thread only qu
 from __future__ import annotations
 
 import json
-import sys
 import time
 from http.server import BaseHTTPRequestHandler
 from urllib.parse import unquote
 
 from shardwise.worker.errors import WorkerError
 from shardwise.worker.serving.http.app import App
-from shardwise.worker.serving.http.errors import BadRequest, error_body, error_object
+from shardwise.worker.serving.http.errors import BadRequest, error_body, error_object, internal_error
 from shardwise.worker.serving.http.framing import body_length, parse_json
 from shardwise.worker.serving.http.responses import Answer, Job
 from shardwise.worker.serving.http.streaming import ChoiceStream, TokenFeed
@@ -125,8 +124,7 @@ class Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):
             pass
         except Exception as e:  # noqa: BLE001 - a bug, not the request: one line, a JSON 500
-            print(f"shardwise serve: {path}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-            self._error(500, f"internal error: {type(e).__name__}: {e}", path)
+            self._error(500, internal_error(path, e), path)
 
     def _read_body(self) -> bytes:
         """The request's body, its length checked first (framing.body_length); on a BadRequest
@@ -197,8 +195,7 @@ class Handler(BaseHTTPRequestHandler):
         except Exception as e:  # noqa: BLE001 - a bug mid-stream: the headers are sent, so an event
             for r in reqs:
                 r.cancel()
-            print(f"shardwise serve: {path}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-            self._sse(error_object(f"internal error: {type(e).__name__}: {e}", 500))
+            self._sse(error_object(internal_error(path, e), 500))
             self.wfile.write(b"data: [DONE]\n\n")
         finally:
             self.app.metrics.latency.labels(endpoint=path).observe(time.perf_counter() - t0)
