@@ -68,11 +68,11 @@ class FakeEngine:
         req.done.set()
 
 
-def serve(engine: FakeEngine | None = None, **app_options) -> tuple[Server, App]:
+def serve(engine: FakeEngine | None = None, server_options: dict | None = None, **app_options) -> tuple[Server, App]:
     app = App("fake", FakeTokenizer(), **app_options)
     app.engine = engine or FakeEngine()
     app.ready.set()
-    return Server(app, "127.0.0.1", 0).start(), app
+    return Server(app, "127.0.0.1", 0, **(server_options or {})).start(), app
 
 
 @pytest.fixture(scope="module")

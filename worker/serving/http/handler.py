@@ -1,6 +1,6 @@
 """The HTTP side: routes, request bodies, and answers written plainly or as server-sent events.
 
-Request threads (one per connection) validate and tokenize, submit to the engine, then turn the
+Request threads (a pool's, one request at a time: connections.py) validate and tokenize, submit to the engine, then turn the
 engine's tokens into text (streaming.py) and write it; the engine thread only queues tokens.
 """
 from __future__ import annotations
@@ -12,10 +12,11 @@ from urllib.parse import unquote
 
 from shardwise.worker.errors import WorkerError
 from shardwise.worker.serving.http.app import App
+from shardwise.worker.serving.http.connections import Connection, client_gone
 from shardwise.worker.serving.http.errors import BadRequest, error_body, error_object, internal_error
 from shardwise.worker.serving.http.framing import body_length, parse_json
 from shardwise.worker.serving.http.responses import Answer, Job
-from shardwise.worker.serving.http.streaming import ChoiceStream, TokenFeed
+from shardwise.worker.serving.http.streaming import POLL_SECONDS, ChoiceStream, ClientGone, TokenFeed
 
 COMPLETIONS = ("/v1/completions", "/v1/chat/completions")
 
@@ -25,6 +26,16 @@ class Handler(BaseHTTPRequestHandler):
     app: App
     protocol_version = "HTTP/1.1"
     server_version = "shardwise"
+
+    @classmethod
+    def on_connection(cls, conn: Connection) -> "Handler":
+        """A handler for the requests of `conn`, one at a time (handle_one_request), read from its
+        DeadlineReader and written with its SocketWriter."""
+        h = cls.__new__(cls)
+        h.request = h.connection = conn.sock
+        h.client_address, h.server = conn.address, None
+        h.rfile, h.wfile, h.timeouts = conn.reader, conn.writer, conn.timeouts
+        return h
 
     def log_message(self, fmt, *args):  # quiet: metrics carry the request figures
         pass
@@ -63,6 +74,9 @@ class Handler(BaseHTTPRequestHandler):
         if self.command != "HEAD" and code >= 200 and code not in (204, 304):
             self.wfile.write(body)
         self.app.metrics.requests.labels(endpoint="other", code=str(code)).inc()
+
+    def _gone(self) -> bool:
+        return client_gone(self.connection)
 
     def _sse(self, obj) -> None:
         self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
@@ -121,8 +135,8 @@ class Handler(BaseHTTPRequestHandler):
             self._complete(path, app.build_request(body, chat=path.endswith("chat/completions")))
         except BadRequest as e:
             self._error(e.status, str(e), path, e.param, e.code)
-        except (BrokenPipeError, ConnectionResetError):
-            pass
+        except (ConnectionError, TimeoutError):
+            self.close_connection = True
         except Exception as e:  # noqa: BLE001 - a bug, not the request: one line, a JSON 500
             self._error(500, internal_error(path, e), path)
 
@@ -131,10 +145,20 @@ class Handler(BaseHTTPRequestHandler):
         the connection closes, since the body it declared was not read."""
         try:
             n = body_length(self.headers, self.command)
+            if not n:
+                return b""
+            self.rfile.deadline = self.timeouts.body_deadline(n)
+            raw = self.rfile.read(n)
         except BadRequest:
             self.close_connection = True
             raise
-        return self.rfile.read(n) if n else b""
+        except TimeoutError:
+            self.close_connection = True
+            raise BadRequest(f"the body did not arrive within {self.timeouts.body:g} s plus a second "
+                             f"for each {self.timeouts.body_rate} bytes", 408) from None
+        if len(raw) < n:            # the client closed its side before the whole body came
+            self.close_connection = True
+        return raw
 
     # ---- completions ----
     def _complete(self, path: str, job: Job) -> None:
@@ -143,6 +167,9 @@ class Handler(BaseHTTPRequestHandler):
         tt = app.token_text if job.logprobs else None
         streams = [ChoiceStream(i, req, app.tokenizer, job.stop, tt) for i, req in enumerate(job.reqs)]
         feed = TokenFeed(streams, app.metrics)
+        if self._gone():        # it asked and hung up (or gave up waiting): nothing to generate
+            self.close_connection = True
+            return
         app.metrics.prompt.inc(sum(len(r.prompt_ids) for r in job.reqs))
         try:
             for req in job.reqs:
@@ -161,11 +188,19 @@ class Handler(BaseHTTPRequestHandler):
         reqs = answer.job.reqs
         texts: list[list[str]] = [[] for _ in reqs]
         entries: list[list] = [[] for _ in reqs]
-        for i, text, got, _ in feed.pieces():
-            texts[i].append(text)
-            entries[i] += got
-        for req in reqs:
-            req.done.wait()
+        try:
+            for i, text, got, _ in feed.pieces(self._gone):
+                texts[i].append(text)
+                entries[i] += got
+            for req in reqs:
+                while not req.done.wait(POLL_SECONDS):
+                    if self._gone():
+                        raise ClientGone
+        except ClientGone:      # no one to answer: free the engine's rows and blocks for others
+            for req in reqs:
+                req.cancel()
+            self.close_connection = True
+            return
         failed = next((r.error for r in reqs if r.error), None)
         if failed:
             return self._error(503, failed, path)
@@ -189,7 +224,7 @@ class Handler(BaseHTTPRequestHandler):
             self._chunks(path, feed, answer, t0)
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
-        except (BrokenPipeError, ConnectionResetError):
+        except (ConnectionError, TimeoutError, ClientGone):
             for r in reqs:
                 r.cancel()
         except Exception as e:  # noqa: BLE001 - a bug mid-stream: the headers are sent, so an event
@@ -206,7 +241,7 @@ class Handler(BaseHTTPRequestHandler):
         if job.chat:
             for i in range(len(job.reqs)):
                 self._sse(answer.chunk(i, {"role": "assistant", "content": ""}))
-        for i, text, entries, finished in feed.pieces():
+        for i, text, entries, finished in feed.pieces(self._gone):
             req = job.reqs[i]
             if req.error:
                 for r in job.reqs:
