@@ -9,11 +9,15 @@ from shardwise.worker.distributed.launch import Exit, stop_on_signals
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from shardwise.worker.serving.http.protocol import MAX_REQUEST_TOKENS
     add_model_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to bind (default 8000; 0 = any free port)")
     parser.add_argument("--micro-batches", type=int, default=0,
                         help="cache slots are split into this many groups in flight (default: one per stage)")
+    parser.add_argument("--max-request-tokens", type=int, default=MAX_REQUEST_TOKENS, metavar="N",
+                        help="completion tokens one request of several choices may ask for, n x max_tokens "
+                             f"(default {MAX_REQUEST_TOKENS}; one choice may always fill the context)")
 
 
 def _say(msg: str) -> None:
@@ -30,7 +34,7 @@ def run(args) -> int:
     try:
         spec = spec_from_args(args)
         source = validate(spec)
-        app = App(args.model, load_tokenizer(source))
+        app = App(args.model, load_tokenizer(source), max_request_tokens=args.max_request_tokens)
         try:
             server = Server(app, args.host, args.port).start()
         except OSError as e:
