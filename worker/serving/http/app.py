@@ -8,6 +8,7 @@ import time
 from shardwise.worker.errors import WorkerError
 from shardwise.worker.serving.engine import Request
 from shardwise.worker.serving.http import protocol
+from shardwise.worker.serving.http.auth import ApiKeys
 from shardwise.worker.serving.http.detokenize import TokenText
 from shardwise.worker.serving.http.errors import BadRequest
 from shardwise.worker.serving.http.metrics import Metrics
@@ -18,7 +19,7 @@ class App:
     """State shared by the request threads: engine, tokenizer, readiness, metrics."""
 
     def __init__(self, model_name: str, tokenizer, rank: int = 0, max_tokens_default: int = 16,
-                 max_request_tokens: int = protocol.MAX_REQUEST_TOKENS):
+                 max_request_tokens: int = protocol.MAX_REQUEST_TOKENS, api_keys: ApiKeys | None = None):
         self.model_name, self.tokenizer, self.rank = model_name, tokenizer, rank
         self.engine = None
         self.loaded: list[dict] = []
@@ -28,6 +29,7 @@ class App:
         self.metrics = Metrics()
         self.max_tokens_default = max_tokens_default    # /v1/completions without max_tokens
         self.max_request_tokens = max_request_tokens    # n x max_tokens, when n > 1
+        self.api_keys = api_keys                        # None: /v1/* is open
         self.created = int(time.time())
         self._token_text: TokenText | None = None
 

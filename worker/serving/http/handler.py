@@ -45,6 +45,8 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(body)))
+        if status == 401:
+            self.send_header("WWW-Authenticate", "Bearer")
         if status == 503 and self.app.draining.is_set():
             self.send_header("Retry-After", "1")      # another replica, or this one's successor
         self.end_headers()
@@ -85,6 +87,8 @@ class Handler(BaseHTTPRequestHandler):
     # ---- GET ----
     def do_GET(self):  # noqa: N802 - http.server's naming
         path = self.path.split("?", 1)[0]
+        if not self._authorized(path):
+            return
         try:
             self._read_body()       # a GET may carry one: bounded like any other, then dropped
         except BadRequest as e:
@@ -119,6 +123,8 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self):  # noqa: N802 - http.server's naming
         path = self.path.split("?", 1)[0]
         known = path in COMPLETIONS
+        if not self._authorized(path):
+            return
         try:
             raw = self._read_body()
         except BadRequest as e:
@@ -139,6 +145,19 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
         except Exception as e:  # noqa: BLE001 - a bug, not the request: one line, a JSON 500
             self._error(500, internal_error(path, e), path)
+
+    def _authorized(self, path: str) -> bool:
+        """Whether the request may go on; if not, it has been answered 401 (its body unread, so
+        the connection closes). Only /v1/* needs a key, and only when the server has keys."""
+        keys = self.app.api_keys
+        if keys is None or not (path == "/v1" or path.startswith("/v1/")):
+            return True
+        refusal = keys.refusal(self.headers.get("Authorization"))
+        if refusal is None:
+            return True
+        self.close_connection = True
+        self._error(401, refusal, "other", code="invalid_api_key")
+        return False
 
     def _read_body(self) -> bytes:
         """The request's body, its length checked first (framing.body_length); on a BadRequest
