@@ -170,7 +170,8 @@ def test_get_with_a_body_is_bounded_too(server):
 
 @pytest.mark.parametrize("raw,status", [
     (b"GARBAGE\r\n\r\n", 400),
-    (b"BREW /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n", 501),
+    (b"BREW /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n", 405),
+    (b"GET /healthz HTTP/2.0\r\nHost: x\r\n\r\n", 400),
     (b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\n\r\n", 414),
 ])
 def test_what_http_server_refuses_is_answered_in_openai_shape(server, raw, status):

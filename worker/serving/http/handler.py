@@ -62,9 +62,12 @@ class Handler(BaseHTTPRequestHandler):
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """What http.server answers itself (a malformed request line or headers, an unknown
-        method, an over-long URL), in OpenAI's error shape instead of an HTML page; the
-        connection closes, as the request was not understood."""
+        method, an over-long URL), in OpenAI's error shape instead of an HTML page, always a 4xx;
+        the connection closes, as the request was not understood."""
         self.close_connection = True
+        # an unknown method is the request's fault, not the server's: 405 rather than 501; so is
+        # an HTTP version other than 1.x: 400 rather than 505
+        code = {501: 405, 505: 400}.get(code, code)
         if self.request_version == "HTTP/0.9":      # an unparsed request line: still give a status line
             self.request_version = "HTTP/1.0"
         body = error_body(message or self.responses.get(code, ("error",))[0], code)
@@ -72,6 +75,8 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.send_header("Connection", "close")
+        if code == 405:
+            self.send_header("Allow", "GET, POST")
         self.end_headers()
         if self.command != "HEAD" and code >= 200 and code not in (204, 304):
             self.wfile.write(body)
