@@ -21,7 +21,6 @@ import socket
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -139,6 +138,48 @@ class Connection:
             pass
 
 
+class WorkerPool:
+    """At most `size` daemon threads running the jobs given, started as the jobs outnumber the
+    idle threads. (Not concurrent.futures': its threads are joined at interpreter exit, so a
+    request still generating would hold the process up.)"""
+
+    def __init__(self, size: int, name: str = "http"):
+        self.size, self.name = size, name
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.threads = self.idle = self.pending = 0
+
+    def submit(self, fn: Callable, arg) -> None:
+        with self.lock:
+            self.pending += 1
+            if self.pending > self.idle and self.threads < self.size:
+                self.threads += 1
+                threading.Thread(target=self._work, name=f"{self.name}-{self.threads}", daemon=True).start()
+        self.jobs.put((fn, arg))
+
+    def _work(self) -> None:
+        while True:
+            with self.lock:
+                self.idle += 1
+            job = self.jobs.get()
+            with self.lock:
+                self.idle -= 1
+                self.pending -= 1
+            if job is None:
+                return
+            fn, arg = job
+            fn(arg)
+
+    def shutdown(self) -> None:
+        """Idle threads end; busy ones end after their job."""
+        with self.lock:
+            count = self.threads
+        for _ in range(count):
+            self.jobs.put(None)
+            with self.lock:
+                self.pending += 1
+
+
 # serve(conn) answers one request on `conn` and says whether the connection stays open
 ServeOne = Callable[[Connection], bool]
 
@@ -160,7 +201,7 @@ class ConnectionServer:
             raise
         self.listener.setblocking(False)
         self.address = self.listener.getsockname()
-        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="http")
+        self.pool = WorkerPool(workers)
         self.selector = selectors.DefaultSelector()
         self.idle: collections.OrderedDict[int, Connection] = collections.OrderedDict()   # oldest first
         self.returned: queue.SimpleQueue[Connection] = queue.SimpleQueue()
@@ -282,7 +323,7 @@ class ConnectionServer:
         except OSError:
             pass
         self.stopped.wait(10)
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown()
         for s in (self.listener, self.wake_r, self.wake_w):
             s.close()
         self.selector.close()
