@@ -6,15 +6,15 @@ Starts `shardwise serve --model MODEL` on 127.0.0.1 (any free port) and measures
 normal request (/v1/completions, --max-tokens greedy tokens; the median of --rounds):
 
   1. idle: nothing else connected;
-  2. with --idle connections open that never send a byte;
+  2. with --idle connections open that never send a byte (those the server closes after its 10 s
+     idle timeout are opened again, every second);
   3. with those, and --abandoned chat requests without max_tokens (each asks for the whole rest
      of the context) sent on their own connections, which are closed --abandon-after seconds
      later, their answers never read.
 
 It prints each latency, its ratio to the idle one (the mean of phase 1 and of the same measure
-taken again at the end; the aim: within 2x), and the server's thread count in each phase. Loopback only; every loop is bounded in count and in time. The server closes
-connections idle for 10 s, so the measurements of phases 2 and 3 follow right after the
-connections are opened.
+taken again at the end; the aim: within 2x), and the server's thread count in each phase.
+Loopback only; every loop is bounded in count and in time.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 
@@ -92,6 +93,43 @@ def open_idle(port: int, count: int) -> list[socket.socket]:
     return socks
 
 
+class IdleHolder:
+    """`count` idle connections kept open: the ones the server closes (its idle timeout) are
+    opened again every second, until stop(). Bounded: at most `count` connections, and
+    `seconds` in all."""
+
+    def __init__(self, port: int, count: int, seconds: float = 600):
+        self.port, self.count, self.until = port, count, time.monotonic() + seconds
+        self.socks = open_idle(port, count)
+        self.stopping = threading.Event()
+        self.reopened = 0
+        self.thread = threading.Thread(target=self._keep, daemon=True)
+        self.thread.start()
+
+    def _keep(self) -> None:
+        while not self.stopping.wait(1.0) and time.monotonic() < self.until:
+            alive = []
+            for s in self.socks:
+                try:
+                    if s.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                        s.close()
+                        continue
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    s.close()
+                    continue
+                alive.append(s)
+            fresh = open_idle(self.port, self.count - len(alive))
+            self.reopened += len(fresh)
+            self.socks = alive + fresh
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(30)
+        close_all(self.socks)
+
+
 def send_abandoned(port: int, count: int) -> list[socket.socket]:
     """Chat requests without max_tokens (the rest of the context each), not read."""
     body = json.dumps({"messages": [{"role": "user", "content": "Write a very long story about a river."}],
@@ -138,21 +176,19 @@ def main() -> None:
             normal_request(port, args.max_tokens)          # warm up
             idle = latency(port, args.rounds, args.max_tokens)
             print(f"idle:                      {idle * 1000:8.1f} ms   threads {threads(proc.pid)}")
-            held = open_idle(port, args.idle)
+            held = IdleHolder(port, args.idle)
             time.sleep(0.5)
             with_idle = latency(port, args.rounds, args.max_tokens)
-            print(f"{len(held)} idle connections: {with_idle * 1000:8.1f} ms   x{with_idle / idle:.2f}   "
-                  f"threads {threads(proc.pid)}")
-            close_all(held)
-            held = open_idle(port, args.idle)
+            print(f"{len(held.socks)} idle connections: {with_idle * 1000:8.1f} ms   x{with_idle / idle:.2f}   "
+                  f"threads {threads(proc.pid)}   ({held.reopened} reopened after the server closed them)")
             sent = send_abandoned(port, args.abandoned)
             time.sleep(args.abandon_after)
             close_all(sent)
             t0 = time.perf_counter()
             both = latency(port, args.rounds, args.max_tokens)
-            print(f"{len(held)} idle + {len(sent)} abandoned: {both * 1000:8.1f} ms   x{both / idle:.2f}   "
+            print(f"{len(held.socks)} idle + {len(sent)} abandoned: {both * 1000:8.1f} ms   x{both / idle:.2f}   "
                   f"threads {threads(proc.pid)}   (measured {time.perf_counter() - t0:.1f} s)")
-            close_all(held)
+            held.stop()
             time.sleep(1)
             after = latency(port, args.rounds, args.max_tokens)
             print(f"idle again:                {after * 1000:8.1f} ms   threads {threads(proc.pid)}")
@@ -164,6 +200,7 @@ def main() -> None:
                 proc.wait(60)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        sys.stdout.flush()
         errors = [line for line in open(log.name) if "Traceback" in line or "req-" in line]
         if errors:
             print("server errors:\n" + "".join(errors[:20]))

@@ -1,7 +1,9 @@
 """The HTTP side: routes, request bodies, and answers written plainly or as server-sent events.
 
-Request threads (a pool's, one request at a time: connections.py) validate and tokenize, submit to the engine, then turn the
-engine's tokens into text (streaming.py) and write it; the engine thread only queues tokens.
+Request threads (a pool's, one request at a time: connections.py) validate and tokenize, submit
+to the engine, then turn the engine's tokens into text (streaming.py) and write it; the engine
+thread only queues tokens. A request whose client has closed its connection is not submitted, or
+is cancelled once that is seen (its socket is looked at every streaming.POLL_SECONDS).
 """
 from __future__ import annotations
 
