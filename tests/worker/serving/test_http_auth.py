@@ -133,3 +133,49 @@ def test_probes_stay_open_and_keys_never_reach_the_log(served):
             assert r.status == 200
     log = "".join(lines)
     assert not any(k in log for k in KEYS)
+
+
+def test_the_pod_command_takes_the_same_key_file(tmp_path):
+    """`shardwise worker --api-key-file` (one pod, one rank): /v1/* needs a key, /healthz does not."""
+    import os
+    import signal
+
+    from shardwise.crds.contract import ModelContract, PodContract, ServingContract
+    from shardwise.crds.plan import ShardPlan, StagePlacement
+    from shardwise.worker.serving.rank import free_port
+
+    model = write_tiny_model(tmp_path / "model", TEXT, layers=2, hidden=64, heads=4, kv_heads=2)
+    plan = ShardPlan(tensor=1, pipeline=1, replicas=1, num_layers=2, placements=[
+        StagePlacement(replica=0, stage=0, node="n0", gpus=1, layer_start=0, layer_end=2, embedding=True, head=True)])
+    port, contract, keys = free_port(), tmp_path / "contract.json", tmp_path / "keys"
+    contract.write_text(PodContract(
+        plan=plan, model=ModelContract(path=str(model), format="auto", dtype="auto"), workload="inference",
+        serving=ServingContract(port=port, model_name="tiny"), termination_log=str(tmp_path / "log")).to_json())
+    keys.write_text(KEYS[0] + "\n")
+    env = {**os.environ, "SHARDWISE_REPLICA": "0", "SHARDWISE_STAGE": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "POD_IP": "127.0.0.1"}
+    pod = subprocess.Popen([sys.executable, "-m", "shardwise", "worker", "--contract", str(contract), "--device",
+                            "cpu", "--api-key-file", str(keys)], env=env, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(base + "/healthz", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert pod.poll() is None and time.monotonic() < deadline, pod.stderr.read() if pod.poll() else "timeout"
+            time.sleep(0.5)
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(base + "/v1/models", timeout=10)
+        assert e.value.code == 401 and json.loads(e.value.read())["error"]["code"] == "invalid_api_key"
+        assert [m.id for m in _client(base, KEYS[0]).models.list()] == ["tiny"]
+    finally:
+        pod.send_signal(signal.SIGTERM)
+        try:
+            pod.wait(30)
+        except subprocess.TimeoutExpired:
+            pod.kill()
+            pod.wait()
