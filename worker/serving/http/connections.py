@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import math
 import queue
+import resource
 import select
 import selectors
 import socket
@@ -184,12 +185,22 @@ class WorkerPool:
 ServeOne = Callable[[Connection], bool]
 
 
+def _within_file_limit(connections: int, workers: int) -> int:
+    """`connections` idle ones, or fewer if the process may not open that many files besides the
+    ones its workers hold and some for everything else (weights, logs, the ranks' pipes)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return connections
+    return max(64, min(connections, soft - workers - 256))
+
+
 class ConnectionServer:
     """Accepts on (host, port) and serves each request with `serve_one` on a pool of threads."""
 
     def __init__(self, host: str, port: int, serve_one: ServeOne, workers: int = WORKERS,
                  timeouts: Timeouts = Timeouts(), max_connections: int = MAX_CONNECTIONS):
-        self.serve_one, self.timeouts, self.max_connections = serve_one, timeouts, max_connections
+        self.serve_one, self.timeouts = serve_one, timeouts
+        self.max_connections = _within_file_limit(max_connections, workers)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.listener = socket.socket(family, socket.SOCK_STREAM)
         self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -239,7 +250,9 @@ class ConnectionServer:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:        # out of file descriptors: what is idle longest makes room
-                print(f"shardwise serve: accept: {e.strerror}", file=sys.stderr, flush=True)
+                if not self.idle:       # nothing to close: give the busy ones a moment to end
+                    print(f"shardwise serve: accept: {e.strerror}", file=sys.stderr, flush=True)
+                    time.sleep(0.05)
                 self._close_oldest()
                 return
             sock.setblocking(True)
