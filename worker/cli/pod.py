@@ -59,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--offload-budget", default=None, metavar="SIZE",
                         help="weights kept on the GPU, the rest streamed (as for serve); default: the "
                              "plan's offload_budget (spec.serving.offload)")
+    parser.add_argument("--api-key-file", default=None, metavar="FILE",
+                        help="accepted API keys, one per line, as for serve: /v1/* then needs "
+                             "'Authorization: Bearer <key>' (serving; /healthz and /metrics stay open)")
 
 
 def _say(msg: str) -> None:
@@ -154,10 +157,10 @@ def _run(args) -> int:
     world, ranks = layout.world_size, layout.stage_ranks(stage)
     _say(f"replica {replica} stage {stage}: layers [{placement.layer_start}, {placement.layer_end}), "
          f"ranks {ranks[0]}..{ranks[-1]} of {world}, {device} {spec.dtype}")
-
+    _check_api_key_file(args.api_key_file)
     start, loaded_q = _rank_starter(plan.tensor, _rank_main, lambda local, q: (
         spec, ranks[local], world, local, host, contract.serving.port, contract.serving.model_name, q,
-        dict(os.environ)))
+        dict(os.environ), args.api_key_file))
     health = None
     if stage != 0:
         health = StageHealth(plan.tensor, host, contract.serving.port)
@@ -166,6 +169,14 @@ def _run(args) -> int:
     # for them all (its grace period bounds the wait).
     return _supervise(start, loaded_q, health,
                       stopping="stopping: rank 0 finishes its requests, then stops the pipeline")
+
+
+def _check_api_key_file(path: str | None) -> None:
+    """Read once in the pod, so that a bad key file fails it before any rank starts; rank 0 reads
+    it again for its server."""
+    if path:
+        from shardwise.worker.serving.http.auth import ApiKeys
+        ApiKeys.from_file(path)
 
 
 def _rank_starter(count: int, target, args_of):
@@ -271,7 +282,7 @@ def _train_rank_main(opts, plan, replica, stage, local_rank, env, started_q) -> 
         raise SystemExit(Exit.BAD_INPUT)
 
 
-def _rank_main(spec, rank, world, local_rank, host, port, model_name, loaded_q, env) -> None:
+def _rank_main(spec, rank, world, local_rank, host, port, model_name, loaded_q, env, api_key_file=None) -> None:
     os.environ.update({k: v for k, v in env.items() if k in ("MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME")})
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local_rank)})
     from shardwise.worker.errors import WorkerError
@@ -285,10 +296,12 @@ def _rank_main(spec, rank, world, local_rank, host, port, model_name, loaded_q, 
                      on_loaded=lambda ctx: loaded_q.put(ctx.loaded[rank]))
             return
         from shardwise.worker.weights.loader import open_model
+        from shardwise.worker.serving.http.auth import ApiKeys
         from shardwise.worker.serving.http.server import App, Server, run_engine
         from shardwise.worker.weights.tokenizer import load_tokenizer
         # The API reports the ShardedModel's name (the contract's serving.model_name).
-        app = App(model_name, load_tokenizer(open_model(spec.model)))
+        keys = ApiKeys.from_file(api_key_file) if api_key_file else None
+        app = App(model_name, load_tokenizer(open_model(spec.model)), api_keys=keys)
         server = Server(app, host, port).start()
         stop = stop_on_signals()
         ctx = setup_rank(spec, 0, world, local_rank, "env://", spec.tensor)

@@ -9,11 +9,18 @@ from shardwise.worker.distributed.launch import Exit, stop_on_signals
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from shardwise.worker.serving.http.protocol import MAX_REQUEST_TOKENS
     add_model_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to bind (default 8000; 0 = any free port)")
     parser.add_argument("--micro-batches", type=int, default=0,
                         help="cache slots are split into this many groups in flight (default: one per stage)")
+    parser.add_argument("--api-key-file", default=None, metavar="FILE",
+                        help="accepted API keys, one per line: /v1/* then needs 'Authorization: Bearer <key>' "
+                             "(/healthz and /metrics stay open)")
+    parser.add_argument("--max-request-tokens", type=int, default=MAX_REQUEST_TOKENS, metavar="N",
+                        help="completion tokens one request of several choices may ask for, n x max_tokens "
+                             f"(default {MAX_REQUEST_TOKENS}; one choice may always fill the context)")
 
 
 def _say(msg: str) -> None:
@@ -23,6 +30,7 @@ def _say(msg: str) -> None:
 def run(args) -> int:
     from shardwise.worker.errors import WorkerError
     from shardwise.worker.serving.rank import LocalRuntime, validate
+    from shardwise.worker.serving.http.auth import ApiKeys
     from shardwise.worker.serving.http.server import App, Server, run_engine
     from shardwise.worker.weights.tokenizer import load_tokenizer
 
@@ -30,7 +38,8 @@ def run(args) -> int:
     try:
         spec = spec_from_args(args)
         source = validate(spec)
-        app = App(args.model, load_tokenizer(source))
+        keys = ApiKeys.from_file(args.api_key_file) if args.api_key_file else None
+        app = App(args.model, load_tokenizer(source), max_request_tokens=args.max_request_tokens, api_keys=keys)
         try:
             server = Server(app, args.host, args.port).start()
         except OSError as e:

@@ -8,6 +8,7 @@ import time
 from shardwise.worker.errors import WorkerError
 from shardwise.worker.serving.request import Request
 from shardwise.worker.serving.http import protocol
+from shardwise.worker.serving.http.auth import ApiKeys
 from shardwise.worker.serving.http.detokenize import TokenText
 from shardwise.worker.serving.http.errors import BadRequest
 from shardwise.worker.serving.http.metrics import Metrics
@@ -17,7 +18,8 @@ from shardwise.worker.serving.http.responses import Job
 class App:
     """State shared by the request threads: engine, tokenizer, readiness, metrics."""
 
-    def __init__(self, model_name: str, tokenizer, rank: int = 0, max_tokens_default: int = 16):
+    def __init__(self, model_name: str, tokenizer, rank: int = 0, max_tokens_default: int = 16,
+                 max_request_tokens: int = protocol.MAX_REQUEST_TOKENS, api_keys: ApiKeys | None = None):
         self.model_name, self.tokenizer, self.rank = model_name, tokenizer, rank
         self.engine = None
         self.loaded: list[dict] = []
@@ -26,6 +28,8 @@ class App:
         self.failed: str | None = None
         self.metrics = Metrics()
         self.max_tokens_default = max_tokens_default    # /v1/completions without max_tokens
+        self.max_request_tokens = max_request_tokens    # n x max_tokens, when n > 1
+        self.api_keys = api_keys                        # None: /v1/* is open
         self.created = int(time.time())
         self._token_text: TokenText | None = None
 
@@ -72,6 +76,11 @@ class App:
         temperature = 1.0 if options.temperature is None else options.temperature
         top_p = 1.0 if options.top_p is None else options.top_p
         seed, n = options.seed, options.n or 1
+        if n > 1 and n * max_tokens > self.max_request_tokens:
+            raise BadRequest(f"n x {options.max_tokens_param} is {n * max_tokens} tokens ({n} x {max_tokens}); "
+                             f"this server generates at most {self.max_request_tokens} tokens for one "
+                             f"request of several choices (--max-request-tokens). Please reduce n or "
+                             f"{options.max_tokens_param}.", param="n")
         reqs = [Request(ids, max_new_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
                         seed=None if seed is None else seed + i, logprobs=top) for i in range(n)]
         try:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+import uuid
 
 
 class BadRequest(Exception):
@@ -22,3 +24,11 @@ def error_object(message: str, status: int, param: str | None = None, code: str 
 
 def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> bytes:
     return json.dumps(error_object(message, status, param, code)).encode()
+
+
+def internal_error(where: str, e: BaseException) -> str:
+    """The message of a 500: a fixed sentence and a request id, naming nothing of the server's
+    insides; the exception goes to the server's log under the same id."""
+    rid = "req-" + uuid.uuid4().hex[:16]
+    print(f"shardwise serve: {where}: {rid}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+    return f"internal server error (request id {rid}); the server's log has the details"

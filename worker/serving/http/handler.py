@@ -1,23 +1,25 @@
 """The HTTP side: routes, request bodies, and answers written plainly or as server-sent events.
 
-Request threads (one per connection) validate and tokenize, submit to the engine, then turn the
-engine's tokens into text (streaming.py) and write it; the engine thread only queues tokens.
+Request threads (a pool's, one request at a time: connections.py) validate and tokenize, submit
+to the engine, then turn the engine's tokens into text (streaming.py) and write it; the engine
+thread only queues tokens. A request whose client has closed its connection is not submitted, or
+is cancelled once that is seen (its socket is looked at every streaming.POLL_SECONDS).
 """
 from __future__ import annotations
 
 import json
-import sys
 import time
 from http.server import BaseHTTPRequestHandler
 from urllib.parse import unquote
 
 from shardwise.worker.errors import WorkerError
 from shardwise.worker.serving.http.app import App
-from shardwise.worker.serving.http.errors import BadRequest, error_body, error_object
+from shardwise.worker.serving.http.connections import Connection, client_gone
+from shardwise.worker.serving.http.errors import BadRequest, error_body, error_object, internal_error
+from shardwise.worker.serving.http.framing import body_length, parse_json
 from shardwise.worker.serving.http.responses import Answer, Job
-from shardwise.worker.serving.http.streaming import ChoiceStream, TokenFeed
+from shardwise.worker.serving.http.streaming import POLL_SECONDS, ChoiceStream, ClientGone, TokenFeed
 
-MAX_BODY = 4 << 20
 COMPLETIONS = ("/v1/completions", "/v1/chat/completions")
 
 
@@ -27,6 +29,16 @@ class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "shardwise"
 
+    @classmethod
+    def on_connection(cls, conn: Connection) -> "Handler":
+        """A handler for the requests of `conn`, one at a time (handle_one_request), read from its
+        DeadlineReader and written with its SocketWriter."""
+        h = cls.__new__(cls)
+        h.request = h.connection = conn.sock
+        h.client_address, h.server = conn.address, None
+        h.rfile, h.wfile, h.timeouts = conn.reader, conn.writer, conn.timeouts
+        return h
+
     def log_message(self, fmt, *args):  # quiet: metrics carry the request figures
         pass
 
@@ -35,6 +47,8 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(body)))
+        if status == 401:
+            self.send_header("WWW-Authenticate", "Bearer")
         if status == 503 and self.app.draining.is_set():
             self.send_header("Retry-After", "1")      # another replica, or this one's successor
         self.end_headers()
@@ -48,6 +62,31 @@ class Handler(BaseHTTPRequestHandler):
                code: str | None = None) -> None:
         self._send(status, error_body(message, status, param, code), endpoint=endpoint)
 
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """What http.server answers itself (a malformed request line or headers, an unknown
+        method, an over-long URL), in OpenAI's error shape instead of an HTML page, always a 4xx;
+        the connection closes, as the request was not understood."""
+        self.close_connection = True
+        # an unknown method is the request's fault, not the server's: 405 rather than 501; so is
+        # an HTTP version other than 1.x: 400 rather than 505
+        code = {501: 405, 505: 400}.get(code, code)
+        if self.request_version == "HTTP/0.9":      # an unparsed request line: still give a status line
+            self.request_version = "HTTP/1.0"
+        body = error_body(message or self.responses.get(code, ("error",))[0], code)
+        self.send_response(code, message)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Connection", "close")
+        if code == 405:
+            self.send_header("Allow", "GET, POST")
+        self.end_headers()
+        if self.command != "HEAD" and code >= 200 and code not in (204, 304):
+            self.wfile.write(body)
+        self.app.metrics.requests.labels(endpoint="other", code=str(code)).inc()
+
+    def _gone(self) -> bool:
+        return client_gone(self.connection)
+
     def _sse(self, obj) -> None:
         self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
         self.wfile.flush()
@@ -55,6 +94,12 @@ class Handler(BaseHTTPRequestHandler):
     # ---- GET ----
     def do_GET(self):  # noqa: N802 - http.server's naming
         path = self.path.split("?", 1)[0]
+        if not self._authorized(path):
+            return
+        try:
+            self._read_body()       # a GET may carry one: bounded like any other, then dropped
+        except BadRequest as e:
+            return self._error(e.status, str(e), "other")
         if path == "/healthz":
             self._healthz()
         elif path == "/metrics":
@@ -84,12 +129,18 @@ class Handler(BaseHTTPRequestHandler):
     # ---- POST ----
     def do_POST(self):  # noqa: N802 - http.server's naming
         path = self.path.split("?", 1)[0]
-        if path not in COMPLETIONS:
-            self._skip_body()
+        known = path in COMPLETIONS
+        if not self._authorized(path):
+            return
+        try:
+            raw = self._read_body()
+        except BadRequest as e:
+            return self._error(e.status, str(e), path if known else "other")
+        if not known:
             return self._error(404, f"no route POST {path}", "other")
         app = self.app
         try:
-            body = self._read_json()
+            body = parse_json(raw)
             if app.draining.is_set():
                 raise BadRequest("the server is shutting down; retry on another replica", 503)
             if not app.ready.is_set():
@@ -97,36 +148,43 @@ class Handler(BaseHTTPRequestHandler):
             self._complete(path, app.build_request(body, chat=path.endswith("chat/completions")))
         except BadRequest as e:
             self._error(e.status, str(e), path, e.param, e.code)
-        except (BrokenPipeError, ConnectionResetError):
-            pass
+        except (ConnectionError, TimeoutError):
+            self.close_connection = True
         except Exception as e:  # noqa: BLE001 - a bug, not the request: one line, a JSON 500
-            print(f"shardwise serve: {path}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-            self._error(500, f"internal error: {type(e).__name__}: {e}", path)
+            self._error(500, internal_error(path, e), path)
 
-    def _skip_body(self) -> None:
-        n = int(self.headers.get("Content-Length") or 0)
-        if 0 < n <= MAX_BODY:
-            self.rfile.read(n)
+    def _authorized(self, path: str) -> bool:
+        """Whether the request may go on; if not, it has been answered 401 (its body unread, so
+        the connection closes). Only /v1/* needs a key, and only when the server has keys."""
+        keys = self.app.api_keys
+        if keys is None or not (path == "/v1" or path.startswith("/v1/")):
+            return True
+        refusal = keys.refusal(self.headers.get("Authorization"))
+        if refusal is None:
+            return True
+        self.close_connection = True
+        self._error(401, refusal, "other", code="invalid_api_key")
+        return False
 
-    def _read_json(self):
+    def _read_body(self) -> bytes:
+        """The request's body, its length checked first (framing.body_length); on a BadRequest
+        the connection closes, since the body it declared was not read."""
         try:
-            n = int(self.headers.get("Content-Length", ""))
-        except ValueError:
+            n = body_length(self.headers, self.command)
+            if not n:
+                return b""
+            self.rfile.deadline = self.timeouts.body_deadline(n)
+            raw = self.rfile.read(n)
+        except BadRequest:
             self.close_connection = True
-            raise BadRequest("a JSON body with Content-Length is required", 411) from None
-        if n > MAX_BODY:
+            raise
+        except TimeoutError:
             self.close_connection = True
-            raise BadRequest(f"body of {n} bytes is larger than {MAX_BODY}", 413)
-        raw = self.rfile.read(n)
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise BadRequest(f"body is not valid JSON: {e}") from None
-        try:   # "\ud800" escapes parse, but no tokenizer takes a lone surrogate
-            json.dumps(body, ensure_ascii=False).encode()
-        except UnicodeEncodeError:
-            raise BadRequest("body is not valid JSON: a string holds a lone UTF-16 surrogate") from None
-        return body
+            raise BadRequest(f"the body did not arrive within {self.timeouts.body:g} s plus a second "
+                             f"for each {self.timeouts.body_rate} bytes", 408) from None
+        if len(raw) < n:            # the client closed its side before the whole body came
+            self.close_connection = True
+        return raw
 
     # ---- completions ----
     def _complete(self, path: str, job: Job) -> None:
@@ -135,6 +193,9 @@ class Handler(BaseHTTPRequestHandler):
         tt = app.token_text if job.logprobs else None
         streams = [ChoiceStream(i, req, app.tokenizer, job.stop, tt) for i, req in enumerate(job.reqs)]
         feed = TokenFeed(streams, app.metrics)
+        if self._gone():        # it asked and hung up (or gave up waiting): nothing to generate
+            self.close_connection = True
+            return
         app.metrics.prompt.inc(sum(len(r.prompt_ids) for r in job.reqs))
         try:
             for req in job.reqs:
@@ -153,11 +214,19 @@ class Handler(BaseHTTPRequestHandler):
         reqs = answer.job.reqs
         texts: list[list[str]] = [[] for _ in reqs]
         entries: list[list] = [[] for _ in reqs]
-        for i, text, got, _ in feed.pieces():
-            texts[i].append(text)
-            entries[i] += got
-        for req in reqs:
-            req.done.wait()
+        try:
+            for i, text, got, _ in feed.pieces(self._gone):
+                texts[i].append(text)
+                entries[i] += got
+            for req in reqs:
+                while not req.done.wait(POLL_SECONDS):
+                    if self._gone():
+                        raise ClientGone
+        except ClientGone:      # no one to answer: free the engine's rows and blocks for others
+            for req in reqs:
+                req.cancel()
+            self.close_connection = True
+            return
         failed = next((r.error for r in reqs if r.error), None)
         if failed:
             return self._error(503, failed, path)
@@ -181,14 +250,13 @@ class Handler(BaseHTTPRequestHandler):
             self._chunks(path, feed, answer, t0)
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
-        except (BrokenPipeError, ConnectionResetError):
+        except (ConnectionError, TimeoutError, ClientGone):
             for r in reqs:
                 r.cancel()
         except Exception as e:  # noqa: BLE001 - a bug mid-stream: the headers are sent, so an event
             for r in reqs:
                 r.cancel()
-            print(f"shardwise serve: {path}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-            self._sse(error_object(f"internal error: {type(e).__name__}: {e}", 500))
+            self._sse(error_object(internal_error(path, e), 500))
             self.wfile.write(b"data: [DONE]\n\n")
         finally:
             self.app.metrics.latency.labels(endpoint=path).observe(time.perf_counter() - t0)
@@ -199,7 +267,7 @@ class Handler(BaseHTTPRequestHandler):
         if job.chat:
             for i in range(len(job.reqs)):
                 self._sse(answer.chunk(i, {"role": "assistant", "content": ""}))
-        for i, text, entries, finished in feed.pieces():
+        for i, text, entries, finished in feed.pieces(self._gone):
             req = job.reqs[i]
             if req.error:
                 for r in job.reqs:

@@ -19,6 +19,12 @@ from shardwise.worker.serving.http.errors import BadRequest
 
 MAX_N = 16              # choices per request (each one a request in the engine)
 MAX_LOGPROBS = 20       # top_logprobs / completions' logprobs, OpenAI's bound
+# Completion tokens one request of several choices may ask for (n x max_tokens): without a bound,
+# n = 16 with chat's default max_tokens (the rest of the context) is 16 full-context generations.
+# A single choice may always fill the context. (shardwise serve --max-request-tokens)
+MAX_REQUEST_TOKENS = 32768
+MAX_STOP = 4            # stop strings per request, OpenAI's bound
+MAX_STOP_CHARS = 256    # characters of one stop string (each is looked for at every token)
 # Chat roles accepted. "developer" is OpenAI's newer name for "system" (what its client sends to
 # reasoning models); chat templates only know "system", so it is rendered as one. "tool" goes to
 # the template as is: one that cannot render it raises, which answers 400 naming the template.
@@ -159,6 +165,15 @@ class _Options(_Model):
             return [] if info.field_name == "stop" else False
         return [v] if info.field_name == "stop" and isinstance(v, str) else v
 
+    @field_validator("stop")
+    @classmethod
+    def _stop_bounds(cls, v: list[str]):
+        if len(v) > MAX_STOP:
+            raise _fail("stop_count")
+        if any(len(s) > MAX_STOP_CHARS for s in v):
+            raise _fail("stop_length")
+        return v
+
     @field_validator("stream_options", mode="before")
     @classmethod
     def _with_stream(cls, v, info: ValidationInfo):
@@ -227,7 +242,9 @@ def _message(err: dict, body: dict, served: str, chat: bool) -> BadRequest:
         "top_p": "'top_p' must be a number in (0, 1]",
         "n": f"'n' must be an integer from 1 to {MAX_N}",
         "seed": "'seed' must be an integer in [-2^63, 2^64 - n]",
-        "stop": "'stop' must be a string or a list of non-empty strings",
+        "stop": {"stop_count": f"'stop' may hold at most {MAX_STOP} strings",
+                 "stop_length": f"each 'stop' string must be at most {MAX_STOP_CHARS} characters",
+                 }.get(kind, "'stop' must be a string or a list of non-empty strings"),
         "stream": "'stream' must be a boolean",
         "stream_options": ("'stream_options' is only allowed when 'stream' is true" if kind == "stream_off" else
                            "'stream_options' must be an object like {\"include_usage\": true}"),

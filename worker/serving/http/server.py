@@ -1,4 +1,5 @@
-"""OpenAI-compatible HTTP API on rank 0 (stdlib ThreadingHTTPServer + prometheus-client).
+"""OpenAI-compatible HTTP API on rank 0 (http.server's request parsing on a bounded pool of threads,
+connections.py, + prometheus-client).
 
     POST /v1/completions          prompt (text or token ids) -> text; "stream": true for SSE
     POST /v1/chat/completions     messages -> chat template -> text; "stream": true for SSE
@@ -15,47 +16,48 @@ docs/openai-api.md. The other modules of this package: its __init__.
 """
 from __future__ import annotations
 
-import sys
 import threading
 import time
-from http.server import ThreadingHTTPServer
 
 from shardwise.crds.contract import DRAIN_SECONDS
 
 from shardwise.worker.errors import WorkerError
 from shardwise.worker.serving.http.app import App
+from shardwise.worker.serving.http.connections import WORKERS, Connection, ConnectionServer, Timeouts
 from shardwise.worker.serving.http.handler import make_handler
 
 __all__ = ["App", "Server", "run_engine"]
 
 
-class _HTTPServer(ThreadingHTTPServer):
-    allow_reuse_address = True
-    daemon_threads = True
-
-    def handle_error(self, request, client_address) -> None:
-        # a client that hangs up (a probe, a cancelled stream) is not an error worth a traceback
-        if not isinstance(sys.exc_info()[1], ConnectionError):
-            super().handle_error(request, client_address)
-
-
 class Server:
-    def __init__(self, app: App, host: str, port: int):
+    """The API on (host, port): connections accepted and waited on by one thread, requests served
+    by a pool of `workers` threads (connections.py says why not http.server's own)."""
+
+    def __init__(self, app: App, host: str, port: int, workers: int = WORKERS, timeouts: Timeouts = Timeouts()):
         self.app = app
-        self.httpd = _HTTPServer((host, port), make_handler(app))
-        self.thread = threading.Thread(target=self.httpd.serve_forever, name="http", daemon=True)
+        self.handler = make_handler(app)
+        self.connections = ConnectionServer(host, port, self._serve_one, workers, timeouts)
+        self.thread = threading.Thread(target=self.connections.serve_forever, name="http", daemon=True)
 
     @property
     def port(self) -> int:
-        return self.httpd.server_address[1]
+        return self.connections.address[1]
 
     def start(self) -> "Server":
         self.thread.start()
         return self
 
     def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.connections.shutdown()
+
+    def _serve_one(self, conn: Connection) -> bool:
+        """One request on `conn` (a pool thread); whether the connection stays open after it."""
+        if conn.handler is None:
+            conn.handler = self.handler.on_connection(conn)
+        conn.reader.deadline = time.monotonic() + conn.timeouts.headers
+        conn.handler.close_connection = True
+        conn.handler.handle_one_request()
+        return not conn.handler.close_connection
 
 
 def run_engine(app: App, ctx, stop: threading.Event, micro_batches: int = 0,

@@ -13,11 +13,19 @@ from __future__ import annotations
 
 import codecs
 import queue
-from typing import Iterator, NamedTuple
+import time
+from typing import Callable, Iterator, NamedTuple
 
 from shardwise.worker.serving.request import FinishReason, Request
 from shardwise.worker.serving.http.detokenize import REPLACEMENT, IncrementalDetokenizer, TokenText
 from shardwise.worker.serving.http.metrics import Metrics
+
+
+POLL_SECONDS = 0.25         # how often a request waiting for tokens looks whether its client is still there
+
+
+class ClientGone(Exception):
+    """The client closed its connection while its request was generating."""
 
 
 class Entry(NamedTuple):
@@ -134,11 +142,19 @@ class TokenFeed:
             put((index, token, req.finish_reason))
         return on_token
 
-    def pieces(self) -> Iterator[Piece]:
-        """Each choice's pieces, in the order their tokens came, until every choice has ended."""
-        left = len(self.streams)
+    def pieces(self, gone: Callable[[], bool] | None = None) -> Iterator[Piece]:
+        """Each choice's pieces, in the order their tokens came, until every choice has ended.
+        With `gone`: asked every POLL_SECONDS; ClientGone once it says so."""
+        left, asked = len(self.streams), time.monotonic()
         while left:
-            index, token, finish_reason = self.queue.get()
+            if gone is not None and time.monotonic() - asked >= POLL_SECONDS:
+                if gone():
+                    raise ClientGone
+                asked = time.monotonic()
+            try:
+                index, token, finish_reason = self.queue.get(timeout=POLL_SECONDS if gone else None)
+            except queue.Empty:
+                continue
             piece = self.streams[index].push(token, finish_reason)
             if piece is not None:
                 left -= piece.finished
