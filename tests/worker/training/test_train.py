@@ -346,7 +346,7 @@ def test_training_pods_from_a_plan_reproduce_the_reference(work, reference, tmp_
         result = json.loads((tmp_path / f"termination-{r}-{s}").read_text())
         assert result["done"] and result["step"] == steps
         assert result["last_checkpoint"]["step"] == steps and result["last_checkpoint"]["name"] == "step-00000006"
-    from shardwise.worker.training.trainer import last_checkpoint
+    from shardwise.worker.training.progress import last_checkpoint
     assert last_checkpoint(str(tmp_path / "ck"))["step"] == steps
 
 

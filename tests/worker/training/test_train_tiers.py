@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from shardwise.worker.training import checkpoint as ckpt
+from shardwise.worker.training.checkpoint_tiers import LOCAL_STATE
 
 from .test_train import _ranks, work  # noqa: F401  (work: the tiny model and its corpus, a fixture)
 
@@ -139,7 +140,7 @@ def test_killed_mid_local_save_loses_nothing_before_the_last_complete_local_chec
     proc = _start(work, ckdir, local, "--tensor-parallel", "2", env={DELAY: "10:60"})
     tmp = local / "rank-0" / ".tmp-step-00000010"
     deadline = time.time() + 120
-    while not (tmp / ckpt.LOCAL_STATE).exists():      # rank 0's step 10 written, commit pending
+    while not (tmp / LOCAL_STATE).exists():      # rank 0's step 10 written, commit pending
         assert time.time() < deadline and proc.poll() is None
         time.sleep(0.05)
     os.kill(_ranks(proc.pid)[0], signal.SIGKILL)
