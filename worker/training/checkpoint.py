@@ -79,7 +79,6 @@ def write_slices(path: str | Path, slices: dict[str, Slice], group: dist.Process
                  no_dist=group is None and not dist.is_initialized())
 
 
-
 # ---------------------------------------------------------------- the commit protocol
 
 def _fsync_dir(path: Path) -> None:

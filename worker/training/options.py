@@ -11,7 +11,6 @@ from shardwise.worker.training import parallelize as par
 from shardwise.worker.training import schedules as pipe
 
 
-
 @dataclass
 class TrainOptions:
     model: str
