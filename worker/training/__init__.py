@@ -1,6 +1,7 @@
-"""Training on PyTorch's own parallel stack: the trainer, DTensor/FSDP2 plans on a DeviceMesh
-(parallelize), pipeline schedules (schedules), DCP checkpoints in tiers (checkpoint), gradient
-compression (compression) and the step-keyed data order (data).
+"""Training on PyTorch's own parallel stack: the trainer and its run loop (trainer; options,
+model_state, progress), DTensor/FSDP2 plans on a DeviceMesh (parallelize), pipeline schedules
+(schedules), DCP checkpoints written and committed (checkpoint) in tiers (checkpoint_tiers),
+gradient compression (compression) and the step-keyed data order (data).
 
 May import: shardwise.crds, shardwise.worker.errors, shardwise.worker.model, shardwise.worker.distributed, shardwise.worker.weights
 """

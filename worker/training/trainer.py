@@ -6,7 +6,7 @@ crds/layout.py RankLayout's (parallelize.py). Each step:
   1. the global batch of the step (data.py: a function of seed and step only) is split across the
      D = replicate × shard data-parallel replicas;
   2. with one stage, forward and backward over the replica's share; with P stages, a
-     torch.distributed.pipelining schedule (stages.py: GPipe, 1F1B or interleaved 1F1B) over
+     torch.distributed.pipelining schedule (schedules.py: GPipe, 1F1B or interleaved 1F1B) over
      micro-batches of it;
   3. tensor parallel is DTensor's, FSDP2 shards parameters, gradients and AdamW state over
      dp_shard and averages gradients over the data-parallel axes (reduced in fp32 against fp32
@@ -14,7 +14,7 @@ crds/layout.py RankLayout's (parallelize.py). Each step:
      axis is averaged by compression.py instead, with error feedback;
   4. a tied embedding/head pair split across first and last stage has its two gradients summed,
      the global gradient norm is clipped (every element counted once), and AdamW steps;
-  5. every K steps the state is checkpointed asynchronously (checkpoint.py) in full-tensor
+  5. every K steps the state is checkpointed asynchronously (checkpoint_tiers.py) in full-tensor
      coordinates (each DTensor shard by its offsets), so any later layout can resume it; in
      between, optionally every L steps, each rank saves its own state to node-local storage (the
      local tier: no collective, readable only by the same rank of the same layout);
@@ -24,35 +24,43 @@ crds/layout.py RankLayout's (parallelize.py). Each step:
 
 Loss = mean token cross-entropy over the whole global batch, identical in every layout up to
 floating-point summation order.
+
+Here: the Trainer (one rank's state and step) and the run loop (run_training). What a run is asked
+to do is options.py, the stages and their state as slices model_state.py, what it reports
+progress.py; their names a rank's entry points use (TrainOptions, options_from_contract, pod_rank,
+read_progress) are importable from here too.
 """
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import signal
 import sys
 import threading
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 from torch.distributed.tensor import DTensor
 
-from shardwise.crds.layout import RankLayout, split_layers
+from shardwise.crds.layout import split_layers
 from shardwise.crds.modelshape import in_memory_dtype
 
+from shardwise.worker.errors import WorkerError
 from shardwise.worker.training import checkpoint as ckpt
+from shardwise.worker.training import checkpoint_tiers as tiers
 from shardwise.worker.training import parallelize as par
 from shardwise.worker.training import schedules as pipe
 from shardwise.worker.training.data import StepBatches, TokenDataset
-from shardwise.worker.errors import WorkerError
+from shardwise.worker.training.model_state import build_stage, init_optimizer_state, model_files, optimizer_slices, param_slices
+from shardwise.worker.training.options import TrainOptions, layout_record, options_from_contract, pod_rank  # noqa: F401
+from shardwise.worker.training.progress import announce, emitter, read_progress, write_progress  # noqa: F401
+from shardwise.worker.weights.loader import DTYPES, check_layout, open_model
+from shardwise.worker.weights.tokenizer import load_tokenizer
 
 # FSDP2 warns when a stage returns a view (the TP-gathered logits): in-place ops on it would skip
 # its hooks, and none is ever done here (the loss only reads the logits).
@@ -60,149 +68,6 @@ warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
 
 # A rank that waits longer than this for its peers in a collective fails instead of hanging.
 _PG_TIMEOUT = datetime.timedelta(minutes=10)
-
-
-@dataclass
-class TrainOptions:
-    model: str
-    data: str
-    checkpoint_dir: str
-    steps: int
-    tensor: int = 1
-    pipeline: int = 1
-    data_parallel: int = 1             # replicas in all: data_shard × replicate
-    data_shard: int = 0                # ZeRO-3 shard degree; 0: all of data_parallel
-    schedule: str = pipe.DEFAULT_SCHEDULE
-    activation_checkpointing: bool = False
-    compression: str = "none"          # on the replicate axis: none, int8, topk
-    compression_density: float = 0.01  # topk: fraction of gradient elements sent
-    checkpoint_every: int = 0          # 0: only at the end
-    keep: int = 3
-    local_checkpoint_dir: str | None = None   # node-local tier: each rank's own state, no collective
-    local_every: int = 0               # 0: no local tier
-    local_keep: int = 2                # local checkpoints kept per rank
-    seed: int = 0
-    lr: float = 3e-4
-    warmup: int = 0
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    batch_size: int = 8                # global: sequences per step over all replicas
-    seq_len: int = 64
-    micro_batches: int = 0             # per replica; 0: stages.default_micro_batches
-    device: str = "cpu"
-    dtype: str = "float32"             # compute dtype; master weights and optimizer state are fp32
-    async_checkpoint: bool = True
-    json: bool = False
-    stage_layers: list[tuple[int, int]] | None = None   # from a ShardPlan; None: the planner's split
-
-    @property
-    def shard(self) -> int:
-        return self.data_shard or self.data_parallel
-
-    @property
-    def mesh_shape(self) -> par.MeshShape:
-        return par.MeshShape(max(1, self.data_parallel // self.shard), self.shard, self.pipeline, self.tensor)
-
-    @property
-    def layout(self) -> RankLayout:
-        """Training is one world over all replicas: data-parallel replicas are RankLayout's replicas."""
-        return RankLayout(self.tensor, self.pipeline, self.data_parallel)
-
-    @property
-    def world_size(self) -> int:
-        return self.layout.world_size
-
-    def micro_batches_per_replica(self) -> int:
-        return self.micro_batches or pipe.default_micro_batches(self.pipeline, self.batch_size // self.data_parallel,
-                                                                self.schedule)
-
-    def problem(self, layers: int) -> str | None:
-        """Why these options cannot train a model of `layers` layers (one line), or None."""
-        D, S = self.data_parallel, self.shard
-        if D % S:
-            return f"data-parallel shard degree {S} does not divide the {D} data-parallel replicas"
-        if self.batch_size % D:
-            return f"batch size {self.batch_size} does not split evenly into {D} data-parallel replicas"
-        if self.compression != "none" and not 0 < self.compression_density <= 1:
-            return f"compression density must be in (0, 1], got {self.compression_density}"
-        micro = self.micro_batches_per_replica()
-        if self.pipeline > 1:
-            problem = pipe.check_schedule(self.schedule, self.pipeline, micro, layers)
-            if problem:
-                return problem
-        if (self.batch_size // D) % micro:
-            return (f"per-replica batch {self.batch_size // D} does not split evenly into {micro} "
-                    f"micro-batches")
-        return None
-
-
-# ---------------------------------------------------------------- model state as full-tensor slices
-
-def _full_name(model, name: str) -> str:
-    # A tied head on the last stage (pipeline > 1) is a copy of the embedding: store it once.
-    if name == "output.weight" and model.config.tie_word_embeddings:
-        return "tok_embeddings.weight"
-    return name
-
-
-def _slice(t: torch.Tensor) -> ckpt.Slice:
-    local, full, offsets = par.local_region(t)
-    return ckpt.Slice(local, full, offsets)
-
-
-def param_slices(model, prefix: str = "model/") -> dict[str, ckpt.Slice]:
-    """This rank's parameters as slices of the full tensors, named by full (unsharded) names."""
-    return {prefix + _full_name(model, name): _slice(p) for name, p in model.named_parameters()}
-
-
-def optimizer_slices(model, optimizer) -> dict[str, ckpt.Slice]:
-    out = {}
-    for name, p in model.named_parameters():
-        state = optimizer.state[p]
-        key = "optim/" + _full_name(model, name)
-        out[key + "/exp_avg"] = _slice(state["exp_avg"])
-        out[key + "/exp_avg_sq"] = _slice(state["exp_avg_sq"])
-        out[key + "/step"] = ckpt.Slice.whole(state["step"])
-    return out
-
-
-def init_optimizer_state(params, optimizer) -> None:
-    """Create AdamW's state up front so a checkpoint can be loaded into it in place."""
-    for p in params:
-        if p not in optimizer.state or not optimizer.state[p]:
-            optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
-                                  "exp_avg_sq": torch.zeros_like(p)}
-
-
-# ---------------------------------------------------------------- building this rank's stages
-
-def build_stage(source, start: int, end: int, first: bool, last: bool, mesh, opts: TrainOptions,
-                device: torch.device, compute_dtype: torch.dtype) -> nn.Module:
-    """One pipeline stage of the model: built on the meta device, split (TP), wrapped (activation
-    checkpointing, FSDP2), then materialized with only this rank's shards read from the model."""
-    from shardwise.worker.model.llama import Transformer
-
-    with torch.device("meta"):
-        model = Transformer(source.config, start, end, first, last)
-    par.apply_tensor_parallel(model, mesh["tp"])
-    if opts.activation_checkpointing:
-        par.apply_activation_checkpointing(model)
-    compressed = opts.compression != "none" and opts.mesh_shape.replicate > 1
-    dp_mesh = mesh["dp_shard"] if compressed else mesh["dp_replicate", "dp_shard"]
-    # With several micro-batches per step, keep a stage's parameters gathered between them.
-    par.apply_fsdp(model, dp_mesh, compute_dtype, reshard_after_forward=opts.pipeline == 1)
-    model.to_empty(device=device)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            local, full_shape, offsets = par.local_region(p)
-            full = source.read(name, None)
-            if tuple(full.shape) != full_shape:
-                raise WorkerError(f"{source.path}: tensor for {name} has shape {tuple(full.shape)}, "
-                                  f"expected {full_shape}")
-            for dim, (off, size) in enumerate(zip(offsets, local.shape)):
-                full = full.narrow(dim, off, size)
-            local.copy_(full)
-    return model.train()
 
 
 def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -213,9 +78,6 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 class Trainer:
     def __init__(self, opts: TrainOptions, rank: int, emit: Callable[[dict], None] | None = None):
-        from shardwise.worker.weights.loader import DTYPES, check_layout, open_model
-        from shardwise.worker.weights.tokenizer import load_tokenizer
-
         self.opts, self.rank = opts, rank
         self.layout = opts.layout
         self.pos = self.layout.position(rank)
@@ -250,7 +112,7 @@ class Trainer:
         tokenizer = load_tokenizer(source)
         self.data = TokenDataset.from_file(opts.data, tokenizer.encode)
         self.batches = StepBatches(self.data, opts.seq_len, opts.batch_size, opts.seed)
-        self.manager = ckpt.CheckpointManager(
+        self.manager = tiers.CheckpointManager(
             opts.checkpoint_dir, rank=rank, group=self.checkpoint_group,
             model_meta=ckpt.structure_of(self.config.to_dict()), keep=opts.keep,
             asynchronous=opts.async_checkpoint, log=lambda m: self.emit({"event": "log", "message": m}),
@@ -258,7 +120,7 @@ class Trainer:
         self.local = None
         if opts.local_checkpoint_dir and opts.local_every > 0:
             try:
-                self.local = ckpt.LocalCheckpointManager(
+                self.local = tiers.LocalCheckpointManager(
                     opts.local_checkpoint_dir, rank=rank, fingerprint=self.local_fingerprint(),
                     keep=opts.local_keep, asynchronous=opts.async_checkpoint)
             except OSError as e:
@@ -451,28 +313,6 @@ class Trainer:
         return sent
 
 
-def layout_record(opts: TrainOptions) -> dict:
-    """The layout as a checkpoint's meta.json records it."""
-    return {"tensor": opts.tensor, "pipeline": opts.pipeline, "data_parallel": opts.data_parallel,
-            "data_shard": opts.shard, "schedule": opts.schedule}
-
-
-def model_files(source, tokenizer) -> dict[str, bytes]:
-    """Config and tokenizer files a checkpoint carries, so that it serves as a model by itself.
-
-    From an HF folder (or an earlier checkpoint) they are copied; a GGUF model's tokenizer, built
-    from the GGUF metadata, is written out as tokenizer.json."""
-    files = {}
-    folder = Path(source.path)
-    if folder.is_dir():
-        for name in ckpt.MODEL_FILES:
-            if (folder / name).is_file():
-                files[name] = (folder / name).read_bytes()
-    if "tokenizer.json" not in files and hasattr(tokenizer, "tok"):
-        files["tokenizer.json"] = tokenizer.tok.to_str().encode()
-    return files
-
-
 # ---------------------------------------------------------------- entry point for one rank
 
 def run_training(opts: TrainOptions, rank: int | None = None, world_size: int | None = None,
@@ -492,12 +332,12 @@ def run_training(opts: TrainOptions, rank: int | None = None, world_size: int | 
     # Warnings (a damaged checkpoint skipped, another dataset) as one line each, from rank 0 only.
     warnings.showwarning = lambda message, *a, **k: (
         print(f"warning: {message}", file=sys.stderr, flush=True) if lead else None)
-    emit = _emitter(opts, lead, out)
+    emit = emitter(opts, lead, out)
     stop = _StopSignals()
     try:
         stop.install()
         trainer = Trainer(opts, rank, emit)
-        _announce(trainer, trainer.resume(), emit)
+        announce(trainer, trainer.resume(), emit)
         if on_started is not None:
             on_started(trainer)
         if lead:
@@ -516,7 +356,7 @@ def run_training(opts: TrainOptions, rank: int | None = None, world_size: int | 
                 _stop_here(trainer, rec, emit)
                 return 128 + stopping
             if lead:
-                _write_progress(opts, trainer, rec)
+                write_progress(opts, trainer, rec)
         _finish(trainer, last_loss, emit)
         return 0
     finally:
@@ -538,44 +378,6 @@ def _join_world(opts: TrainOptions, rank: int | None, world_size: int | None) ->
         backend = "cpu:gloo,cuda:nccl" if opts.device.startswith("cuda") else "gloo"
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=_PG_TIMEOUT)
     return rank
-
-
-def _emitter(opts: TrainOptions, lead: bool, out) -> Callable[[dict], None]:
-    """What rank 0 prints of each record (the other ranks print nothing)."""
-    def emit(rec: dict) -> None:
-        if not lead:
-            return
-        if opts.json:   # stdout: exactly one object per step; other news as text on stderr
-            if "loss" in rec:
-                print(json.dumps(rec), file=out, flush=True)
-            elif rec.get("message"):
-                print(rec["message"], file=sys.stderr, flush=True)
-        elif "loss" in rec:
-            extra = f"  checkpoint {rec['checkpoint']}" if rec.get("checkpoint") else ""
-            extra += " (local)" if rec.get("checkpoint_tier") == "local" else ""
-            print(f"step {rec['step']:>6}  loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  "
-                  f"grad-norm {rec['grad_norm']:.3f}  {rec['tokens_per_s']:.0f} tok/s{extra}", file=out, flush=True)
-        elif rec.get("event") in ("resume", "start", "done", "log"):
-            print(rec.get("message", json.dumps(rec)), file=out, flush=True)
-    return emit
-
-
-def _announce(trainer: Trainer, meta: dict | None, emit) -> None:
-    """Where the run starts: a fresh start, or the checkpoint (and tier) it resumed from."""
-    opts = trainer.opts
-    if meta is not None and trainer.resumed_from["tier"] == "local":
-        shared = trainer.manager.last_committed
-        emit({"event": "resume", "step": trainer.step, "tier": "local", "from_layout": meta.get("layout"),
-              "message": f"resumed from local checkpoint step {trainer.step} ({_layout_text(meta.get('layout'))}, "
-                         f"each rank's own files in {opts.local_checkpoint_dir}; newest shared checkpoint: "
-                         f"{'none' if shared is None else f'step {shared[0]}'})"})
-    elif meta is not None:
-        emit({"event": "resume", "step": trainer.step, "tier": "shared", "from_layout": meta.get("layout"),
-              "message": f"resumed from checkpoint step {trainer.step} "
-                         f"(saved under {_layout_text(meta.get('layout'))}, now {_layout_text(layout_record(opts))})"})
-    else:
-        emit({"event": "start", "step": 0, "message": f"training from {opts.model} "
-              f"({_layout_text(layout_record(opts))}, {len(trainer.data)} tokens)"})
 
 
 def _checkpoint_after_step(trainer: Trainer, rec: dict, stopping: int) -> None:
@@ -603,7 +405,7 @@ def _stop_here(trainer: Trainer, rec: dict, emit) -> None:
         trainer.local.wait()
     dist.barrier(group=trainer.control_group)    # rank 0 has committed the checkpoint
     if trainer.rank == 0:
-        _write_progress(trainer.opts, trainer, rec)
+        write_progress(trainer.opts, trainer, rec)
     emit({"event": "log", "step": trainer.step,
           "message": f"stopping at step {trainer.step}: checkpoint {ckpt.step_dir_name(trainer.step)} saved"})
 
@@ -615,7 +417,7 @@ def _finish(trainer: Trainer, last_loss: float | None, emit) -> None:
     if trainer.local is not None:
         trainer.local.wait()
     if trainer.rank == 0:
-        _write_progress(opts, trainer, {"step": trainer.step, "done": True, "loss": last_loss})
+        write_progress(opts, trainer, {"step": trainer.step, "done": True, "loss": last_loss})
     emit({"event": "done", "step": trainer.step,
           "message": f"done: {trainer.step} steps, last checkpoint "
                      f"{ckpt.step_dir_name(trainer.step)} in {opts.checkpoint_dir}"})
@@ -649,76 +451,6 @@ class _StopSignals:
         self.previous.clear()
 
 
-def _checkpoint_record(last: tuple[int, float] | None) -> dict | None:
-    return None if last is None else {"step": last[0], "time": last[1], "name": ckpt.step_dir_name(last[0])}
-
-
-def _write_progress(opts: TrainOptions, trainer: Trainer, rec: dict) -> None:
-    progress = {"step": trainer.step, "steps": opts.steps, "loss": rec.get("loss"),
-                "done": bool(rec.get("done")), "time": time.time(),
-                "replicate_bytes": trainer.replicate_bytes, "compression": opts.compression,
-                "last_checkpoint": _checkpoint_record(trainer.manager.last_committed),
-                "last_local_checkpoint": _checkpoint_record(trainer.local.last_committed if trainer.local else None),
-                "resumed_from": trainer.resumed_from}
-    tmp = Path(opts.checkpoint_dir) / ".progress.json.tmp"
-    tmp.write_text(json.dumps(progress))
-    os.replace(tmp, Path(opts.checkpoint_dir) / "progress.json")
-
-
-def _layout_text(d: dict | None) -> str:
-    if not d:
-        return "unknown layout"
-    text = f"TP={d.get('tensor')} PP={d.get('pipeline')} DP={d.get('data_parallel')}"
-    shard = d.get("data_shard")
-    return text + (f" (FSDP={shard})" if shard and shard > 1 else "")
-
-
-# ---------------------------------------------------------------- pods: training from a ShardPlan
-
-def options_from_plan(plan, *, model: str, data: str, steps: int, checkpoint_dir: str,
-                      **more) -> TrainOptions:
-    """Training options for a ShardedModel's pods: the layout (T, P, replicas as DP) and each
-    stage's layer range come from the plan; the rest from the spec (passed as keywords with
-    TrainOptions' names, e.g. checkpoint_every=100, lr=1e-4)."""
-    stages = plan.stages_of(0) if plan.placements else []
-    layers = [(p.layer_start, p.layer_end) for p in stages] or None
-    return TrainOptions(model=model, data=data, steps=steps, checkpoint_dir=checkpoint_dir,
-                        tensor=plan.tensor, pipeline=plan.pipeline, data_parallel=max(1, plan.replicas),
-                        data_shard=plan.data_shard, stage_layers=layers, **more)
-
-
-def pod_rank(replica: int, stage: int, local_rank: int, plan) -> int:
-    """The global training rank of a GPU in a pod (torchrun --node-rank = replica*P + stage)."""
-    return RankLayout(plan.tensor, plan.pipeline, max(1, plan.replicas)).rank(replica, stage, local_rank)
-
-
-def last_checkpoint(checkpoint_dir: str) -> dict | None:
-    """What a status report shows: step and time of the newest complete checkpoint, or None."""
-    found = ckpt.latest_complete(checkpoint_dir)
-    if found is None:
-        return None
-    step, path, meta = found
-    return {"step": step, "time": meta.get("time"), "path": str(path)}
-
-
-def options_from_contract(contract, *, device: str, dtype: str) -> TrainOptions:
-    """TrainOptions of a training pod, from its pod contract (crds/contract.py): the one mapping
-    from spec.training and spec.checkpoint to TrainOptions' names. `device` and `dtype` are what
-    the pod resolved (the contract's dtype may be auto)."""
-    t, c = contract.training, contract.checkpoint
-    local = c.local   # spec.checkpoint.local: the node-local tier, or None
-    return options_from_plan(
-        contract.plan, model=contract.model.path, data=t.data, steps=t.steps, checkpoint_dir=c.path,
-        checkpoint_every=c.interval_steps, keep=c.keep, seed=t.seed, lr=t.learning_rate,
-        warmup=t.warmup_steps, weight_decay=t.weight_decay, batch_size=t.batch_size, seq_len=t.seq_length,
-        micro_batches=t.micro_batches or 0, schedule=t.schedule.value,
-        activation_checkpointing=t.activation_checkpointing,
-        compression=t.gradient_compression.method if t.gradient_compression else "none",
-        compression_density=t.gradient_compression.density if t.gradient_compression else 0.01,
-        local_checkpoint_dir=local.path if local else None, local_every=local.interval_steps if local else 0,
-        local_keep=local.keep if local else 2, device=device, dtype=dtype, json=True)
-
-
 def run_training_rank(opts: TrainOptions, plan, replica: int, stage: int, local_rank: int,
                       on_started: Callable[["Trainer"], None] | None = None) -> int:
     """A training pod's rank process: `opts` from options_from_contract, global rank from
@@ -728,10 +460,3 @@ def run_training_rank(opts: TrainOptions, plan, replica: int, stage: int, local_
     return run_training(opts, rank=pod_rank(replica, stage, local_rank, plan), world_size=opts.world_size,
                         on_started=on_started)
 
-
-def read_progress(checkpoint_dir: str) -> dict | None:
-    """`<checkpoint_dir>/progress.json` as rank 0 last wrote it, or None (not started, unreadable)."""
-    try:
-        return json.loads((Path(checkpoint_dir) / "progress.json").read_text())
-    except (OSError, ValueError):
-        return None

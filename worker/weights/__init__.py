@@ -1,7 +1,9 @@
-"""Where weights come from and how a rank holds them: model sources and formats (HF safetensors,
-GGUF, the built-in model) read slice by slice (loader, gguf_index), GGUF blocks kept as stored
-(gguf_blocks), INT8 (quantize), layers streamed from host memory (offload), the tokenizer, and a
-tiny random model for tests (tiny).
+"""Where weights come from and how a rank holds them: the model sources, each read slice by slice
+(source: their interface; hf_source, gguf_source with gguf_index, checkpoint_source with
+checkpoint_format: a training checkpoint's format and reading), the formats a `--model` may name
+and the built-in model (formats, builtin), a rank's stage loading (loader), GGUF blocks kept as
+stored (gguf_blocks), INT8 (quantize), layers streamed from host memory (offload), the tokenizer,
+and a tiny random model for tests (tiny).
 
 May import: shardwise.crds, shardwise.worker.errors, shardwise.worker.model, shardwise.worker.distributed
 """

@@ -19,7 +19,7 @@ def write_tiny_model(path: str | Path, text: str, *, layers: int = 4, hidden: in
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from shardwise.worker.weights.loader import _hf_name
+    from shardwise.worker.weights.hf_source import hf_name
     from shardwise.worker.model.llama import ModelConfig, Transformer
 
     path = Path(path)
@@ -44,7 +44,7 @@ def write_tiny_model(path: str | Path, text: str, *, layers: int = 4, hidden: in
         for name, p in model.named_parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.02 if "tok_embeddings" in name else 0.08)
-    tensors = {_hf_name(k): v.detach().contiguous() for k, v in model.state_dict().items()
+    tensors = {hf_name(k): v.detach().contiguous() for k, v in model.state_dict().items()
                if not (tie and k == "output.weight")}
     save_file(tensors, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps({

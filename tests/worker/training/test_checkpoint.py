@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.worker.training import checkpoint as ckpt
+from shardwise.worker.training import checkpoint_tiers as tiers
 from shardwise.worker.training.data import DataError, StepBatches, TokenDataset
 
 FULL_COL = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)          # split along rows
@@ -45,7 +46,7 @@ def _saver(rank, world, port, root, steps, keep, asynchronous, results):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         group = dist.new_group(backend="gloo")
-        manager = ckpt.CheckpointManager(root, rank=rank, group=group, model_meta=META, keep=keep,
+        manager = tiers.CheckpointManager(root, rank=rank, group=group, model_meta=META, keep=keep,
                                          asynchronous=asynchronous)
         blocking = []
         for step in steps:
@@ -85,7 +86,7 @@ def _save_in_ranks(root, world=2, steps=(1, 2, 3), keep=2, asynchronous=True, en
 
 
 def _load(root, wanted, meta=META):
-    return ckpt.CheckpointManager(root, rank=0, group=None, model_meta=meta).load_latest(wanted)
+    return tiers.CheckpointManager(root, rank=0, group=None, model_meta=meta).load_latest(wanted)
 
 
 def test_saved_under_tp2_reads_back_whole_and_in_other_splits(tmp_path):
@@ -141,7 +142,7 @@ def test_cut_off_and_damaged_checkpoints_are_never_loaded(tmp_path):
     with pytest.warns(UserWarning, match="falling back"):
         assert _load(tmp_path, {"model/col": ckpt.Slice.whole(col)})["step"] == 1
     # A new manager on rank 0 clears the leftovers of cut-off writes.
-    ckpt.CheckpointManager(tmp_path, rank=0, group=None, model_meta=META)
+    tiers.CheckpointManager(tmp_path, rank=0, group=None, model_meta=META)
     assert not (tmp_path / ".tmp-step-00000009").exists() and not (tmp_path / "step-00000008").exists()
 
 

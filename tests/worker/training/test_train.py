@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -18,7 +17,6 @@ import pytest
 import torch
 
 from shardwise.worker.training import checkpoint as ckpt
-from shardwise.worker.weights.tiny import write_tiny_model
 
 STEPS, EVERY = 16, 4
 COMMON = ["--steps", str(STEPS), "--checkpoint-every", str(EVERY), "--batch-size", "4", "--seq-len", "32",
@@ -26,54 +24,21 @@ COMMON = ["--steps", str(STEPS), "--checkpoint-every", str(EVERY), "--batch-size
 RTOL = 1e-3
 
 
-def _text() -> str:
-    rnd = random.Random(0)
-    words = ("the quick brown fox jumps over a lazy dog while seven wizards quietly brew potent "
-             "elixirs under the pale moon").split()
-    return "\n".join(" ".join(rnd.choice(words) for _ in range(12)) for _ in range(300))
-
-
 @pytest.fixture(scope="module")
-def work(tmp_path_factory):
-    root = tmp_path_factory.mktemp("train")
-    (root / "data.txt").write_text(_text())
-    write_tiny_model(root / "model", _text(), layers=4, hidden=64, heads=4, kv_heads=2)
-    return root
-
-
-def _cmd(work: Path, ckdir: Path, *layout: str, extra=()) -> list[str]:
-    return [sys.executable, "-m", "shardwise", "train", "--model", str(work / "model"),
-            "--data", str(work / "data.txt"), "--checkpoint-dir", str(ckdir), *COMMON, *layout, *extra]
-
-
-def _train(work, ckdir, *layout, env=None, extra=()):
-    p = subprocess.run(_cmd(work, ckdir, *layout, extra=extra), capture_output=True, text=True,
-                       timeout=300, env={**os.environ, **(env or {})})
-    return p.returncode, _losses(p.stdout), p.stderr
-
-
-def _losses(stdout: str) -> dict[int, float]:
-    out = {}
-    for line in stdout.splitlines():
-        rec = json.loads(line)          # --json: every stdout line is one JSON object
-        out[rec["step"]] = rec["loss"]
-    return out
-
-
-@pytest.fixture(scope="module")
-def reference(work):
-    """The uninterrupted run under TP=2: its losses and its checkpoints."""
+def reference(work, train):
+    """The uninterrupted run under TP=2: its records (step -> loss...) and its checkpoints."""
     ckdir = work / "ref"
-    code, losses, err = _train(work, ckdir, "--tensor-parallel", "2")
+    code, recs, err = train.run(ckdir, "--tensor-parallel", "2")
     assert code == 0, err
-    assert sorted(losses) == list(range(1, STEPS + 1))
-    assert losses[STEPS] < losses[1]            # it learns
-    return losses, ckdir
+    assert sorted(recs) == list(range(1, STEPS + 1))
+    assert recs[STEPS]["loss"] < recs[1]["loss"]            # it learns
+    return recs, ckdir
 
 
-def _assert_same_losses(got: dict[int, float], want: dict[int, float], steps) -> None:
+def _assert_same_losses(got: dict[int, dict], want: dict[int, dict], steps) -> None:
     for s in steps:
-        assert got[s] == pytest.approx(want[s], rel=RTOL), f"step {s}: {got[s]} vs {want[s]}"
+        g, w = got[s]["loss"], want[s]["loss"]
+        assert g == pytest.approx(w, rel=RTOL), f"step {s}: {g} vs {w}"
 
 
 def _resume_copy(ref_dir: Path, step: int, dst: Path) -> Path:
@@ -84,87 +49,62 @@ def _resume_copy(ref_dir: Path, step: int, dst: Path) -> Path:
 
 @pytest.mark.parametrize("layout", [("--pipeline-parallel", "2"), ("--data-parallel", "2")],
                          ids=["TP1xPP2", "PP1xDP2"])
-def test_resume_tp2_checkpoint_in_another_layout_matches_uninterrupted_losses(work, reference, tmp_path, layout):
-    losses, ref_dir = reference
+def test_resume_tp2_checkpoint_in_another_layout_matches_uninterrupted_losses(reference, train, tmp_path, layout):
+    want, ref_dir = reference
     ckdir = _resume_copy(ref_dir, 8, tmp_path / "ck")
-    code, got, err = _train(work, ckdir, *layout)
+    code, got, err = train.run(ckdir, *layout)
     assert code == 0, err
     assert "resumed from checkpoint step 8 (saved under TP=2 PP=1 DP=1" in err
     assert sorted(got) == list(range(9, STEPS + 1))          # no step is done twice
-    _assert_same_losses(got, losses, range(9, STEPS + 1))
+    _assert_same_losses(got, want, range(9, STEPS + 1))
     assert [s for s, _ in ckpt.committed(ckdir)] == [8, 12, 16]
 
 
-def _ranks(pid: int) -> dict[int, int]:
-    """rank -> pid of the local ranks started by the launcher `pid` (named shardwise-rk<N>)."""
-    found, todo = {}, [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            kids = Path(f"/proc/{p}/task/{p}/children").read_text().split()
-        except OSError:
-            continue
-        for k in map(int, kids):
-            try:
-                comm = Path(f"/proc/{k}/comm").read_text().strip()
-            except OSError:
-                continue
-            if comm.startswith("shardwise-rk"):
-                found[int(comm[len("shardwise-rk"):])] = k
-            todo.append(k)
-    return found
-
-
-def _start(work, ckdir, *layout, env=None):
-    return subprocess.Popen(_cmd(work, ckdir, *layout), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, **(env or {})})
-
-
-def test_rank_killed_mid_run_restarts_from_last_complete_checkpoint(work, reference, tmp_path):
-    losses, _ = reference
+def test_rank_killed_mid_run_restarts_from_last_complete_checkpoint(reference, train, tmp_path):
+    want, _ = reference
     ckdir = tmp_path / "ck"
     # Step 8's commit is held back (slow storage), so the kill lands while 4 is the last complete
     # checkpoint and training is somewhere between steps 6 and 12.
-    proc = _start(work, ckdir, "--pipeline-parallel", "2", env={"SHARDWISE_CHECKPOINT_COMMIT_DELAY_S": "8:10"})
+    proc = train.start(ckdir, "--pipeline-parallel", "2", env={"SHARDWISE_CHECKPOINT_COMMIT_DELAY_S": "8:10"})
     seen = {}
     for line in proc.stdout:
         rec = json.loads(line)
-        seen[rec["step"]] = rec["loss"]
+        seen[rec["step"]] = rec
         if rec["step"] >= 6 and ckpt.committed(ckdir):
-            os.kill(_ranks(proc.pid)[1], signal.SIGKILL)     # the last stage dies
+            os.kill(train.ranks(proc.pid)[1], signal.SIGKILL)     # the last stage dies
             break
     proc.stdout.read()
     assert proc.wait(60) != 0
     assert "rank 1 was killed by signal 9" in proc.stderr.read()
     done = [s for s, _ in ckpt.committed(ckdir)]
     assert done == [4]
-    _assert_same_losses(seen, losses, seen)
+    _assert_same_losses(seen, want, seen)
     # Restart in another layout: resumes exactly at the last complete checkpoint.
-    code, got, err = _train(work, ckdir, "--tensor-parallel", "2")
+    code, got, err = train.run(ckdir, "--tensor-parallel", "2")
     assert code == 0, err
     assert f"resumed from checkpoint step {max(done)}" in err
     assert sorted(got) == list(range(max(done) + 1, STEPS + 1))
-    _assert_same_losses(got, losses, got)
+    _assert_same_losses(got, want, got)
 
 
-def test_rank_killed_mid_save_never_loads_the_cut_off_checkpoint(work, reference, tmp_path):
-    losses, _ = reference
+def test_rank_killed_mid_save_never_loads_the_cut_off_checkpoint(reference, train, tmp_path):
+    want, _ = reference
     ckdir = tmp_path / "ck"
-    proc = _start(work, ckdir, "--tensor-parallel", "2", env={"SHARDWISE_CHECKPOINT_COMMIT_DELAY_S": "8:60"})
+    proc = train.start(ckdir, "--tensor-parallel", "2", env={"SHARDWISE_CHECKPOINT_COMMIT_DELAY_S": "8:60"})
     tmp = ckdir / ".tmp-step-00000008"
     deadline = time.time() + 120
     while not (tmp / ".metadata").exists():        # every rank's data written, commit pending
         assert time.time() < deadline and proc.poll() is None
         time.sleep(0.05)
-    os.kill(_ranks(proc.pid)[0], signal.SIGKILL)   # rank 0: the one that commits
+    os.kill(train.ranks(proc.pid)[0], signal.SIGKILL)   # rank 0: the one that commits
     proc.communicate(timeout=60)
     assert proc.returncode != 0
     assert [s for s, _ in ckpt.committed(ckdir)] == [4]     # the cut-off step 8 is not visible
-    code, got, err = _train(work, ckdir, "--data-parallel", "2")
+    code, got, err = train.run(ckdir, "--data-parallel", "2")
     assert code == 0, err
     assert "resumed from checkpoint step 4" in err
     assert not tmp.exists()                                 # leftovers cleaned
-    _assert_same_losses(got, losses, range(5, STEPS + 1))
+    _assert_same_losses(got, want, range(5, STEPS + 1))
 
 
 def _greedy_reference(ckdir: Path, prompt: list[int], n: int) -> list[int]:
@@ -207,20 +147,20 @@ def test_generate_from_training_checkpoint_gives_trained_greedy_tokens(work, ref
     assert _greedy_base(work / "model", out["prompt_token_ids"], 8) != trained   # training changed it
 
 
-def test_corrupt_latest_checkpoint_falls_back_with_a_warning(work, reference, tmp_path):
-    losses, ref_dir = reference
+def test_corrupt_latest_checkpoint_falls_back_with_a_warning(reference, train, tmp_path):
+    want, ref_dir = reference
     ckdir = tmp_path / "ck"
     shutil.copytree(ref_dir, ckdir)
     shard = ckdir / "step-00000016" / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    code, got, err = _train(work, ckdir, "--tensor-parallel", "2")
+    code, got, err = train.run(ckdir, "--tensor-parallel", "2")
     assert code == 0, err
     assert "warning: checkpoint" in err and "step-00000016" in err and "falling back" in err
     assert "resumed from checkpoint step 12" in err
-    _assert_same_losses(got, losses, range(13, STEPS + 1))
+    _assert_same_losses(got, want, range(13, STEPS + 1))
 
 
-def test_bad_input_is_one_clear_line(work, reference, tmp_path):
+def test_bad_input_is_one_clear_line(work, train, tiny_model, reference, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     cases = [
@@ -228,8 +168,7 @@ def test_bad_input_is_one_clear_line(work, reference, tmp_path):
         (["--tensor-parallel", "3"], "tensor parallel degree 3 does not divide"),
     ]
     for extra, message in cases:
-        cmd = _cmd(work, tmp_path / "ck", extra=extra)
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        p = subprocess.run(train.command(tmp_path / "ck", *extra), capture_output=True, text=True, timeout=120)
         assert p.returncode == 2, (extra, p.stderr)
         assert message in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
     # The same checks, in process (they run before any rank starts).
@@ -249,10 +188,8 @@ def test_bad_input_is_one_clear_line(work, reference, tmp_path):
             check_inputs(TrainOptions(**{**base, **change}))
     # A checkpoint directory written for another model.
     other = tmp_path / "other"
-    write_tiny_model(other, _text(), layers=2, hidden=32, heads=4, kv_heads=2)
-    cmd = _cmd(work, reference[1])
-    cmd[cmd.index("--model") + 1] = str(other)
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    tiny_model(other, layers=2, hidden=32, heads=4, kv_heads=2)
+    p = subprocess.run(train.command(reference[1], model=other), capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     assert "was written for a different model" in p.stderr and len(p.stderr.strip().splitlines()) == 1
 
@@ -297,14 +234,14 @@ def test_options_from_the_contract_are_the_specs():
     assert (opts.device, opts.dtype, opts.json) == ("cpu", "float32", True)
 
 
-def test_training_pods_from_a_plan_reproduce_the_reference(work, reference, tmp_path):
+def test_training_pods_from_a_plan_reproduce_the_reference(work, train, reference, tmp_path):
     """What a training ShardedModel's pods run: `shardwise worker` with a training contract: layout
     and (uneven) layer split from the plan, options from the contract, one world over all the pods
     of both replicas (data parallel). The losses match the reference run; each pod serves /healthz
     and /progress while it trains and leaves the result as its termination message."""
     import urllib.request
     from shardwise.crds.plan import ShardPlan, StagePlacement
-    losses, _ = reference
+    want, _ = reference
     plan = ShardPlan(tensor=1, pipeline=2, replicas=2, num_layers=4, placements=[
         StagePlacement(replica=r, stage=s, node=f"node-{r}-{s}", gpus=1, layer_start=(0, 3)[s],
                        layer_end=(3, 4)[s], embedding=s == 0, head=s == 1) for r in range(2) for s in range(2)])
@@ -337,16 +274,16 @@ def test_training_pods_from_a_plan_reproduce_the_reference(work, reference, tmp_
         time.sleep(0.2)
     outs = [p.communicate(timeout=60) for p in pods]
     assert [p.returncode for p in pods] == [0, 0, 0, 0], "\n".join(o[1][-2000:] for o in outs)
-    got = _losses(outs[0][0])           # global rank 0 (replica 0, stage 0) reports the steps
+    got = train.records(outs[0][0])     # global rank 0 (replica 0, stage 0) reports the steps
     assert sorted(got) == list(range(1, steps + 1))
-    _assert_same_losses(got, losses, got)
+    _assert_same_losses(got, want, got)
     assert seen and max(seen) >= 1     # progress was readable from another pod while it trained
     assert sent and max(sent) > 0      # the gradient bytes averaged between the two replicas, as a metric
     for r, s in [(0, 0), (0, 1), (1, 0), (1, 1)]:
         result = json.loads((tmp_path / f"termination-{r}-{s}").read_text())
         assert result["done"] and result["step"] == steps
         assert result["last_checkpoint"]["step"] == steps and result["last_checkpoint"]["name"] == "step-00000006"
-    from shardwise.worker.training.trainer import last_checkpoint
+    from shardwise.worker.training.progress import last_checkpoint
     assert last_checkpoint(str(tmp_path / "ck"))["step"] == steps
 
 
@@ -391,19 +328,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_tied_embedding_split_across_stages_trains_like_one_process(work, tmp_path):
+def test_tied_embedding_split_across_stages_trains_like_one_process(train, tiny_model, tmp_path):
     """A tied embedding/head (SmolLM2, Llama 3.2) lives on the first and the last stage under
     PP=2; its two gradients are summed so both copies stay one weight, and the checkpoint holds it
     once."""
-    tied = write_tiny_model(tmp_path / "tied", _text(), layers=2, hidden=64, heads=4, kv_heads=2, tie=True)
+    tied = tiny_model(tmp_path / "tied", layers=2, hidden=64, heads=4, kv_heads=2, tie=True)
     runs = {}
     for name, layout in (("one", ()), ("pp", ("--pipeline-parallel", "2"))):
-        cmd = _cmd(work, tmp_path / name, *layout)
-        cmd[cmd.index("--model") + 1] = str(tied)
-        cmd[cmd.index("--steps") + 1] = "4"
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        assert p.returncode == 0, p.stderr
-        runs[name] = _losses(p.stdout)
+        code, runs[name], err = train.run(tmp_path / name, *layout, "--steps", "4", model=tied)
+        assert code == 0, err
     _assert_same_losses(runs["pp"], runs["one"], range(1, 5))
     stored = ckpt.stored_shapes(ckpt.committed(tmp_path / "pp")[-1][1])
     assert "model/tok_embeddings.weight" in stored and "model/output.weight" not in stored

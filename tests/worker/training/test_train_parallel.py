@@ -6,36 +6,21 @@ and seed (fp32 on CPU: relative gap under 1e-3 at every step). Checkpoints writt
 resume in another with the same losses. Bad layouts are refused in one line naming the option."""
 from __future__ import annotations
 
-import json
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from shardwise.worker.training import checkpoint as ckpt
 
-from .test_train import work  # noqa: F401  (the tiny model and its corpus: a fixture)
-
 STEPS = 20
 RTOL = 1e-3
-COMMON = ["--steps", str(STEPS), "--batch-size", "8", "--seq-len", "32", "--lr", "3e-3", "--seed", "11", "--json"]
-
-
-def _train(work: Path, ckdir: Path, *layout: str, steps: int = STEPS) -> tuple[dict[int, dict], str]:
-    common = list(COMMON)
-    common[1] = str(steps)
-    cmd = [sys.executable, "-m", "shardwise", "train", "--model", str(work / "model"), "--data",
-           str(work / "data.txt"), "--checkpoint-dir", str(ckdir), "--checkpoint-every", "10", *common, *layout]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr
-    return {r["step"]: r for r in map(json.loads, p.stdout.splitlines())}, p.stderr
+COMMON = ["--checkpoint-every", "10", "--steps", str(STEPS), "--batch-size", "8", "--seq-len", "32", "--lr", "3e-3",
+          "--seed", "11", "--json"]
 
 
 @pytest.fixture(scope="module")
-def single(work):
-    records, _ = _train(work, work / "single")
+def single(work, train):
+    records = train.run(work / "single", check=True).records
     assert records[STEPS]["loss"] < records[1]["loss"] * 0.8        # it learns
     return records
 
@@ -60,32 +45,33 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
-def test_every_layout_trains_like_one_process(work, single, tmp_path, name):
-    got, _ = _train(work, tmp_path / "ck", *LAYOUTS[name])
+def test_every_layout_trains_like_one_process(train, single, tmp_path, name):
+    got = train.run(tmp_path / "ck", *LAYOUTS[name], check=True).records
     assert sorted(got) == list(range(1, STEPS + 1))
     _assert_parity(got, single, range(1, STEPS + 1))
 
 
-def test_int8_compression_sends_a_quarter_of_the_bytes_and_keeps_the_loss(work, single, tmp_path):
+def test_int8_compression_sends_a_quarter_of_the_bytes_and_keeps_the_loss(train, single, tmp_path):
     """Two replicate groups (DP=2, shard 1): the gradient average between them, plain vs INT8."""
-    plain, _ = _train(work, tmp_path / "plain", "--data-parallel", "2", "--data-shard", "1")
-    int8, _ = _train(work, tmp_path / "int8", "--data-parallel", "2", "--data-shard", "1", "--compression", "int8")
+    plain = train.run(tmp_path / "plain", "--data-parallel", "2", "--data-shard", "1", check=True).records
+    int8 = train.run(tmp_path / "int8", "--data-parallel", "2", "--data-shard", "1", "--compression", "int8",
+                     check=True).records
     _assert_parity(plain, single, range(1, STEPS + 1))
     ratio = int8[STEPS]["replicate_bytes"] / plain[STEPS]["replicate_bytes"]
     assert 0.24 < ratio < 0.27, ratio
     assert int8[STEPS]["loss"] == pytest.approx(plain[STEPS]["loss"], rel=0.01)
 
 
-def test_zero3_checkpoint_resumes_under_other_layouts_with_the_same_losses(work, single, tmp_path):
+def test_zero3_checkpoint_resumes_under_other_layouts_with_the_same_losses(train, single, tmp_path):
     """Saved under FSDP=2 × TP=2, resumed under PP=2 × DP=2 (replicated) and under FSDP=4."""
     saved = tmp_path / "saved"
-    _train(work, saved, "--data-parallel", "2", "--tensor-parallel", "2", steps=10)
+    train.run(saved, "--data-parallel", "2", "--tensor-parallel", "2", "--steps", "10", check=True)
     for name, layout in {"PP2xDP2": ["--pipeline-parallel", "2", "--data-parallel", "2", "--data-shard", "1"],
                          "FSDP4": ["--data-parallel", "4"]}.items():
         ckdir = tmp_path / name
         ckdir.mkdir()
         shutil.copytree(saved / ckpt.step_dir_name(10), ckdir / ckpt.step_dir_name(10))
-        got, err = _train(work, ckdir, *layout)
+        _, got, err = train.run(ckdir, *layout, check=True)
         assert "resumed from checkpoint step 10 (saved under TP=2 PP=1 DP=2 (FSDP=2)" in err, err
         assert sorted(got) == list(range(11, STEPS + 1)), name        # no step done twice
         _assert_parity(got, single, range(11, STEPS + 1))
@@ -105,12 +91,10 @@ def test_zero3_checkpoint_resumes_under_other_layouts_with_the_same_losses(work,
     (["--data-parallel", "2", "--compression", "int8"],
      "gradient compression works across replicate groups: --data-shard 2 leaves none of the 2 replicas"),
 ])
-def test_a_bad_layout_is_one_line_naming_the_option(work, tmp_path, extra, message):
-    cmd = [sys.executable, "-m", "shardwise", "train", "--model", str(work / "model"), "--data",
-           str(work / "data.txt"), "--checkpoint-dir", str(tmp_path / "ck"), *COMMON, *extra]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2, p.stderr
-    lines = p.stderr.strip().splitlines()
-    assert message in lines[-1], p.stderr
-    assert len(lines) == 1 or lines[0].startswith("usage:"), p.stderr    # argparse shows the usage first
+def test_a_bad_layout_is_one_line_naming_the_option(train, tmp_path, extra, message):
+    code, _, stderr = train.run(tmp_path / "ck", *extra, timeout=120)
+    assert code == 2, stderr
+    lines = stderr.strip().splitlines()
+    assert message in lines[-1], stderr
+    assert len(lines) == 1 or lines[0].startswith("usage:"), stderr    # argparse shows the usage first
     assert not (tmp_path / "ck").exists()          # refused before any rank started

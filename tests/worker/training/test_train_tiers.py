@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from shardwise.worker.training import checkpoint as ckpt
+from shardwise.worker.training.checkpoint_tiers import LOCAL_STATE
 
-from .test_train import _ranks, work  # noqa: F401  (work: the tiny model and its corpus, a fixture)
 
 STEPS, SHARED, LOCAL = 12, 6, 2
 COMMON = ["--steps", str(STEPS), "--checkpoint-every", str(SHARED), "--local-checkpoint-every", str(LOCAL),
@@ -29,24 +29,8 @@ RTOL = 1e-3
 DELAY = "SHARDWISE_CHECKPOINT_COMMIT_DELAY_S"
 
 
-def _cmd(work: Path, ckdir: Path, local: Path | None, *layout: str) -> list[str]:
-    tier = ["--local-checkpoint-dir", str(local)] if local is not None else []
-    return [sys.executable, "-m", "shardwise", "train", "--model", str(work / "model"),
-            "--data", str(work / "data.txt"), "--checkpoint-dir", str(ckdir), *tier, *COMMON, *layout]
-
-
-def _records(stdout: str) -> dict[int, dict]:
-    return {rec["step"]: rec for rec in map(json.loads, stdout.splitlines())}
-
-
-def _train(work, ckdir, local, *layout):
-    p = subprocess.run(_cmd(work, ckdir, local, *layout), capture_output=True, text=True, timeout=300)
-    return p.returncode, _records(p.stdout), p.stderr
-
-
-def _start(work, ckdir, local, *layout, env=None):
-    return subprocess.Popen(_cmd(work, ckdir, local, *layout), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, **(env or {})})
+def _tier(local: Path) -> list[str]:
+    return ["--local-checkpoint-dir", str(local)]
 
 
 def _local_steps(local: Path, rank: int) -> list[int]:
@@ -59,9 +43,9 @@ def _assert_same_losses(got: dict[int, dict], want: dict[int, dict], steps) -> N
 
 
 @pytest.fixture(scope="module")
-def reference(work):
+def reference(work, train):
     """The uninterrupted run under TP=2, both tiers on."""
-    code, recs, err = _train(work, work / "ref", work / "ref-local", "--tensor-parallel", "2")
+    code, recs, err = train.run(work / "ref", *_tier(work / "ref-local"), "--tensor-parallel", "2")
     assert code == 0, err
     assert sorted(recs) == list(range(1, STEPS + 1))
     tiers = {s: r["checkpoint_tier"] for s, r in recs.items() if "checkpoint_tier" in r}
@@ -73,17 +57,17 @@ def reference(work):
 
 
 @pytest.fixture(scope="module")
-def crashed(work, reference):
+def crashed(work, train, reference):
     """A TP=2 run whose rank 1 is killed (-9) at step ~9: local tier at 8, shared at 6. Step 10's
     local commit is held back, so wherever the kill lands, 8 is the newest complete local step."""
     ckdir, local = work / "crash", work / "crash-local"
-    proc = _start(work, ckdir, local, "--tensor-parallel", "2", env={DELAY: "10:60"})
+    proc = train.start(ckdir, *_tier(local), "--tensor-parallel", "2", env={DELAY: "10:60"})
     seen = {}
     for line in proc.stdout:
         rec = json.loads(line)
         seen[rec["step"]] = rec
         if rec["step"] >= 9 and all(_local_steps(local, r)[-1:] == [8] for r in (0, 1)):
-            os.kill(_ranks(proc.pid)[1], signal.SIGKILL)
+            os.kill(train.ranks(proc.pid)[1], signal.SIGKILL)
             break
     proc.stdout.read()
     assert proc.wait(60) != 0
@@ -100,9 +84,9 @@ def _copy(crashed, dst: Path) -> tuple[Path, Path]:
     return dst / "ck", dst / "local"
 
 
-def test_killed_run_resumes_from_the_newer_local_checkpoint(work, reference, crashed, tmp_path):
+def test_killed_run_resumes_from_the_newer_local_checkpoint(train, reference, crashed, tmp_path):
     ckdir, local = _copy(crashed, tmp_path)
-    code, got, err = _train(work, ckdir, local, "--tensor-parallel", "2")
+    code, got, err = train.run(ckdir, *_tier(local), "--tensor-parallel", "2")
     assert code == 0, err
     assert "resumed from local checkpoint step 8 (TP=2 PP=1 DP=1" in err and "shared checkpoint: step 6" in err
     assert sorted(got) == list(range(9, STEPS + 1))            # not from shared step 6
@@ -113,49 +97,49 @@ def test_killed_run_resumes_from_the_newer_local_checkpoint(work, reference, cra
 
 
 @pytest.mark.parametrize("lost", ["all", "rank-1"], ids=["local-dir-deleted", "one-rank-local-dir-deleted"])
-def test_lost_local_tier_resumes_from_the_shared_checkpoint(work, reference, crashed, tmp_path, lost):
+def test_lost_local_tier_resumes_from_the_shared_checkpoint(train, reference, crashed, tmp_path, lost):
     """The node's disk is gone (all of it, or only rank 1's): the ranks agree on a local step every
     one of them has, and none is newer than shared step 6 (rank 0 alone still holds step 8)."""
     ckdir, local = _copy(crashed, tmp_path)
     shutil.rmtree(local if lost == "all" else local / "rank-1")
-    code, got, err = _train(work, ckdir, local, "--tensor-parallel", "2")
+    code, got, err = train.run(ckdir, *_tier(local), "--tensor-parallel", "2")
     assert code == 0, err
     assert "resumed from checkpoint step 6 (saved under TP=2 PP=1 DP=1, now TP=2 PP=1 DP=1)" in err
     _assert_same_losses(got, reference, range(7, STEPS + 1))
     assert sorted(got) == list(range(7, STEPS + 1))
 
 
-def test_resume_in_another_layout_ignores_the_local_tier(work, reference, crashed, tmp_path):
+def test_resume_in_another_layout_ignores_the_local_tier(train, reference, crashed, tmp_path):
     ckdir, local = _copy(crashed, tmp_path)
-    code, got, err = _train(work, ckdir, local, "--data-parallel", "2")
+    code, got, err = train.run(ckdir, *_tier(local), "--data-parallel", "2")
     assert code == 0, err
     assert "resumed from checkpoint step 6 (saved under TP=2 PP=1 DP=1, now TP=1 PP=1 DP=2" in err
     assert "local checkpoint" not in err
     _assert_same_losses(got, reference, range(7, STEPS + 1))
 
 
-def test_killed_mid_local_save_loses_nothing_before_the_last_complete_local_checkpoint(work, reference, tmp_path):
+def test_killed_mid_local_save_loses_nothing_before_the_last_complete_local_checkpoint(train, reference, tmp_path):
     ckdir, local = tmp_path / "ck", tmp_path / "local"
-    proc = _start(work, ckdir, local, "--tensor-parallel", "2", env={DELAY: "10:60"})
+    proc = train.start(ckdir, *_tier(local), "--tensor-parallel", "2", env={DELAY: "10:60"})
     tmp = local / "rank-0" / ".tmp-step-00000010"
     deadline = time.time() + 120
-    while not (tmp / ckpt.LOCAL_STATE).exists():      # rank 0's step 10 written, commit pending
+    while not (tmp / LOCAL_STATE).exists():      # rank 0's step 10 written, commit pending
         assert time.time() < deadline and proc.poll() is None
         time.sleep(0.05)
-    os.kill(_ranks(proc.pid)[0], signal.SIGKILL)
+    os.kill(train.ranks(proc.pid)[0], signal.SIGKILL)
     proc.communicate(timeout=60)
     assert proc.returncode != 0
     assert _local_steps(local, 0) == [4, 8] and tmp.exists()     # the cut-off step 10 is not visible
-    code, got, err = _train(work, ckdir, local, "--tensor-parallel", "2")
+    code, got, err = train.run(ckdir, *_tier(local), "--tensor-parallel", "2")
     assert code == 0, err
     assert "resumed from local checkpoint step 8" in err
     assert not tmp.exists()                                      # leftovers cleaned
     _assert_same_losses(got, reference, range(9, STEPS + 1))
 
 
-def test_sigterm_stops_every_rank_at_one_step_with_a_shared_checkpoint(work, reference, tmp_path):
+def test_sigterm_stops_every_rank_at_one_step_with_a_shared_checkpoint(train, reference, tmp_path):
     ckdir, local = tmp_path / "ck", tmp_path / "local"
-    proc = _start(work, ckdir, local, "--tensor-parallel", "2")
+    proc = train.start(ckdir, *_tier(local), "--tensor-parallel", "2")
     seen = {}
     for line in proc.stdout:
         rec = json.loads(line)
@@ -173,20 +157,21 @@ def test_sigterm_stops_every_rank_at_one_step_with_a_shared_checkpoint(work, ref
     progress = json.loads((ckdir / "progress.json").read_text())
     assert progress["step"] == stop and progress["last_checkpoint"]["step"] == stop and not progress["done"]
     _assert_same_losses(seen, reference, seen)
-    code, got, err = _train(work, ckdir, local, "--tensor-parallel", "2")
+    code, got, err = train.run(ckdir, *_tier(local), "--tensor-parallel", "2")
     assert code == 0, err
     assert f"resumed from checkpoint step {stop} " in err
     assert sorted(got) == list(range(stop + 1, STEPS + 1))
     _assert_same_losses(got, reference, got)
 
 
-def test_a_local_directory_that_cannot_be_written_is_one_line(work, tmp_path):
+def test_a_local_directory_that_cannot_be_written_is_one_line(train, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    p = subprocess.run(_cmd(work, tmp_path / "ck", blocker / "local"), capture_output=True, text=True, timeout=120)
+    p = subprocess.run(train.command(tmp_path / "ck", *_tier(blocker / "local")), capture_output=True, text=True,
+                       timeout=120)
     assert p.returncode == 2
     assert p.stderr.strip() == f"shardwise train: --local-checkpoint-dir {blocker / 'local'} is not writable: Not a directory"
-    p = subprocess.run(_cmd(work, tmp_path / "ck", None), capture_output=True, text=True, timeout=120)
+    p = subprocess.run(train.command(tmp_path / "ck"), capture_output=True, text=True, timeout=120)
     assert p.returncode == 2     # an interval without a directory
     assert p.stderr.strip() == ("shardwise train: --local-checkpoint-dir and --local-checkpoint-every K (K >= 1) "
                                 "go together")
@@ -223,7 +208,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_a_training_pod_forwards_sigterm_and_its_ranks_save_before_exiting(work, tmp_path):
+def test_a_training_pod_forwards_sigterm_and_its_ranks_save_before_exiting(train, work, tmp_path):
     """The pod parent passes SIGTERM on to its ranks and waits: they stop at one step with a shared
     checkpoint and the pod exits 143 (not finished). The local tier comes from the contract."""
     contract = _contract(tmp_path, work, _free_port(), tmp_path / "local", 100000)
@@ -236,7 +221,7 @@ def test_a_training_pod_forwards_sigterm_and_its_ranks_save_before_exiting(work,
     pod.send_signal(signal.SIGTERM)
     out, err = pod.communicate(timeout=120)
     assert pod.returncode == 143, err
-    stop = max(_records(out))
+    stop = max(train.records(out))
     assert f"stopping at step {stop}: checkpoint {ckpt.step_dir_name(stop)} saved" in err
     assert [s for s, _ in ckpt.committed(tmp_path / "ck")] == [stop]
     progress = json.loads((tmp_path / "ck" / "progress.json").read_text())

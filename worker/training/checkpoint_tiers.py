@@ -1,0 +1,260 @@
+"""The checkpoint tiers that save and resume one rank's training state.
+
+Shared tier (CheckpointManager). Every K steps all ranks write the state in full-tensor
+coordinates to the shared checkpoint directory (checkpoint.py: DCP, commit protocol), readable by
+any later layout. `save()` copies this rank's slices to CPU (the only part training waits for),
+then a background thread runs the DCP write on a dedicated gloo group (so its collectives never
+interleave with the training collectives) and commits. The next `save()` first waits for the
+previous write to finish.
+
+Local tier (LocalCheckpointManager). Between shared checkpoints, each rank may also save its own
+state alone, to node-local storage: `<local root>/rank-<R>/step-NNNNNNNN/` holds `state.pt` (this
+rank's slice tensors, torch.save), `meta.json` (step, data position, RNG, the slices' offsets and
+full shapes, and a fingerprint: layout, global rank, world size, model structure) and `COMPLETE`,
+written by the same commit protocol (temporary folder, fsync, marker with file sizes, rename). No
+collective is involved, so it is fast; it can only be read back by the same rank of the same
+layout, which the fingerprint checks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from shardwise.worker.training.checkpoint import (
+    FORMAT, CheckpointError, CheckpointMismatch, Slice, check_same_model, check_writable, clean_partial, commit,
+    commit_delay, committed, fsync_file, prune, read_slices, step_dir_name, verify, write_slices)
+
+LOCAL_FORMAT = "shardwise-local-checkpoint/1"
+LOCAL_STATE = "state.pt"
+
+
+def _join_write(manager) -> BaseException | None:
+    """Wait for a manager's background write (`_thread`), if any; its failure (`_error`), taken."""
+    if manager._thread is not None:
+        manager._thread.join()
+        manager._thread = None
+    error, manager._error = manager._error, None
+    return error
+
+
+class CheckpointManager:
+    """Saves (asynchronously) and loads the training state of one rank.
+
+    `group` is a gloo process group over all ranks used only by checkpoint writes; `rank` is this
+    rank's global rank (rank 0 commits). `model_meta` describes the model (config); a checkpoint
+    whose model_meta differs is refused with a clear error.
+    """
+
+    def __init__(self, root: str | Path, *, rank: int, group: dist.ProcessGroup | None,
+                 model_meta: dict, keep: int = 3, asynchronous: bool = True,
+                 log: Callable[[str], None] | None = None, files: dict[str, bytes] | None = None):
+        self.root = Path(root)
+        self.rank = rank
+        self.group = group
+        self.model_meta = model_meta
+        self.keep = keep
+        self.asynchronous = asynchronous
+        self.log = log or (lambda msg: None)
+        self.files = files or {}   # config/tokenizer written alongside, so a checkpoint is a model too
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_blocking_s = 0.0   # time training waited in the last save()
+        self.last_write_s = 0.0      # time the last write took end to end
+        self.last_committed: tuple[int, float] | None = None  # (step, unix time)
+        if rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            clean_partial(self.root)
+
+    # -- save
+    def save(self, step: int, slices: dict[str, Slice], extra: dict) -> None:
+        t0 = time.perf_counter()
+        self.wait()
+        # The copy is what training waits for; afterwards the optimizer may change the tensors.
+        cpu = {k: dataclasses.replace(s, tensor=s.tensor.detach().to("cpu", copy=True)) for k, s in slices.items()}
+        meta = {"format": FORMAT, "step": step, "time": time.time(), "model": self.model_meta, **extra}
+        if self.asynchronous:
+            self._thread = threading.Thread(target=self._write, args=(step, cpu, meta, t0),
+                                            name=f"checkpoint-{step}", daemon=True)
+            self._thread.start()
+        else:
+            self._write(step, cpu, meta, t0)
+        self.last_blocking_s = time.perf_counter() - t0
+
+    def _write(self, step: int, slices: dict[str, Slice], meta: dict, t0: float) -> None:
+        tmp = self.root / f".tmp-{step_dir_name(step)}"
+        try:
+            if self.rank == 0:
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+                tmp.mkdir(parents=True)
+            if self.group is not None:
+                dist.barrier(group=self.group)  # the folder exists before anyone writes into it
+            else:
+                tmp.mkdir(parents=True, exist_ok=True)
+            write_slices(tmp, slices, self.group)
+            delay = commit_delay(step)
+            if delay:  # fault injection: widen the window between "written" and "committed"
+                time.sleep(delay)
+            if self.rank == 0:
+                for name, content in self.files.items():
+                    (tmp / name).write_bytes(content)
+                commit(tmp, self.root / step_dir_name(step), meta)
+                for p in prune(self.root, self.keep):
+                    self.log(f"removed old checkpoint {p.name}")
+                self.log(f"checkpoint {step_dir_name(step)} committed")
+            self.last_committed = (step, meta["time"])
+            self.last_write_s = time.perf_counter() - t0
+        except BaseException as e:  # surfaced on the next save()/wait() in the training thread
+            self._error = e
+
+    def wait(self) -> None:
+        """Block until the write in flight (if any) is committed; re-raise its failure."""
+        e = _join_write(self)
+        if e is not None:
+            raise CheckpointError(f"checkpoint write failed: {type(e).__name__}: {e}") from e
+
+    # -- load
+    def load_latest(self, slices: dict[str, Slice], agree: Callable[[int], int] | None = None) -> dict | None:
+        """Fill `slices` from the newest usable checkpoint and return its meta; None if there is none.
+
+        A checkpoint that fails verification or reading is skipped with a warning (falling back to
+        the previous one); a checkpoint of a different model is an error, never silently skipped.
+        `agree(code)` returns the minimum of `code` over all ranks, so that every rank loads the
+        same checkpoint even when only one of them finds a damaged file.
+        """
+        agree = agree or (lambda code: code)
+        FATAL, SKIP, OK = 0, 1, 2
+        for step, path in reversed(committed(self.root)):
+            code, error, meta = OK, None, None
+            try:
+                meta = verify(path)
+                self.check_model(meta, path)
+                read_slices(path, slices)
+            except CheckpointError as e:
+                code, error = (FATAL if isinstance(e, CheckpointMismatch) else SKIP), e
+            agreed = agree(code)
+            if agreed == FATAL:
+                raise error if code == FATAL else CheckpointMismatch(
+                    f"checkpoint {path} was written for a different model")
+            if agreed == SKIP:
+                why = error or f"checkpoint {path} is damaged on another rank"
+                warnings.warn(f"{why}; falling back to the previous checkpoint", stacklevel=2)
+                continue
+            self.last_committed = (step, meta.get("time", 0.0))
+            return meta
+        return None
+
+    def check_model(self, meta: dict, path: Path) -> None:
+        check_same_model(meta.get("model", {}), self.model_meta, path)
+
+
+class LocalCheckpointManager:
+    """The local tier of one rank: its own slices, no collective, in `<root>/rank-<R>/`.
+
+    `fingerprint` identifies what can read a local checkpoint back (layout, global rank, world
+    size, model structure): `matching_steps()` lists only this rank's complete checkpoints with
+    exactly this fingerprint. Writes run in a background thread like the shared tier's (the copy
+    to CPU is what training waits for); a failed local write is a warning, not a failure of the
+    job (the shared tier is the durable one).
+    """
+
+    def __init__(self, root: str | Path, *, rank: int, fingerprint: dict, keep: int = 2,
+                 asynchronous: bool = True, log: Callable[[str], None] | None = None):
+        self.root = Path(root)
+        self.dir = self.root / f"rank-{rank}"
+        self.rank = rank
+        self.fingerprint = fingerprint
+        self.keep = keep
+        self.asynchronous = asynchronous
+        self.log = log or (lambda msg: None)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_blocking_s = 0.0
+        self.last_write_s = 0.0
+        self.last_committed: tuple[int, float] | None = None
+        check_writable(self.dir)
+        clean_partial(self.dir)
+
+    # -- save
+    def save(self, step: int, slices: dict[str, Slice], extra: dict) -> None:
+        t0 = time.perf_counter()
+        self.wait()
+        cpu = {k: s.tensor.detach().to("cpu", copy=True) for k, s in slices.items()}
+        meta = {"format": LOCAL_FORMAT, "step": step, "time": time.time(), "fingerprint": self.fingerprint,
+                "slices": {k: {"full_shape": list(s.full_shape), "offsets": list(s.offsets),
+                               "shape": list(s.tensor.shape)} for k, s in slices.items()}, **extra}
+        if self.asynchronous:
+            self._thread = threading.Thread(target=self._write, args=(step, cpu, meta, t0),
+                                            name=f"local-checkpoint-{step}", daemon=True)
+            self._thread.start()
+        else:
+            self._write(step, cpu, meta, t0)
+        self.last_blocking_s = time.perf_counter() - t0
+
+    def _write(self, step: int, tensors: dict[str, torch.Tensor], meta: dict, t0: float) -> None:
+        tmp = self.dir / f".tmp-{step_dir_name(step)}"
+        try:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+            torch.save(tensors, tmp / LOCAL_STATE)
+            fsync_file(tmp / LOCAL_STATE)
+            delay = commit_delay(step)
+            if delay:  # fault injection: widen the window between "written" and "committed"
+                time.sleep(delay)
+            commit(tmp, self.dir / step_dir_name(step), meta)
+            prune(self.dir, self.keep)
+            self.last_committed = (step, meta["time"])
+            self.last_write_s = time.perf_counter() - t0
+        except BaseException as e:  # reported on the next save()/wait()
+            self._error = e
+
+    def wait(self) -> None:
+        """Block until the local write in flight (if any) is done; a failure is one warning."""
+        e = _join_write(self)
+        if e is not None:
+            warnings.warn(f"local checkpoint in {self.dir} failed: {type(e).__name__}: {e}", stacklevel=2)
+
+    # -- load
+    def matching_steps(self) -> list[int]:
+        """This rank's complete local checkpoints whose fingerprint is exactly ours, oldest first."""
+        steps = []
+        for step, path in committed(self.dir):
+            try:
+                meta = verify(path, LOCAL_FORMAT)
+            except CheckpointError:
+                continue
+            if meta.get("fingerprint") == self.fingerprint and meta.get("step") == step:
+                steps.append(step)
+        return steps
+
+    def load(self, step: int, slices: dict[str, Slice]) -> dict:
+        """Fill `slices` in place from this rank's local checkpoint of `step`; return its meta."""
+        path = self.dir / step_dir_name(step)
+        meta = verify(path, LOCAL_FORMAT)
+        try:
+            stored = torch.load(path / LOCAL_STATE, map_location="cpu", weights_only=True)
+        except Exception as e:  # a damaged file: skip this checkpoint
+            raise CheckpointError(f"local checkpoint {path} cannot be read: {type(e).__name__}: {e}"
+                                  .splitlines()[0]) from None
+        described = meta.get("slices", {})
+        if set(stored) != set(slices) or set(described) != set(slices):
+            raise CheckpointError(f"local checkpoint {path} holds other tensors than this rank's")
+        for name, s in slices.items():
+            t, d = stored[name], described[name]
+            if (tuple(t.shape) != tuple(s.tensor.shape) or tuple(d["full_shape"]) != tuple(s.full_shape)
+                    or tuple(d["offsets"]) != tuple(s.offsets)):
+                raise CheckpointError(f"local checkpoint {path}: {name!r} is another slice than this rank's")
+        with torch.no_grad():
+            for name, s in slices.items():
+                s.tensor.copy_(stored[name])
+        self.last_committed = (step, meta.get("time", 0.0))
+        return meta

@@ -1,0 +1,128 @@
+"""What one training run is asked to do: TrainOptions (layout, schedule, checkpoint tiers,
+optimizer, batch), the checks that a layout can train a model, and the options of a training pod
+from its ShardPlan and pod contract."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardwise.crds.layout import RankLayout
+
+from shardwise.worker.training import parallelize as par
+from shardwise.worker.training import schedules as pipe
+
+
+@dataclass
+class TrainOptions:
+    model: str
+    data: str
+    checkpoint_dir: str
+    steps: int
+    tensor: int = 1
+    pipeline: int = 1
+    data_parallel: int = 1             # replicas in all: data_shard × replicate
+    data_shard: int = 0                # ZeRO-3 shard degree; 0: all of data_parallel
+    schedule: str = pipe.DEFAULT_SCHEDULE
+    activation_checkpointing: bool = False
+    compression: str = "none"          # on the replicate axis: none, int8, topk
+    compression_density: float = 0.01  # topk: fraction of gradient elements sent
+    checkpoint_every: int = 0          # 0: only at the end
+    keep: int = 3
+    local_checkpoint_dir: str | None = None   # node-local tier: each rank's own state, no collective
+    local_every: int = 0               # 0: no local tier
+    local_keep: int = 2                # local checkpoints kept per rank
+    seed: int = 0
+    lr: float = 3e-4
+    warmup: int = 0
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    batch_size: int = 8                # global: sequences per step over all replicas
+    seq_len: int = 64
+    micro_batches: int = 0             # per replica; 0: stages.default_micro_batches
+    device: str = "cpu"
+    dtype: str = "float32"             # compute dtype; master weights and optimizer state are fp32
+    async_checkpoint: bool = True
+    json: bool = False
+    stage_layers: list[tuple[int, int]] | None = None   # from a ShardPlan; None: the planner's split
+
+    @property
+    def shard(self) -> int:
+        return self.data_shard or self.data_parallel
+
+    @property
+    def mesh_shape(self) -> par.MeshShape:
+        return par.MeshShape(max(1, self.data_parallel // self.shard), self.shard, self.pipeline, self.tensor)
+
+    @property
+    def layout(self) -> RankLayout:
+        """Training is one world over all replicas: data-parallel replicas are RankLayout's replicas."""
+        return RankLayout(self.tensor, self.pipeline, self.data_parallel)
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    def micro_batches_per_replica(self) -> int:
+        return self.micro_batches or pipe.default_micro_batches(self.pipeline, self.batch_size // self.data_parallel,
+                                                                self.schedule)
+
+    def problem(self, layers: int) -> str | None:
+        """Why these options cannot train a model of `layers` layers (one line), or None."""
+        D, S = self.data_parallel, self.shard
+        if D % S:
+            return f"data-parallel shard degree {S} does not divide the {D} data-parallel replicas"
+        if self.batch_size % D:
+            return f"batch size {self.batch_size} does not split evenly into {D} data-parallel replicas"
+        if self.compression != "none" and not 0 < self.compression_density <= 1:
+            return f"compression density must be in (0, 1], got {self.compression_density}"
+        micro = self.micro_batches_per_replica()
+        if self.pipeline > 1:
+            problem = pipe.check_schedule(self.schedule, self.pipeline, micro, layers)
+            if problem:
+                return problem
+        if (self.batch_size // D) % micro:
+            return (f"per-replica batch {self.batch_size // D} does not split evenly into {micro} "
+                    f"micro-batches")
+        return None
+
+
+def layout_record(opts: TrainOptions) -> dict:
+    """The layout as a checkpoint's meta.json records it."""
+    return {"tensor": opts.tensor, "pipeline": opts.pipeline, "data_parallel": opts.data_parallel,
+            "data_shard": opts.shard, "schedule": opts.schedule}
+
+
+# ---------------------------------------------------------------- pods: training from a ShardPlan
+
+def options_from_plan(plan, *, model: str, data: str, steps: int, checkpoint_dir: str,
+                      **more) -> TrainOptions:
+    """Training options for a ShardedModel's pods: the layout (T, P, replicas as DP) and each
+    stage's layer range come from the plan; the rest from the spec (passed as keywords with
+    TrainOptions' names, e.g. checkpoint_every=100, lr=1e-4)."""
+    stages = plan.stages_of(0) if plan.placements else []
+    layers = [(p.layer_start, p.layer_end) for p in stages] or None
+    return TrainOptions(model=model, data=data, steps=steps, checkpoint_dir=checkpoint_dir,
+                        tensor=plan.tensor, pipeline=plan.pipeline, data_parallel=max(1, plan.replicas),
+                        data_shard=plan.data_shard, stage_layers=layers, **more)
+
+
+def pod_rank(replica: int, stage: int, local_rank: int, plan) -> int:
+    """The global training rank of a GPU in a pod (torchrun --node-rank = replica*P + stage)."""
+    return RankLayout(plan.tensor, plan.pipeline, max(1, plan.replicas)).rank(replica, stage, local_rank)
+
+
+def options_from_contract(contract, *, device: str, dtype: str) -> TrainOptions:
+    """TrainOptions of a training pod, from its pod contract (crds/contract.py): the one mapping
+    from spec.training and spec.checkpoint to TrainOptions' names. `device` and `dtype` are what
+    the pod resolved (the contract's dtype may be auto)."""
+    t, c = contract.training, contract.checkpoint
+    local = c.local   # spec.checkpoint.local: the node-local tier, or None
+    return options_from_plan(
+        contract.plan, model=contract.model.path, data=t.data, steps=t.steps, checkpoint_dir=c.path,
+        checkpoint_every=c.interval_steps, keep=c.keep, seed=t.seed, lr=t.learning_rate,
+        warmup=t.warmup_steps, weight_decay=t.weight_decay, batch_size=t.batch_size, seq_len=t.seq_length,
+        micro_batches=t.micro_batches or 0, schedule=t.schedule.value,
+        activation_checkpointing=t.activation_checkpointing,
+        compression=t.gradient_compression.method if t.gradient_compression else "none",
+        compression_density=t.gradient_compression.density if t.gradient_compression else 0.01,
+        local_checkpoint_dir=local.path if local else None, local_every=local.interval_steps if local else 0,
+        local_keep=local.keep if local else 2, device=device, dtype=dtype, json=True)
