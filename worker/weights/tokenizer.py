@@ -120,7 +120,7 @@ def from_gguf(source) -> Tokenizer:
 
 
 def load_tokenizer(source) -> Tokenizer:
-    """The tokenizer that belongs to a loader.ModelSource."""
+    """The tokenizer that belongs to a source.ModelSource."""
     if hasattr(source, "tokenizer"):
         return source.tokenizer()
     if hasattr(source, "index"):
