@@ -23,7 +23,8 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from shardwise.crds.apimodel import (LABEL_KEY_PATTERN, QUANTITY_PATTERN, ApiModel, cel, describe_validation_error,
                                      malformed_pvc, parse_pvc, parse_quantity, pvc_rule)
-from shardwise.crds.names import RACK_LABEL, ZONE_LABEL
+from shardwise.crds.names import (MAX_MODEL_NAME, MAX_PIPELINE, MAX_REPLICAS, MODEL_NAME_PATTERN, RACK_LABEL,
+                                  ZONE_LABEL)
 from shardwise.crds.schedules import DEFAULT_SCHEDULE, INTERLEAVED_MICRO_BATCHES, PipelineSchedule, micro_batches_fit
 from shardwise.crds.status import (PHASES, Condition, GroupPhase, LastCheckpoint, ModelFactsStatus, ModelPhase,
                                    PlacementSummary, PlanSummary, ReplicaGroupStatus, ShardedModelStatus,
@@ -121,9 +122,9 @@ class Parallelism(ApiModel):
         "the tensor group, inside one node (EP = TP). Given alone it sets the tensor degree; given "
         "with tensor it must equal it. Omitted: the planner chooses, as for tensor. Must divide the "
         "experts."))
-    pipeline: Optional[int] = Field(None, ge=1, le=512, description=(
+    pipeline: Optional[int] = Field(None, ge=1, le=MAX_PIPELINE, description=(
         "Pipeline stages per replica, one pod each. Omitted: the planner chooses."))
-    replicas: int = Field(1, ge=0, le=10000, description=(
+    replicas: int = Field(1, ge=0, le=MAX_REPLICAS, description=(
         "Independent copies of the model (data parallel). Behind the scale subresource, so "
         "`kubectl scale sm/NAME --replicas=N` and HPA work."))
 
@@ -470,7 +471,28 @@ class ShardedModelSpec(ApiModel):
 # ---------------------------------------------------------------- status
 
 
+NAME_TOO_LONG = (f"metadata.name must be at most {MAX_MODEL_NAME} characters: the model's pods "
+                 f"(<name>-r<replica>-s<stage>) and Services (<name>-ranks) are named from it")
+NAME_NOT_DNS_LABEL = ("metadata.name must be a DNS-1035 label (lower-case letters, digits and '-', starting "
+                      "with a letter, ending with a letter or digit): it names the model's Service")
+
+
+def model_name_problem(name: str) -> str:
+    """Why a ShardedModel cannot have this name ("" when it can): the CRD's root rules, in Python."""
+    if len(name) > MAX_MODEL_NAME:
+        return NAME_TOO_LONG
+    if not re.match(MODEL_NAME_PATTERN, name):
+        return NAME_NOT_DNS_LABEL
+    return ""
+
+
 class ShardedModel(ApiModel):
+    # On the CRD's root: every object the model makes is named from its name (crds/names.py).
+    model_config = ConfigDict(json_schema_extra=cel(
+        (f"size(self.metadata.name) <= {MAX_MODEL_NAME}", NAME_TOO_LONG),
+        (f"self.metadata.name.matches('{MODEL_NAME_PATTERN}')", NAME_NOT_DNS_LABEL),
+    ))
+
     api_version: Literal["shardwise.dev/v1alpha1"] = Field(API_VERSION, alias="apiVersion")
     kind: Literal["ShardedModel"] = KIND
     metadata: dict[str, Any] = Field(default_factory=dict)
@@ -484,6 +506,13 @@ class ShardedModel(ApiModel):
     @property
     def namespace(self) -> str:
         return self.metadata.get("namespace", "default")
+
+    @model_validator(mode="after")
+    def _name_makes_valid_names(self) -> "ShardedModel":
+        problem = model_name_problem(self.name) if self.name else ""
+        if problem:
+            raise ValueError(problem)
+        return self
 
 
 def load_manifest(data: dict[str, Any]) -> ShardedModel:

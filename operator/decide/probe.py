@@ -29,7 +29,7 @@ def is_probe(pod: Mapping[str, Any]) -> bool:
 
 def pod_name(model: str, uri: str) -> str:
     """One name per model and uri: a changed uri is probed by a new pod."""
-    return f"{model}-probe-{hashlib.sha256(uri.encode()).hexdigest()[:8]}"
+    return names.probe_pod_name(model, hashlib.sha256(uri.encode()).hexdigest()[:8])
 
 
 def render(model: ShardedModel, default_image: str) -> dict:

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from shardwise.crds import names
 from shardwise.crds.models import (ModelFactsStatus, ReplicaGroupStatus, ShardedModel, ShardedModelSpec,
-                                   describe_validation_error)
+                                   describe_validation_error, model_name_problem)
 from shardwise.crds.modelshape import ModelFacts, ModelFactsError, from_hints, resolve
 from shardwise.crds.plan import ShardPlan
 from shardwise.operator.decide import probe
@@ -89,6 +89,9 @@ def parse_state(body: Mapping[str, Any], pods: list[dict], configmap: Mapping[st
     except ValidationError as e:
         # What the schema could not catch ends in a condition, never in a crash loop.
         return ModelState(**base, invalid=f"invalid spec: {describe_validation_error(e)}")
+    bad_name = model_name_problem(meta["name"])
+    if bad_name:   # made before the API server checked names: nothing it would make is valid
+        return ModelState(**base, invalid=bad_name)
     replica_pods: dict[int, list[dict]] = {}
     probe_pod = None
     for pod in pods:

@@ -351,6 +351,14 @@ def test_a_spec_the_api_would_refuse_ends_in_one_condition():
     assert c.reasons() == ["InvalidSpec"]
 
 
+def test_a_model_named_before_the_api_checked_names_ends_in_one_condition_and_makes_nothing():
+    from shardwise.crds.models import NAME_NOT_DNS_LABEL
+    c = Cluster(serving(), rack("n0 n1", "a"), name="8b.chat")
+    c.reconcile()
+    assert c.status["phase"] == "Failed" and c.status["message"] == NAME_NOT_DNS_LABEL
+    assert not c.pods and c.configmap is None
+
+
 def test_a_model_nobody_can_read_fails_with_its_path():
     c = Cluster(serving(model={"uri": "/nowhere/model"}), rack("n0 n1", "a"))
     c.reconcile()
