@@ -57,6 +57,12 @@ class Workload(str, Enum):
 # ---------------------------------------------------------------- spec
 
 
+# The largest model shape the operator accepts, from hints (the schema's maxima) or from a probe
+# (operator/decide/probe.py): far above any model there is, low enough that the planner's work and
+# its arithmetic stay bounded. Keys are ModelFacts' fields.
+MODEL_FACT_LIMITS = {"layers": 4096, "heads": 4096, "kv_heads": 4096, "hidden": 2**20, "intermediate": 2**22,
+                     "vocab": 2**24, "params": 10**15, "experts": 4096, "shared_intermediate": 2**22}
+
 MODEL_URI_PVC = "model.uri must look like pvc://<claim>/<path> when it starts with pvc://"
 TRAINING_DATA_PVC = "training.data must look like pvc://<claim>/<path> when it starts with pvc://"
 
@@ -77,14 +83,15 @@ class ModelSource(ApiModel):
         "*.safetensors, or a .gguf file), or pvc://<claim>/<path> to mount a PersistentVolumeClaim."))
     format: Literal["auto", "safetensors", "gguf"] = Field(
         "auto", description="auto: gguf when the uri ends in .gguf, safetensors otherwise.")
-    parameters: Optional[int] = Field(None, ge=1, description=(
+    parameters: Optional[int] = Field(None, ge=1, le=MODEL_FACT_LIMITS["params"], description=(
         "Parameter count. A hint for the planner when the operator cannot read the model's files."))
-    layers: Optional[int] = Field(None, ge=1, le=4096, description="Decoder layers (hint).")
-    heads: Optional[int] = Field(None, ge=1, le=4096, description="Attention heads (hint).")
-    kv_heads: Optional[int] = Field(None, ge=1, le=4096, description="Key/value heads, for GQA (hint).")
-    hidden_size: Optional[int] = Field(None, ge=1, description="Hidden size (hint).")
-    intermediate_size: Optional[int] = Field(None, ge=1, description="MLP intermediate size (hint).")
-    vocab_size: Optional[int] = Field(None, ge=1, description="Vocabulary size (hint).")
+    layers: Optional[int] = Field(None, ge=1, le=MODEL_FACT_LIMITS["layers"], description="Decoder layers (hint).")
+    heads: Optional[int] = Field(None, ge=1, le=MODEL_FACT_LIMITS["heads"], description="Attention heads (hint).")
+    kv_heads: Optional[int] = Field(None, ge=1, le=MODEL_FACT_LIMITS["kv_heads"], description="Key/value heads, for GQA (hint).")
+    hidden_size: Optional[int] = Field(None, ge=1, le=MODEL_FACT_LIMITS["hidden"], description="Hidden size (hint).")
+    intermediate_size: Optional[int] = Field(None, ge=1, le=MODEL_FACT_LIMITS["intermediate"],
+                                             description="MLP intermediate size (hint).")
+    vocab_size: Optional[int] = Field(None, ge=1, le=MODEL_FACT_LIMITS["vocab"], description="Vocabulary size (hint).")
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "ModelSource":

@@ -12,6 +12,7 @@ plan promises is the memory the pod uses.
 """
 from __future__ import annotations
 
+import io
 import json
 import math
 import struct
@@ -316,12 +317,14 @@ def _read_value(f: BinaryIO, kind: int, keep: bool) -> Any:
     raise ModelFactsError(f"GGUF metadata value type {kind} is unknown")
 
 
-def read_gguf_header(path: str | Path) -> tuple[dict[str, Any], list[tuple[str, list[int], int]]]:
+def read_gguf_header(path: str | Path, limit: int | None = None) -> tuple[dict[str, Any], list[tuple[str, list[int], int]]]:
     """(metadata, [(tensor name, shape, ggml type)]) from a GGUF v2/v3 file, reading only its header.
 
     Arrays in the metadata are returned as their length (the planner needs only the vocab size).
+    `limit`: read at most that many bytes of the file (a longer header "ends early").
     """
-    with open(path, "rb") as f:
+    with open(path, "rb") as whole:
+        f: BinaryIO = io.BytesIO(whole.read(limit)) if limit is not None else whole
         if f.read(4) != b"GGUF":
             raise ModelFactsError(f"{path}: not a GGUF file (bad magic)")
         try:
@@ -349,10 +352,10 @@ def _read_gguf_index(f: BinaryIO) -> tuple[dict[str, Any], list[tuple[str, list[
     return meta, tensors
 
 
-def from_gguf(path: str | Path, dtype: str = "auto") -> ModelFacts:
+def from_gguf(path: str | Path, dtype: str = "auto", limit: int | None = None) -> ModelFacts:
     """Facts from a GGUF file's header, sized for `dtype` on a GPU: the worker dequantizes, so a
-    quantized file's own size is only `file_bytes`."""
-    meta, tensors = read_gguf_header(path)
+    quantized file's own size is only `file_bytes`. `limit`: as read_gguf_header's."""
+    meta, tensors = read_gguf_header(path, limit)
     if not tensors:
         raise ModelFactsError(f"{path}: the GGUF file holds no tensors")
     arch = meta.get("general.architecture", "llama")

@@ -32,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="how often a running training job's progress is read from its pods")
     run.add_argument("--grow-after-seconds", type=float, default=30.0,
                      help="how long an elastic training job runs short before it may grow back (no restart loops)")
+    run.add_argument("--model-root", default=os.environ.get("SHARDWISE_MODEL_ROOT", ""),
+                     help="folder of the operator's own file system it may read models from (spec.model.uri "
+                          "inside it); default $SHARDWISE_MODEL_ROOT, else none: the probe pod reads them")
     run.add_argument("--no-leader-election", action="store_true",
                      help="run without a Lease (only when exactly one operator runs)")
 
@@ -84,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _check_arguments(args: argparse.Namespace) -> None:
     from shardwise.operator.decide import elastic
+    from shardwise.operator.controller import modelroot
     from shardwise.operator.controller import progress as training
 
     if args.progress_seconds <= 0:
@@ -94,7 +98,10 @@ def _check_arguments(args: argparse.Namespace) -> None:
         raise _Refused("--lease-duration must be at least 3 seconds")
     if args.kubeconfig and not os.path.exists(args.kubeconfig):
         raise _Refused(f"kubeconfig {args.kubeconfig} does not exist")
+    if args.model_root and not os.path.isdir(args.model_root):
+        raise _Refused(f"--model-root {args.model_root} is not a directory")
     training.POLL_SECONDS = args.progress_seconds
+    modelroot.ROOT = args.model_root
     elastic.GROW_AFTER_SECONDS = args.grow_after_seconds
 
 
