@@ -88,6 +88,10 @@ def out_of_bounds(facts: ModelFacts) -> str:
         value = getattr(facts, name)
         if value > limit:
             return f"the model's {name} ({value}) exceeds {limit}, the most the operator plans for"
+    outside = facts.embedding_params + facts.head_params
+    if facts.params < outside + facts.layers:   # the layer split would spin on layers of ~1 parameter
+        return (f"the model's {facts.params} parameters are fewer than its embedding and LM head "
+                f"({outside}) and {facts.layers} layers hold")
     return ""
 
 
