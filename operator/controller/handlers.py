@@ -30,7 +30,7 @@ from shardwise.operator.decide import recovery
 from shardwise.operator.controller import reconciler
 from shardwise.operator.render import renderer
 from shardwise.operator.controller.apply import Applier
-from shardwise.operator.planning.inventory import pod_gpus
+from shardwise.operator.planning.inventory import counted_node, pod_gpus
 
 log = logging.getLogger("shardwise.operator")
 DEBOUNCE_SECONDS = 0.2
@@ -146,14 +146,16 @@ def nodes_index(name: str, body: kopf.Body, **_: Any) -> dict:
 
 @kopf.index("", "v1", "pods")
 def gpu_pods_index(namespace: str, name: str, body: kopf.Body, labels: Mapping[str, str], **_: Any) -> dict:
-    """Pods that hold GPUs (or will: ours, pinned but not bound yet), by "ns/name"."""
+    """Pods that hold GPUs (or will: ours, pinned but not bound yet), by "ns/name". A pending pod
+    counts only when the operator made it (inventory.counted_node)."""
     phase = (body.get("status") or {}).get("phase")
     if phase in ("Succeeded", "Failed"):
         return {}
-    node = (body.get("spec") or {}).get("nodeName") or (body.metadata.annotations or {}).get(
-        names.ANNOTATION_PLANNED_NODE)
-    pod = {"metadata": {"name": name, "namespace": namespace, "labels": dict(labels)}, "spec": dict(body.spec),
-           "status": {"phase": phase}}
+    pod = {"metadata": {"name": name, "namespace": namespace, "labels": dict(labels),
+                        "annotations": dict(body.metadata.annotations or {}),
+                        "ownerReferences": list(body.metadata.get("ownerReferences") or [])},
+           "spec": dict(body.spec), "status": {"phase": phase}}
+    node = counted_node(pod)
     if not node or not (names.LABEL_MODEL in labels or pod_gpus(pod)):
         return {}
     return {f"{namespace}/{name}": _slim(pod, node)}

@@ -99,3 +99,24 @@ def test_selector_product_memory_and_resource_name_filters():
     amd = spec(gpu={"resourceName": "amd.com/gpu"})
     none = inventory.usable(inventory.build(nodes, resource_name=amd.gpu.resource_name), amd)
     assert none.nodes == [] and "9 without amd.com/gpu" in none.why_not()
+
+
+def test_only_bound_pods_and_the_operators_own_pending_pods_hold_gpus():
+    from shardwise.crds import names
+    from shardwise.operator.planning.inventory import counted_node
+
+    def pod(labels=None, annotations=None, owners=None, node=None):
+        return {"metadata": {"name": "p", "namespace": "t", "labels": labels or {}, "annotations": annotations or {},
+                             "ownerReferences": owners or []},
+                "spec": {"nodeName": node, "containers": [{"resources": {"limits": {"nvidia.com/gpu": "8"}}}]},
+                "status": {"phase": "Pending"}}
+    planned = {names.ANNOTATION_PLANNED_NODE: "n1"}
+    ours = [{"apiVersion": "shardwise.dev/v1alpha1", "kind": "ShardedModel", "name": "m", "uid": "u",
+             "controller": True}]
+    # a tenant's pending pod claiming a planned node holds nothing, labelled like ours or not
+    assert counted_node(pod(annotations=planned)) is None
+    assert counted_node(pod(labels={names.LABEL_MODEL: "m"}, annotations=planned)) is None
+    assert counted_node(pod(labels={names.LABEL_MODEL: "other"}, annotations=planned, owners=ours)) is None
+    # the operator's own pending pod holds its planned node; any pod bound by the scheduler its node
+    assert counted_node(pod(labels={names.LABEL_MODEL: "m"}, annotations=planned, owners=ours)) == "n1"
+    assert counted_node(pod(annotations=planned, node="n2")) == "n2"
