@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import threading
+from typing import Callable
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,13 +42,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 class _Health(http.server.BaseHTTPRequestHandler):
     alive = threading.Event()
+    # the reconcile loops that have not completed a pass in time (controller/liveness.py)
+    stalled: Callable[[], list[str]] = staticmethod(lambda: [])
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-        ok = self.path.startswith("/healthz") and self.alive.is_set()
+        stalled = self.stalled() if self.alive.is_set() else []
+        ok = self.path.startswith("/healthz") and self.alive.is_set() and not stalled
         self.send_response(200 if ok else 503)
         self.send_header("Content-Type", "text/plain")
         self.end_headers()
-        self.wfile.write(b"ok\n" if ok else b"not ready\n")
+        body = "ok\n" if ok else f"reconcile stalled: {', '.join(stalled)}\n" if stalled else "not ready\n"
+        self.wfile.write(body.encode())
 
     def log_message(self, *args: object) -> None:
         pass
@@ -73,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"shardwise operator: {e}", file=sys.stderr)
         return 2
     handlers.WIRING.applier = applier_mod.Applier(api)
+    _Health.stalled = staticmethod(handlers.WIRING.liveness.stalled)
     if args.worker_image:
         handlers.WIRING.default_image = args.worker_image
     lock = None if args.no_leader_election else _become_leader(api, args)

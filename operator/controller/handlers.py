@@ -25,7 +25,7 @@ from kubernetes.client.rest import ApiException
 
 from shardwise.crds import names
 from shardwise.crds.models import GROUP, PLURAL, VERSION
-from shardwise.operator.controller import metrics
+from shardwise.operator.controller import liveness, metrics
 from shardwise.operator.decide import recovery
 from shardwise.operator.controller import reconciler
 from shardwise.operator.render import renderer
@@ -104,6 +104,7 @@ class Wiring:
         self.tasks: dict[tuple[str, str], asyncio.Task] = {}
         self.reconciles = 0
         self.requests = 0
+        self.liveness = liveness.Liveness()     # when each loop last completed a pass (/healthz)
 
     def waker(self, key: tuple[str, str]) -> asyncio.Event:
         return self.wakers.setdefault(key, asyncio.Event())
@@ -215,6 +216,7 @@ async def model_loop(namespace: str, name: str, ref: dict, logger: logging.Logge
     wake = WIRING.waker(key)
     loop = asyncio.get_running_loop()
     failures = 0
+    WIRING.liveness.completed(key)
     try:
         while True:
             wake.clear()
@@ -233,6 +235,7 @@ async def model_loop(namespace: str, name: str, ref: dict, logger: logging.Logge
                 failures += 1
                 logger.exception("reconcile failed unexpectedly; retrying")
                 outcome = reconciler.Outcome(requeue_after=_backoff(failures))
+            WIRING.liveness.completed(key)
             for ev in outcome.events:
                 kopf.event(ref, type=ev.type, reason=ev.reason, message=ev.message[:1000])
             try:
@@ -243,6 +246,7 @@ async def model_loop(namespace: str, name: str, ref: dict, logger: logging.Logge
             except asyncio.TimeoutError:
                 pass
     finally:
+        WIRING.liveness.forget(key)
         if WIRING.wakers.get(key) is wake:
             WIRING.wakers.pop(key, None)
 
