@@ -152,16 +152,18 @@ class Applier:
 
     def _read(self, kind: str, ns: str, name: str) -> dict | None:
         self._count("get", kind)
-        read = {"ConfigMap": self.core.read_namespaced_config_map, "Service": self.core.read_namespaced_service,
-                "PodDisruptionBudget": self.policy.read_namespaced_pod_disruption_budget}.get(kind)
-        if read is None:
-            raise ValueError(f"apply does not handle kind {kind}")
         try:
-            return _json(read(name, ns, _preload_content=False))
+            if kind == "ConfigMap":
+                return _json(self.core.read_namespaced_config_map(name, ns, _preload_content=False))
+            if kind == "Service":
+                return _json(self.core.read_namespaced_service(name, ns, _preload_content=False))
+            if kind == "PodDisruptionBudget":
+                return _json(self.policy.read_namespaced_pod_disruption_budget(name, ns, _preload_content=False))
         except ApiException as e:
             if e.status == 404:
                 return None
             raise
+        raise ValueError(f"apply does not handle kind {kind}")
 
     def delete_pods(self, namespace: str, names: list[str], force: bool = False) -> None:
         """Delete pods by name; gone already is fine. `force` (grace 0) for pods on a lost node, whose
