@@ -96,7 +96,7 @@ def parse_state(body: Mapping[str, Any], pods: list[dict], configmap: Mapping[st
         return ModelState(**base, invalid=bad_name)
     replica_pods: dict[int, list[dict]] = {}
     probe_pod = None
-    for pod in pods:
+    for pod in _owned(pods, meta.get("uid")):
         if probe.is_probe(pod):
             probe_pod = pod
             continue
@@ -126,6 +126,14 @@ def _local_facts(spec: ShardedModelSpec, read_model: ModelReader | None) -> tupl
         problem = probe.out_of_bounds(found)
         return (None, problem) if problem else (found, "")
     return None, found or ""
+
+
+def _owned(pods: list[dict], uid: str | None) -> list[dict]:
+    """The model's own pods: those with its ownerReference. A pod carrying the model's labels is
+    anyone's to make in the namespace; the operator neither counts nor deletes one it did not make."""
+    if uid is None:   # a body without a uid (built by hand): every pod listed is taken as the model's
+        return list(pods)
+    return [p for p in pods if any(ref.get("uid") == uid for ref in p["metadata"].get("ownerReferences") or [])]
 
 
 def _groups(status: Mapping[str, Any]) -> dict[int, ReplicaGroupStatus]:

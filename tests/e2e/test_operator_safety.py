@@ -4,6 +4,8 @@ one namespace, one node and one operator process shared by every check of this m
 - A ShardedModel named like a Service that is not its own does not take it over: the Service keeps
   its selector and gets no ownerReference (deleting the model would delete it), and the model says
   why in its Applied condition (ObjectConflict).
+- A tenant's pod carrying a model's labels is not the model's: tearing the model's group down
+  (scaling to 0) deletes the pods the model owns and leaves that one alone.
 """
 from __future__ import annotations
 
@@ -60,3 +62,22 @@ def test_a_model_named_like_a_users_service_does_not_take_it_over(tenant):
     svc = json.loads(kubectl("get", "service", "web", "-o", "json"))
     assert svc["spec"]["selector"] == {"app": "users-web"}
     assert not svc["metadata"].get("ownerReferences")
+
+
+def test_a_pod_with_a_models_labels_is_not_torn_down_with_its_group(tenant):
+    namespace, kubectl = tenant
+    kubectl("apply", "-f", "-", input=json.dumps(model(namespace, "own")))
+
+    def pods():
+        out = json.loads(kubectl("get", "pods", "-l", "shardwise.dev/model=own", "-o", "json"))["items"]
+        return {p["metadata"]["name"]: p for p in out if not p["metadata"].get("deletionTimestamp")}
+    wait_until(lambda: any(p["metadata"].get("ownerReferences") for p in pods().values()), 60, "own's pod")
+    decoy = {"apiVersion": "v1", "kind": "Pod",
+             "metadata": {"name": "decoy", "namespace": namespace,
+                          "labels": {"shardwise.dev/model": "own", "shardwise.dev/replica": "0",
+                                     "shardwise.dev/attempt": "0"}},
+             "spec": {"nodeSelector": {"shardwise.dev/test": namespace},
+                      "containers": [{"name": "c", "image": "tenant/anything:1"}]}}
+    kubectl("apply", "-f", "-", input=json.dumps(decoy))
+    kubectl("scale", "sm/own", "--replicas", "0")
+    wait_until(lambda: set(pods()) == {"decoy"}, 60, "own's pods gone, the decoy kept", interval=0.5)
