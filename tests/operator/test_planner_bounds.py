@@ -65,3 +65,15 @@ def test_a_search_past_its_time_budget_ends_in_a_plan_error_saying_so():
     with pytest.raises(planner.PlanError) as refused:
         planner.plan(spec, from_hints(spec.model), [gpu_node(f"n{i}", 8) for i in range(4)], seconds=1e-9)
     assert "no plan found within" in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_layers_tiny_next_to_the_embedding_split_at_once():
+    from shardwise.crds.layout import split_layers
+    # within the bounds: a 2^44-parameter embedding and head, layers of one parameter each
+    facts = from_hints(spec_of(512, 2 * 2**20 * 2**24 + 2**20 + 512 * 2).model)
+    facts = type(facts)(**{**facts.__dict__, "hidden": 2**20, "vocab": 2**24})
+    started = time.monotonic()
+    for stages in (2, 64, 512):
+        ranges, _ = split_layers(facts, stages)
+        assert ranges[-1][1] == 512 and len(ranges) == stages
+    assert time.monotonic() - started < 5
