@@ -83,7 +83,10 @@ def _slim(pod: Mapping[str, Any], node: str | None) -> dict:
     meta = pod["metadata"]
     labels = {k: v for k, v in (meta.get("labels") or {}).items()
               if k in (names.LABEL_MODEL, names.LABEL_REPLICA)}
-    return {"metadata": {"name": meta["name"], "namespace": meta.get("namespace"), "labels": labels},
+    owners = [{k: ref.get(k) for k in ("apiVersion", "kind", "name", "uid", "controller")}
+              for ref in meta.get("ownerReferences") or []]
+    return {"metadata": {"name": meta["name"], "namespace": meta.get("namespace"), "labels": labels,
+                         "ownerReferences": owners},
             "spec": {"nodeName": node,
                      "containers": [{"resources": c.get("resources") or {}} for c in spec.get("containers") or []]},
             "status": {"phase": (pod.get("status") or {}).get("phase")}}

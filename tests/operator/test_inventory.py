@@ -120,3 +120,23 @@ def test_only_bound_pods_and_the_operators_own_pending_pods_hold_gpus():
     # the operator's own pending pod holds its planned node; any pod bound by the scheduler its node
     assert counted_node(pod(labels={names.LABEL_MODEL: "m"}, annotations=planned, owners=ours)) == "n1"
     assert counted_node(pod(annotations=planned, node="n2")) == "n2"
+
+
+def test_a_tenants_bound_pod_with_a_models_labels_still_holds_its_gpus_when_that_model_replans():
+    import pytest
+
+    from shardwise.crds import names
+    from shardwise.crds.models import ShardedModelSpec
+    from shardwise.crds.modelshape import from_hints
+    from shardwise.operator.planning import groups
+    from tests.operator.builders import k8s_node
+
+    spec = ShardedModelSpec.model_validate({"model": {"uri": "/m", "parameters": 10**9, "layers": 8, "heads": 8},
+                                            "parallelism": {"tensor": 8, "pipeline": 1, "replicas": 1}})
+    squatter = {"metadata": {"name": "x", "namespace": "t", "labels": {names.LABEL_MODEL: "m",
+                                                                       names.LABEL_REPLICA: "0"}},
+                "spec": {"nodeName": "n0", "containers": [{"resources": {"limits": {"nvidia.com/gpu": "8"}}}]},
+                "status": {"phase": "Running"}}
+    with pytest.raises(groups.ShortOfCapacity):
+        groups.plan_groups(spec, from_hints(spec.model), "t", "m", {"n0": k8s_node("n0")}, [squatter], [0],
+                           None, [])
