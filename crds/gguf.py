@@ -92,14 +92,16 @@ class _Reader:
         raise GGUFError(f"GGUF metadata value type {kind} is unknown")
 
 
-def read_header(path: str | Path, arrays: bool = True) -> Header:
+def read_header(path: str | Path, arrays: bool = True, limit: int | None = None) -> Header:
     """The header of the GGUF file at `path`; GGUFError if it is not one or is cut short.
 
     arrays=False gives each metadata array as its length (the planner needs only the vocabulary
-    size, and skips decoding the token strings' scores)."""
+    size, and skips decoding the token strings' scores). `limit`: read no more than that many bytes
+    (a header longer than that "ends early"), for files nobody vouches for."""
     with open(path, "rb") as f:
         f.seek(0, 2)
-        reader = _Reader(f, f.tell())
+        size = f.tell()
+        reader = _Reader(f, size if limit is None else min(size, limit))
         f.seek(0)
         if reader.take(4) != MAGIC:
             raise GGUFError("not a GGUF file (bad magic)")

@@ -103,7 +103,25 @@ def _balanced_counts(n: int, per: int, extra: list[int]) -> list[int]:
     counts = counts_for(lo)
     assert counts is not None
     # Too much room: take layers back from the heaviest stages (later index first on ties).
-    while sum(counts) > n:
-        i = max((i for i in range(stages) if counts[i] > 1), key=lambda i: (extra[i] + counts[i] * per, i))
-        counts[i] -= 1
-    return counts
+    return _take_back(counts, sum(counts) - n, per, extra) if sum(counts) > n else counts
+
+
+def _take_back(counts: list[int], k: int, per: int, extra: list[int]) -> list[int]:
+    """`counts` with k layers taken back one at a time from the heaviest stage (extra[i] + counts[i]
+    * per, later index first on ties; a stage keeps one), in O(stages x log) rather than O(k x
+    stages): each stage's weights fall as it gives layers back, so the k taken are the k heaviest
+    (weight, index) of all; `level` is the weight of the last, found by a binary search."""
+    def above(w: int) -> int:   # layers whose removal weight is above w
+        return sum(max(0, c - max(1, (w - e) // per)) for c, e in zip(counts, extra))
+    lo, hi = -1, max(e + c * per for c, e in zip(counts, extra))
+    while hi - lo > 1:          # level: the smallest weight with fewer than k layers above it
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if above(mid) < k else (mid, hi)
+    level = hi
+    out = [min(c, max(1, (level - e) // per)) for c, e in zip(counts, extra)]
+    left = k - above(level)     # the rest weigh exactly `level`: later stages first
+    for i in reversed(range(len(out))):
+        if left and out[i] > 1 and extra[i] + out[i] * per == level:
+            out[i] -= 1
+            left -= 1
+    return out

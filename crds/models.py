@@ -23,7 +23,8 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from shardwise.crds.apimodel import (LABEL_KEY_PATTERN, QUANTITY_PATTERN, ApiModel, cel, describe_validation_error,
                                      malformed_pvc, parse_pvc, parse_quantity, pvc_rule)
-from shardwise.crds.names import RACK_LABEL, ZONE_LABEL
+from shardwise.crds.names import (MAX_MODEL_NAME, MAX_PIPELINE, MAX_REPLICAS, MODEL_NAME_PATTERN, RACK_LABEL,
+                                  ZONE_LABEL)
 from shardwise.crds.schedules import DEFAULT_SCHEDULE, INTERLEAVED_MICRO_BATCHES, PipelineSchedule, micro_batches_fit
 from shardwise.crds.status import (PHASES, Condition, GroupPhase, LastCheckpoint, ModelFactsStatus, ModelPhase,
                                    PlacementSummary, PlanSummary, ReplicaGroupStatus, ShardedModelStatus,
@@ -56,6 +57,12 @@ class Workload(str, Enum):
 # ---------------------------------------------------------------- spec
 
 
+# The largest model shape the operator accepts, from hints (the schema's maxima) or from a probe
+# (operator/decide/probe.py): far above any model there is, low enough that the planner's work and
+# its arithmetic stay bounded. Keys are ModelFacts' fields.
+MODEL_FACT_LIMITS = {"layers": 4096, "heads": 4096, "kv_heads": 4096, "hidden": 2**20, "intermediate": 2**22,
+                     "vocab": 2**24, "params": 10**15, "experts": 4096, "shared_intermediate": 2**22}
+
 MODEL_URI_PVC = "model.uri must look like pvc://<claim>/<path> when it starts with pvc://"
 TRAINING_DATA_PVC = "training.data must look like pvc://<claim>/<path> when it starts with pvc://"
 
@@ -76,14 +83,15 @@ class ModelSource(ApiModel):
         "*.safetensors, or a .gguf file), or pvc://<claim>/<path> to mount a PersistentVolumeClaim."))
     format: Literal["auto", "safetensors", "gguf"] = Field(
         "auto", description="auto: gguf when the uri ends in .gguf, safetensors otherwise.")
-    parameters: Optional[int] = Field(None, ge=1, description=(
+    parameters: Optional[int] = Field(None, ge=1, le=MODEL_FACT_LIMITS["params"], description=(
         "Parameter count. A hint for the planner when the operator cannot read the model's files."))
-    layers: Optional[int] = Field(None, ge=1, le=4096, description="Decoder layers (hint).")
-    heads: Optional[int] = Field(None, ge=1, le=4096, description="Attention heads (hint).")
-    kv_heads: Optional[int] = Field(None, ge=1, le=4096, description="Key/value heads, for GQA (hint).")
-    hidden_size: Optional[int] = Field(None, ge=1, description="Hidden size (hint).")
-    intermediate_size: Optional[int] = Field(None, ge=1, description="MLP intermediate size (hint).")
-    vocab_size: Optional[int] = Field(None, ge=1, description="Vocabulary size (hint).")
+    layers: Optional[int] = Field(None, ge=1, le=MODEL_FACT_LIMITS["layers"], description="Decoder layers (hint).")
+    heads: Optional[int] = Field(None, ge=1, le=MODEL_FACT_LIMITS["heads"], description="Attention heads (hint).")
+    kv_heads: Optional[int] = Field(None, ge=1, le=MODEL_FACT_LIMITS["kv_heads"], description="Key/value heads, for GQA (hint).")
+    hidden_size: Optional[int] = Field(None, ge=1, le=MODEL_FACT_LIMITS["hidden"], description="Hidden size (hint).")
+    intermediate_size: Optional[int] = Field(None, ge=1, le=MODEL_FACT_LIMITS["intermediate"],
+                                             description="MLP intermediate size (hint).")
+    vocab_size: Optional[int] = Field(None, ge=1, le=MODEL_FACT_LIMITS["vocab"], description="Vocabulary size (hint).")
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "ModelSource":
@@ -121,9 +129,9 @@ class Parallelism(ApiModel):
         "the tensor group, inside one node (EP = TP). Given alone it sets the tensor degree; given "
         "with tensor it must equal it. Omitted: the planner chooses, as for tensor. Must divide the "
         "experts."))
-    pipeline: Optional[int] = Field(None, ge=1, le=512, description=(
+    pipeline: Optional[int] = Field(None, ge=1, le=MAX_PIPELINE, description=(
         "Pipeline stages per replica, one pod each. Omitted: the planner chooses."))
-    replicas: int = Field(1, ge=0, le=10000, description=(
+    replicas: int = Field(1, ge=0, le=MAX_REPLICAS, description=(
         "Independent copies of the model (data parallel). Behind the scale subresource, so "
         "`kubectl scale sm/NAME --replicas=N` and HPA work."))
 
@@ -470,7 +478,28 @@ class ShardedModelSpec(ApiModel):
 # ---------------------------------------------------------------- status
 
 
+NAME_TOO_LONG = (f"metadata.name must be at most {MAX_MODEL_NAME} characters: the model's pods "
+                 f"(<name>-r<replica>-s<stage>) and Services (<name>-ranks) are named from it")
+NAME_NOT_DNS_LABEL = ("metadata.name must be a DNS-1035 label (lower-case letters, digits and '-', starting "
+                      "with a letter, ending with a letter or digit): it names the model's Service")
+
+
+def model_name_problem(name: str) -> str:
+    """Why a ShardedModel cannot have this name ("" when it can): the CRD's root rules, in Python."""
+    if len(name) > MAX_MODEL_NAME:
+        return NAME_TOO_LONG
+    if not re.match(MODEL_NAME_PATTERN, name):
+        return NAME_NOT_DNS_LABEL
+    return ""
+
+
 class ShardedModel(ApiModel):
+    # On the CRD's root: every object the model makes is named from its name (crds/names.py).
+    model_config = ConfigDict(json_schema_extra=cel(
+        (f"size(self.metadata.name) <= {MAX_MODEL_NAME}", NAME_TOO_LONG),
+        (f"self.metadata.name.matches('{MODEL_NAME_PATTERN}')", NAME_NOT_DNS_LABEL),
+    ))
+
     api_version: Literal["shardwise.dev/v1alpha1"] = Field(API_VERSION, alias="apiVersion")
     kind: Literal["ShardedModel"] = KIND
     metadata: dict[str, Any] = Field(default_factory=dict)
@@ -484,6 +513,13 @@ class ShardedModel(ApiModel):
     @property
     def namespace(self) -> str:
         return self.metadata.get("namespace", "default")
+
+    @model_validator(mode="after")
+    def _name_makes_valid_names(self) -> "ShardedModel":
+        problem = model_name_problem(self.name) if self.name else ""
+        if problem:
+            raise ValueError(problem)
+        return self
 
 
 def load_manifest(data: dict[str, Any]) -> ShardedModel:

@@ -277,11 +277,12 @@ def gguf_dtype(tensors: Iterable[tuple[int, int]]) -> str:
     return GGML_TYPES[kind][0] if kind in GGML_TYPES else f"ggml type {kind}"
 
 
-def from_gguf(path: str | Path, dtype: str = "auto") -> ModelFacts:
+def from_gguf(path: str | Path, dtype: str = "auto", limit: int | None = None) -> ModelFacts:
     """Facts from a GGUF file's header, sized for `dtype` on a GPU: the worker dequantizes, so a
-    quantized file's own size is only `file_bytes`."""
+    quantized file's own size is only `file_bytes`. `limit`: read at most that many bytes of the file
+    (a longer header "ends early")."""
     try:
-        header = read_header(path, arrays=False)
+        header = read_header(path, arrays=False, limit=limit)
     except GGUFError as e:  # the reader does not know the file's name
         raise ModelFactsError(f"{path}: {e}") from None
     meta, tensors = header.metadata, header.tensors

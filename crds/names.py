@@ -42,3 +42,65 @@ ENV_MASTER_ADDR = "MASTER_ADDR"     # the torch.distributed rendezvous (the worl
 ENV_MASTER_PORT = "MASTER_PORT"
 ENV_POD_IP = "POD_IP"
 ENV_NODE_NAME = "NODE_NAME"
+
+# --- the names of the objects a ShardedModel makes ------------------------------------------------
+# Every object the operator makes is named from the model's name; the API server refuses a model
+# whose name would make any of them invalid (MAX_MODEL_NAME, MODEL_NAME_PATTERN: CEL rules on the
+# CRD's root), so a bad name ends in a refusal at `kubectl apply`, not in a pass that fails forever.
+MAX_REPLICAS = 10000         # spec.parallelism.replicas at most: replica numbers 0..9999
+MAX_PIPELINE = 512           # pipeline stages at most (spec.parallelism.pipeline, or the planner's)
+MAX_ATTEMPTS = 10**9         # a group's incarnations: far more than any pod will ever reach
+DNS_LABEL_MAX = 63           # a Service's name, a pod's hostname, a label's value
+DNS_SUBDOMAIN_MAX = 253      # a pod's or a ConfigMap's name
+# DNS-1035 label: a Service's name must be one, and the model's name is its serving Service's name
+MODEL_NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+
+
+def hostname(model: str, replica: int, stage: int) -> str:
+    """A worker pod's hostname (its DNS name under the headless Service): a DNS label."""
+    return f"{model}-r{replica}-s{stage}"
+
+
+def pod_name(model: str, replica: int, stage: int, attempt: int) -> str:
+    return f"{hostname(model, replica, stage)}-a{attempt}"
+
+
+def headless_service_name(model: str) -> str:
+    return f"{model}-ranks"
+
+
+def serving_service_name(model: str) -> str:
+    return model
+
+
+def configmap_name(model: str) -> str:
+    return f"{model}-plan"
+
+
+def pdb_name(model: str) -> str:
+    return model
+
+
+def probe_pod_name(model: str, digest: str) -> str:
+    """The model-shape probe's pod; `digest` is 8 hex digits of its uri."""
+    return f"{model}-probe-{digest}"
+
+
+def _longest_model_name() -> int:
+    """The longest model name whose every derived name stays within its limit: each name pattern
+    applied to "" with the largest replica, stage and attempt gives what it adds to the name."""
+    last_replica, last_stage = MAX_REPLICAS - 1, MAX_PIPELINE - 1
+    added = [  # (characters a pattern adds, the limit of the name it makes)
+        (len(hostname("", last_replica, last_stage)), DNS_LABEL_MAX),
+        (len(pod_name("", last_replica, last_stage, MAX_ATTEMPTS)), DNS_SUBDOMAIN_MAX),
+        (len(headless_service_name("")), DNS_LABEL_MAX),
+        (len(serving_service_name("")), DNS_LABEL_MAX),
+        (len(configmap_name("")), DNS_SUBDOMAIN_MAX),
+        (len(pdb_name("")), DNS_SUBDOMAIN_MAX),
+        (len(probe_pod_name("", "0" * 8)), DNS_SUBDOMAIN_MAX),
+        (0, DNS_LABEL_MAX),  # the model's label (LABEL_MODEL, LABEL_APP_INSTANCE) carries the name
+    ]
+    return min(limit - extra for extra, limit in added)
+
+
+MAX_MODEL_NAME = _longest_model_name()

@@ -75,6 +75,8 @@ def open_api_schema() -> dict[str, Any]:
     props["metadata"] = {"type": "object"}
     root["required"] = ["spec"]
     root.pop("x-kubernetes-preserve-unknown-fields", None)
+    # the name rules (ShardedModel's): the API server keeps metadata.name readable at the root only
+    root["x-kubernetes-validations"] = raw.get("x-kubernetes-validations", [])
     return root
 
 

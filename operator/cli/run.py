@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import threading
+from typing import Callable
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,19 +33,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="how often a running training job's progress is read from its pods")
     run.add_argument("--grow-after-seconds", type=float, default=30.0,
                      help="how long an elastic training job runs short before it may grow back (no restart loops)")
+    run.add_argument("--model-root", default=os.environ.get("SHARDWISE_MODEL_ROOT", ""),
+                     help="folder of the operator's own file system it may read models from (spec.model.uri "
+                          "inside it); default $SHARDWISE_MODEL_ROOT, else none: the probe pod reads them")
     run.add_argument("--no-leader-election", action="store_true",
                      help="run without a Lease (only when exactly one operator runs)")
 
 
 class _Health(http.server.BaseHTTPRequestHandler):
     alive = threading.Event()
+    # the reconcile loops that have not completed a pass in time (controller/liveness.py)
+    stalled: Callable[[], list[str]] = staticmethod(lambda: [])
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-        ok = self.path.startswith("/healthz") and self.alive.is_set()
+        stalled = self.stalled() if self.alive.is_set() else []
+        ok = self.path.startswith("/healthz") and self.alive.is_set() and not stalled
         self.send_response(200 if ok else 503)
         self.send_header("Content-Type", "text/plain")
         self.end_headers()
-        self.wfile.write(b"ok\n" if ok else b"not ready\n")
+        body = "ok\n" if ok else f"reconcile stalled: {', '.join(stalled)}\n" if stalled else "not ready\n"
+        self.wfile.write(body.encode())
 
     def log_message(self, *args: object) -> None:
         pass
@@ -70,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"shardwise operator: {e}", file=sys.stderr)
         return 2
     handlers.WIRING.applier = applier_mod.Applier(api)
+    _Health.stalled = staticmethod(handlers.WIRING.liveness.stalled)
     if args.worker_image:
         handlers.WIRING.default_image = args.worker_image
     lock = None if args.no_leader_election else _become_leader(api, args)
@@ -84,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _check_arguments(args: argparse.Namespace) -> None:
     from shardwise.operator.decide import elastic
+    from shardwise.operator.controller import modelroot
     from shardwise.operator.controller import progress as training
 
     if args.progress_seconds <= 0:
@@ -94,7 +104,10 @@ def _check_arguments(args: argparse.Namespace) -> None:
         raise _Refused("--lease-duration must be at least 3 seconds")
     if args.kubeconfig and not os.path.exists(args.kubeconfig):
         raise _Refused(f"kubeconfig {args.kubeconfig} does not exist")
+    if args.model_root and not os.path.isdir(args.model_root):
+        raise _Refused(f"--model-root {args.model_root} is not a directory")
     training.POLL_SECONDS = args.progress_seconds
+    modelroot.ROOT = args.model_root
     elastic.GROW_AFTER_SECONDS = args.grow_after_seconds
 
 

@@ -45,6 +45,15 @@ def _json(response: Any) -> Any:
     return json.loads(response.data)
 
 
+class ObjectConflict(Exception):
+    """An object the model would make exists and is not the model's (no ownerReference to it): the
+    operator leaves it alone rather than take it over. str(): one line naming it."""
+
+
+def owned_by(obj: Mapping[str, Any], uid: str) -> bool:
+    return any(ref.get("uid") == uid for ref in (obj.get("metadata") or {}).get("ownerReferences") or [])
+
+
 class Applier:
     def __init__(self, api: client.ApiClient | None = None):
         self.api = api or load_config()
@@ -119,8 +128,16 @@ class Applier:
             raise
 
     def apply(self, obj: Mapping[str, Any]) -> None:
-        """Server-side apply of a per-model object: creates it, or updates the fields we own."""
+        """Server-side apply of a per-model object: creates it, or updates the fields we own. An
+        object of that name that exists without the model's ownerReference is not taken over:
+        ObjectConflict (a forced apply would rewrite a user's Service and make deleting the model
+        delete it)."""
         kind, ns, name = obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"]
+        owner = next((ref["uid"] for ref in obj["metadata"].get("ownerReferences") or []), None)
+        existing = self._read(kind, ns, name)
+        if existing is not None and owner is not None and not owned_by(existing, owner):
+            raise ObjectConflict(f"{kind} {ns}/{name} exists and is not this model's; rename the model "
+                                 f"or remove the {kind}")
         self._count("apply", kind)
         kw = dict(field_manager=FIELD_MANAGER, force=True, _content_type="application/apply-patch+yaml",
                   _preload_content=False)
@@ -132,6 +149,21 @@ class Applier:
             self.policy.patch_namespaced_pod_disruption_budget(name, ns, obj, **kw)
         else:
             raise ValueError(f"apply does not handle kind {kind}")
+
+    def _read(self, kind: str, ns: str, name: str) -> dict | None:
+        self._count("get", kind)
+        try:
+            if kind == "ConfigMap":
+                return _json(self.core.read_namespaced_config_map(name, ns, _preload_content=False))
+            if kind == "Service":
+                return _json(self.core.read_namespaced_service(name, ns, _preload_content=False))
+            if kind == "PodDisruptionBudget":
+                return _json(self.policy.read_namespaced_pod_disruption_budget(name, ns, _preload_content=False))
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+        raise ValueError(f"apply does not handle kind {kind}")
 
     def delete_pods(self, namespace: str, names: list[str], force: bool = False) -> None:
         """Delete pods by name; gone already is fine. `force` (grace 0) for pods on a lost node, whose
@@ -145,8 +177,11 @@ class Applier:
                 if e.status != 404:
                     raise
 
-    def delete_group(self, namespace: str, model: str, replica: int) -> None:
-        """Tear a replica group down as one unit (one request for all its pods)."""
-        self._count("deletecollection", "Pod")
-        self.core.delete_collection_namespaced_pod(
-            namespace, label_selector=f"{names.LABEL_MODEL}={model},{names.LABEL_REPLICA}={replica}", _preload_content=False)
+    def delete_group(self, namespace: str, model: str, replica: int, uid: str) -> None:
+        """Tear a replica group down as one unit: the pods with its labels that the model owns
+        (ownerReference to `uid`); labels alone are anyone's to write."""
+        self._count("list", "Pod")
+        pods = _json(self.core.list_namespaced_pod(
+            namespace, label_selector=f"{names.LABEL_MODEL}={model},{names.LABEL_REPLICA}={replica}",
+            _preload_content=False))["items"]
+        self.delete_pods(namespace, [p["metadata"]["name"] for p in pods if owned_by(p, uid)])

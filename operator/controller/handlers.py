@@ -25,12 +25,12 @@ from kubernetes.client.rest import ApiException
 
 from shardwise.crds import names
 from shardwise.crds.models import GROUP, PLURAL, VERSION
-from shardwise.operator.controller import metrics
+from shardwise.operator.controller import liveness, metrics
 from shardwise.operator.decide import recovery
 from shardwise.operator.controller import reconciler
 from shardwise.operator.render import renderer
 from shardwise.operator.controller.apply import Applier
-from shardwise.operator.planning.inventory import pod_gpus
+from shardwise.operator.planning.inventory import counted_node, pod_gpus
 
 log = logging.getLogger("shardwise.operator")
 DEBOUNCE_SECONDS = 0.2
@@ -83,7 +83,10 @@ def _slim(pod: Mapping[str, Any], node: str | None) -> dict:
     meta = pod["metadata"]
     labels = {k: v for k, v in (meta.get("labels") or {}).items()
               if k in (names.LABEL_MODEL, names.LABEL_REPLICA)}
-    return {"metadata": {"name": meta["name"], "namespace": meta.get("namespace"), "labels": labels},
+    owners = [{k: ref.get(k) for k in ("apiVersion", "kind", "name", "uid", "controller")}
+              for ref in meta.get("ownerReferences") or []]
+    return {"metadata": {"name": meta["name"], "namespace": meta.get("namespace"), "labels": labels,
+                         "ownerReferences": owners},
             "spec": {"nodeName": node,
                      "containers": [{"resources": c.get("resources") or {}} for c in spec.get("containers") or []]},
             "status": {"phase": (pod.get("status") or {}).get("phase")}}
@@ -104,6 +107,7 @@ class Wiring:
         self.tasks: dict[tuple[str, str], asyncio.Task] = {}
         self.reconciles = 0
         self.requests = 0
+        self.liveness = liveness.Liveness()     # when each loop last completed a pass (/healthz)
 
     def waker(self, key: tuple[str, str]) -> asyncio.Event:
         return self.wakers.setdefault(key, asyncio.Event())
@@ -146,14 +150,16 @@ def nodes_index(name: str, body: kopf.Body, **_: Any) -> dict:
 
 @kopf.index("", "v1", "pods")
 def gpu_pods_index(namespace: str, name: str, body: kopf.Body, labels: Mapping[str, str], **_: Any) -> dict:
-    """Pods that hold GPUs (or will: ours, pinned but not bound yet), by "ns/name"."""
+    """Pods that hold GPUs (or will: ours, pinned but not bound yet), by "ns/name". A pending pod
+    counts only when the operator made it (inventory.counted_node)."""
     phase = (body.get("status") or {}).get("phase")
     if phase in ("Succeeded", "Failed"):
         return {}
-    node = (body.get("spec") or {}).get("nodeName") or (body.metadata.annotations or {}).get(
-        names.ANNOTATION_PLANNED_NODE)
-    pod = {"metadata": {"name": name, "namespace": namespace, "labels": dict(labels)}, "spec": dict(body.spec),
-           "status": {"phase": phase}}
+    pod = {"metadata": {"name": name, "namespace": namespace, "labels": dict(labels),
+                        "annotations": dict(body.metadata.annotations or {}),
+                        "ownerReferences": list(body.metadata.get("ownerReferences") or [])},
+           "spec": dict(body.spec), "status": {"phase": phase}}
+    node = counted_node(pod)
     if not node or not (names.LABEL_MODEL in labels or pod_gpus(pod)):
         return {}
     return {f"{namespace}/{name}": _slim(pod, node)}
@@ -213,6 +219,7 @@ async def model_loop(namespace: str, name: str, ref: dict, logger: logging.Logge
     wake = WIRING.waker(key)
     loop = asyncio.get_running_loop()
     failures = 0
+    WIRING.liveness.completed(key)
     try:
         while True:
             wake.clear()
@@ -231,6 +238,7 @@ async def model_loop(namespace: str, name: str, ref: dict, logger: logging.Logge
                 failures += 1
                 logger.exception("reconcile failed unexpectedly; retrying")
                 outcome = reconciler.Outcome(requeue_after=_backoff(failures))
+            WIRING.liveness.completed(key)
             for ev in outcome.events:
                 kopf.event(ref, type=ev.type, reason=ev.reason, message=ev.message[:1000])
             try:
@@ -241,6 +249,7 @@ async def model_loop(namespace: str, name: str, ref: dict, logger: logging.Logge
             except asyncio.TimeoutError:
                 pass
     finally:
+        WIRING.liveness.forget(key)
         if WIRING.wakers.get(key) is wake:
             WIRING.wakers.pop(key, None)
 

@@ -2,6 +2,7 @@
 `ModelState` (decide/state.py) that the pure `decisions.decide()` works on."""
 from __future__ import annotations
 
+from shardwise.operator.controller import modelroot
 from shardwise.operator.controller.apply import Applier
 from shardwise.operator.decide.state import ModelState, parse_state
 from shardwise.operator.render import renderer
@@ -15,5 +16,5 @@ def observe(applier: Applier, namespace: str, name: str,
         return None
     pods = applier.list_model_pods(namespace, name)
     configmap = applier.get_configmap(namespace, renderer.configmap_name(name))
-    return parse_state(body, pods, configmap, default_image)
+    return parse_state(body, pods, configmap, default_image, modelroot.read)
 

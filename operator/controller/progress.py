@@ -9,25 +9,68 @@ mount it), so it asks a pod of the job; an unreachable pod just leaves the last 
 """
 from __future__ import annotations
 
+import http.client
 import json
-import urllib.request
+import logging
+import socket
+import threading
+import time
 from pathlib import Path
 from datetime import datetime, timezone
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from shardwise.crds import names
 from shardwise.crds.models import Checkpoint
 from shardwise.operator.decide import recovery
 from shardwise.operator.render.renderer import DEFAULT_PORT
 
-PROGRESS_TIMEOUT = 2.0   # seconds; a busy pod answers later, at the next pass
+log = logging.getLogger("shardwise.operator")
+PROGRESS_TIMEOUT = 2.0   # seconds for the whole read; a busy pod answers later, at the next pass
+PROGRESS_MAX_BYTES = 64 << 10   # a progress report is a few hundred bytes
 POLL_SECONDS = 10.0      # how often a running job's progress is read (operator run --progress-seconds)
 
 Fetch = Callable[[Mapping[str, Any]], "dict | None"]
 
 
+class _CheckpointReport(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    step: int = Field(ge=0)
+    name: Optional[str] = Field(None, max_length=1024)
+    path: Optional[str] = Field(None, max_length=4096)
+    time: Optional[float] = None
+
+
+class ProgressReport(BaseModel):
+    """What the operator accepts of a pod's progress report (GET /progress, or its termination
+    message): a pod is the tenant's code, so anything else is ignored, with a log line."""
+    model_config = ConfigDict(extra="ignore")
+    step: int = Field(0, ge=0)
+    steps: int = Field(0, ge=0)
+    loss: Optional[float] = None
+    time: Optional[float] = None
+    last_checkpoint: Optional[_CheckpointReport] = None
+    last_local_checkpoint: Optional[_CheckpointReport] = None
+
+
+def checked(found: Any, pod: Mapping[str, Any]) -> dict | None:
+    """The report as the schema has it (None, logged, when it does not fit)."""
+    if not found:
+        return None
+    try:
+        return ProgressReport.model_validate(found).model_dump(exclude_none=True)
+    except ValidationError as e:
+        first = e.errors()[0]
+        log.warning(f"ignoring the progress report of pod {pod['metadata'].get('name')}: "
+                    f"{'.'.join(map(str, first['loc'])) or 'report'}: {first['msg']}")
+        return None
+
+
 def fetch_progress(pod: Mapping[str, Any]) -> dict | None:
-    """GET http://<pod IP>:<http port>/progress, or None when the pod does not answer (yet)."""
+    """GET http://<pod IP>:<http port>/progress, or None when the pod does not answer (yet), answers
+    with anything but 200 (a redirect is not followed), sends more than PROGRESS_MAX_BYTES, or takes
+    longer than PROGRESS_TIMEOUT in all (a slow drip included)."""
     ip = (pod.get("status") or {}).get("podIP")
     if not ip:
         return None
@@ -37,10 +80,45 @@ def fetch_progress(pod: Mapping[str, Any]) -> dict | None:
             if p.get("name") == "http":
                 port = int(p["containerPort"])
     try:
-        with urllib.request.urlopen(f"http://{ip}:{port}/progress", timeout=PROGRESS_TIMEOUT) as resp:
-            return json.loads(resp.read())
-    except (OSError, ValueError):
+        return json.loads(_get(str(ip), port, "/progress", time.monotonic() + PROGRESS_TIMEOUT))
+    except (OSError, ValueError, http.client.HTTPException):
         return None
+
+
+def _get(host: str, port: int, path: str, deadline: float) -> bytes:
+    """The body of a 200 answer, read under one deadline and one size cap (ValueError otherwise). A
+    watchdog shuts the socket at the deadline: a per-read timeout alone lets a pod that drips a byte
+    a second (in its headers or its body) hold the pass forever."""
+    conn = http.client.HTTPConnection(host, port, timeout=max(0.01, deadline - time.monotonic()))
+    conn.connect()   # the socket itself: the connection lets go of it once the response is read
+    watchdog = threading.Timer(max(0.0, deadline - time.monotonic()), _shut, (conn.sock,))
+    watchdog.start()
+    try:
+        conn.request("GET", path, headers={"Accept": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:   # a redirect included: it is not followed
+            raise ValueError(f"status {resp.status}")
+        body = b""
+        while len(body) <= PROGRESS_MAX_BYTES:
+            chunk = resp.read1(PROGRESS_MAX_BYTES + 1 - len(body))
+            if not chunk:
+                break
+            body += chunk
+        if len(body) > PROGRESS_MAX_BYTES:
+            raise ValueError("progress report too large")
+        if time.monotonic() >= deadline:
+            raise TimeoutError("progress read past its deadline")
+        return body
+    finally:
+        watchdog.cancel()
+        conn.close()
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def _first_stage_first(pods: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
@@ -60,11 +138,12 @@ def job_progress(pods: Iterable[Mapping[str, Any]], fetch: Fetch = fetch_progres
                 found = json.loads(recovery.termination_message(pod) or "null")
             except ValueError:
                 found = None
-            if isinstance(found, dict):
+            found = checked(found, pod) if isinstance(found, dict) else None
+            if found is not None:
                 return found
     for pod in pods:
         if recovery.pod_ready(pod):
-            found = fetch(pod)
+            found = checked(fetch(pod), pod)
             if found:
                 return found
     return None

@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping
 
 from shardwise.crds import names
 from shardwise.crds.models import ModelPhase, PlanSummary
-from shardwise.operator.decide import decisions
+from shardwise.operator.decide import conditions, decisions
 from shardwise.operator.controller import metrics
 from shardwise.operator.decide import probe
 from shardwise.operator.decide import recovery
@@ -30,7 +30,7 @@ from shardwise.operator.decide import status
 from shardwise.operator.render import renderer
 from shardwise.operator.controller import report
 from shardwise.operator.controller import progress as training
-from shardwise.operator.controller.apply import Applier
+from shardwise.operator.controller.apply import Applier, ObjectConflict
 from shardwise.operator.decide.decisions import Decision, Event, World
 from shardwise.operator.controller.observe import observe
 from shardwise.operator.decide.state import ModelState
@@ -65,7 +65,11 @@ def reconcile(applier: Applier, namespace: str, name: str, nodes: Mapping[str, M
         with capacity.lock:
             decision = decisions.decide(state, World(nodes, capacity.pods(set())), now())
             _reserve(capacity, state, decision)
-        act(applier, state, decision)
+        try:
+            act(applier, state, decision)
+        except ObjectConflict as e:
+            _conflict(applier, state, str(e), now(), out)
+            return out
         _report(applier, state, decision, progress, now(), out)
     except Exception:
         metrics.RECONCILE_ERRORS.labels(namespace, name).inc()
@@ -74,6 +78,19 @@ def reconcile(applier: Applier, namespace: str, name: str, nodes: Mapping[str, M
         metrics.RECONCILE_SECONDS.labels(namespace, name).observe(time.monotonic() - started)
         out.requests = applier.requests - requests_before
     return out
+
+
+def _conflict(applier: Applier, state: ModelState, message: str, now: datetime, out: Outcome) -> None:
+    """An object the model would make belongs to someone else: said in the Applied condition and an
+    Event; tried again at the steady pace (someone may remove or rename it)."""
+    said = conditions.condition(state.status.get("conditions"), "Applied") or {}
+    if said.get("reason") != "ObjectConflict" or said.get("message") != message:
+        out.events.append(Event("Warning", "ObjectConflict", message))
+        applier.patch_status(state.namespace, state.name, {
+            "message": message,
+            "conditions": conditions.set_condition(state.status.get("conditions"), "Applied", False,
+                                                   "ObjectConflict", message, recovery.iso(now))})
+    out.requeue_after = decisions.STEADY_REQUEUE
 
 
 def _reserve(capacity: Any, state: ModelState, decision: Decision) -> None:
@@ -101,7 +118,8 @@ def _run(action: Any, applier: Applier, state: ModelState) -> None:
 
 @_run.register
 def _(action: decisions.DeleteGroup, applier: Applier, state: ModelState) -> None:
-    applier.delete_group(state.namespace, state.name, action.replica)
+    assert state.model is not None
+    applier.delete_group(state.namespace, state.name, action.replica, state.model.metadata["uid"])
     if action.force:
         applier.delete_pods(state.namespace, list(action.force), force=True)
 

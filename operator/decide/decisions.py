@@ -496,9 +496,12 @@ def _model_facts(d: _Draft) -> ModelFacts | None:
     cached = d.facts if d.facts is not None and d.facts.uri == uri else None
     if cached is not None and cached.facts:
         try:   # the probe sized it for dtype auto; the spec may ask for another
-            return ModelFacts.from_dict(cached.facts).for_dtype(d.spec.dtype)
+            facts = ModelFacts.from_dict(cached.facts).for_dtype(d.spec.dtype)
+            if not probe.out_of_bounds(facts):   # status is not the operator's alone to write
+                return facts
         except ModelFactsError:
-            cached = None          # written by another version: read the model again
+            pass
+        cached = None          # written by another version, or out of bounds: read the model again
     if cached is not None and cached.error and cached.generation == d.state.generation:
         raise planning.InvalidSpec(cached.error)
     return _probe(d, uri)

@@ -1,11 +1,14 @@
 """The model-shape probe: a short-lived pod that reads the model where it lives.
 
-The planner needs the model's shape (layers, heads, sizes, parameters). A pvc:// model lives on a
-claim that only pods mount, so the operator cannot read it itself; rather than asking users for
-hand-written hints, it runs `shardwise inspect` (torch-free, in the worker image) in a pod that mounts
-the claim read-only. The pod writes the shape as JSON to its termination message, the operator reads
-it from the pod's status, caches it in status.modelFacts (keyed by uri, so it runs once per uri),
-and deletes the pod. A model that cannot be read fails the spec with the probe's one-line reason.
+The planner needs the model's shape (layers, heads, sizes, parameters). The operator never opens a
+path a tenant names on its own file system (only inside the model root the chart configures:
+controller/modelroot.py), so every model without full hints (parameters, layers and heads) is read
+by a pod instead: a pvc:// model on its claim, mounted read-only; any other path where the pods
+would find it. The pod runs `shardwise inspect` (torch-free) in the operator's own worker image,
+never spec.image: what reports the shape is code the operator chose. It writes the shape as JSON
+to its termination message, the operator reads it from the pod's status, checks it against
+MODEL_FACT_LIMITS, caches it in status.modelFacts (keyed by uri, so it runs once per uri), and
+deletes the pod. A model that cannot be read fails the spec with the probe's one-line reason.
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import json
 from typing import Any, Mapping
 
 from shardwise.crds import names
-from shardwise.crds.models import ShardedModel
+from shardwise.crds.models import MODEL_FACT_LIMITS, ShardedModel
 from shardwise.crds.modelshape import ModelFacts, ModelFactsError
 from shardwise.operator.decide import recovery
 from shardwise.operator.render import renderer
@@ -29,14 +32,14 @@ def is_probe(pod: Mapping[str, Any]) -> bool:
 
 def pod_name(model: str, uri: str) -> str:
     """One name per model and uri: a changed uri is probed by a new pod."""
-    return f"{model}-probe-{hashlib.sha256(uri.encode()).hexdigest()[:8]}"
+    return names.probe_pod_name(model, hashlib.sha256(uri.encode()).hexdigest()[:8])
 
 
 def render(model: ShardedModel, default_image: str) -> dict:
     spec = model.spec
     path, volume, mount = renderer.model_volume(spec.model.uri)
     container = {
-        "name": "probe", "image": spec.image or default_image,
+        "name": "probe", "image": default_image,
         "command": ["shardwise", "inspect", path, "--json", "--output", renderer.TERMINATION_LOG],
         "volumeMounts": [mount] if mount else [],
         "terminationMessagePath": renderer.TERMINATION_LOG,
@@ -72,9 +75,24 @@ def result(pod: Mapping[str, Any]) -> ModelFacts | str | None:
         why = last or status.get("message") or status.get("reason") or "the probe pod failed"
         return f"cannot read the model: {why.strip()}"
     try:
-        return ModelFacts.from_dict(json.loads(message))
+        facts = ModelFacts.from_dict(json.loads(message))
     except (ValueError, TypeError, ModelFactsError) as e:
         return f"cannot read the model: the probe reported {message[:200]!r} ({e})"
+    problem = out_of_bounds(facts)
+    return f"cannot read the model: {problem}" if problem else facts
+
+
+def out_of_bounds(facts: ModelFacts) -> str:
+    """Why the operator will not plan for these facts ("" when it will): a size over MODEL_FACT_LIMITS."""
+    for name, limit in MODEL_FACT_LIMITS.items():
+        value = getattr(facts, name)
+        if value > limit:
+            return f"the model's {name} ({value}) exceeds {limit}, the most the operator plans for"
+    outside = facts.embedding_params + facts.head_params
+    if facts.params < outside + facts.layers:   # the layer split would spin on layers of ~1 parameter
+        return (f"the model's {facts.params} parameters are fewer than its embedding and LM head "
+                f"({outside}) and {facts.layers} layers hold")
+    return ""
 
 
 def waiting_message(pod: Mapping[str, Any] | None, model: str, uri: str) -> str:

@@ -13,14 +13,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from pydantic import ValidationError
 
 from shardwise.crds import names
 from shardwise.crds.models import (ModelFactsStatus, ReplicaGroupStatus, ShardedModel, ShardedModelSpec,
-                                   describe_validation_error)
-from shardwise.crds.modelshape import ModelFacts, ModelFactsError, from_hints, resolve
+                                   describe_validation_error, model_name_problem)
+from shardwise.crds.modelshape import ModelFacts, ModelFactsError, from_hints
 from shardwise.crds.plan import ShardPlan
 from shardwise.operator.decide import probe
 from shardwise.operator.render import renderer
@@ -28,6 +28,8 @@ from shardwise.operator.decide.recovery import Policy
 from shardwise.operator.decide.workloads import Workload, workload_of
 
 log = logging.getLogger("shardwise.operator")
+# Reads a model's shape where the operator may (controller/modelroot.py): facts, a reason, or None.
+ModelReader = Callable[[ShardedModelSpec], "ModelFacts | str | None"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +48,8 @@ class ModelState:
     pods: Mapping[int, list[dict]] = dataclasses.field(default_factory=dict)   # replica -> its pods
     probe_pod: dict | None = None                   # the model-shape probe, while it exists
     facts: ModelFactsStatus | None = None           # the cached read of the model (a probe's)
-    local_facts: ModelFacts | None = None           # the model's shape from hints or readable files
-    facts_error: str = ""                           # why those cannot be had (not a pvc:// model)
+    local_facts: ModelFacts | None = None           # the model's shape from hints or the model root
+    facts_error: str = ""                           # why those cannot be had (None and "": probe it)
     default_image: str = renderer.DEFAULT_IMAGE
 
     @property
@@ -79,7 +81,7 @@ class ModelState:
 
 
 def parse_state(body: Mapping[str, Any], pods: list[dict], configmap: Mapping[str, Any] | None,
-                default_image: str = renderer.DEFAULT_IMAGE) -> ModelState:
+                default_image: str = renderer.DEFAULT_IMAGE, read_model: ModelReader | None = None) -> ModelState:
     """The typed state from what the API server returned (pure: the unit tests build states here)."""
     meta, status = body["metadata"], dict(body.get("status") or {})
     base = dict(namespace=meta["namespace"], name=meta["name"], generation=meta.get("generation"),
@@ -89,32 +91,49 @@ def parse_state(body: Mapping[str, Any], pods: list[dict], configmap: Mapping[st
     except ValidationError as e:
         # What the schema could not catch ends in a condition, never in a crash loop.
         return ModelState(**base, invalid=f"invalid spec: {describe_validation_error(e)}")
+    bad_name = model_name_problem(meta["name"])
+    if bad_name:   # made before the API server checked names: nothing it would make is valid
+        return ModelState(**base, invalid=bad_name)
     replica_pods: dict[int, list[dict]] = {}
     probe_pod = None
-    for pod in pods:
+    for pod in _owned(pods, meta.get("uid")):
         if probe.is_probe(pod):
             probe_pod = pod
             continue
         replica = int(pod["metadata"]["labels"].get(names.LABEL_REPLICA, -1))
         replica_pods.setdefault(replica, []).append(pod)
-    local, error = _local_facts(spec)
+    local, error = _local_facts(spec, read_model)
     return ModelState(**base, model=ShardedModel(metadata=dict(meta), spec=spec),
                       plan=renderer.plan_from_configmap(configmap), groups=_groups(status),
                       pods=replica_pods, probe_pod=probe_pod, facts=_facts(status),
                       local_facts=local, facts_error=error)
 
 
-def _local_facts(spec: ShardedModelSpec) -> tuple[ModelFacts | None, str]:
-    """The model's shape where the operator can have it itself: the spec's hints override; then the
-    files, when the operator can read them. (None, "") for a pvc:// model: only a pod can read it."""
+def _local_facts(spec: ShardedModelSpec, read_model: ModelReader | None) -> tuple[ModelFacts | None, str]:
+    """The model's shape without a probe: the spec's hints (all of parameters, layers and heads), else
+    what `read_model` read inside the operator's model root (controller/modelroot.py). (None, "")
+    when neither has it: the probe pod reads it where the pods would. The operator never opens a
+    path a tenant names anywhere else."""
     model = spec.model
-    hinted = model.parameters and model.layers and model.heads
-    if model.pvc() is not None and not hinted:
-        return None, ""
     try:
-        return (from_hints(model, spec.dtype) if hinted else resolve(spec)), ""
-    except (ModelFactsError, OSError) as e:
+        if model.parameters and model.layers and model.heads:
+            found: ModelFacts | str | None = from_hints(model, spec.dtype)
+        else:
+            found = read_model(spec) if read_model is not None else None
+    except ModelFactsError as e:
         return None, str(e)
+    if isinstance(found, ModelFacts):
+        problem = probe.out_of_bounds(found)
+        return (None, problem) if problem else (found, "")
+    return None, found or ""
+
+
+def _owned(pods: list[dict], uid: str | None) -> list[dict]:
+    """The model's own pods: those with its ownerReference. A pod carrying the model's labels is
+    anyone's to make in the namespace; the operator neither counts nor deletes one it did not make."""
+    if uid is None:   # a body without a uid (built by hand): every pod listed is taken as the model's
+        return list(pods)
+    return [p for p in pods if any(ref.get("uid") == uid for ref in p["metadata"].get("ownerReferences") or [])]
 
 
 def _groups(status: Mapping[str, Any]) -> dict[int, ReplicaGroupStatus]:

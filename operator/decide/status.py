@@ -142,6 +142,9 @@ def _conditions(state: ModelState, decision: Decision, live: list, phase: ModelP
     conditions = set_condition(
         conditions, "Recovering", bool(recovering), "GroupFailed" if recovering else "Healthy",
         "; ".join(f"replica {g.replica}: {g.last_failure}" for g in recovering) or "no group is recovering", stamp)
+    if condition(conditions, "Applied") is not None:   # an ObjectConflict of an earlier pass is over
+        conditions = set_condition(conditions, "Applied", True, "Applied",
+                                   "every object the model makes is its own", stamp)
     return _shrunk_condition(conditions, state, plan, stamp)
 
 

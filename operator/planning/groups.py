@@ -37,7 +37,7 @@ def plan_groups(spec: ShardedModelSpec, facts: ModelFacts, namespace: str, model
                 previous: Mapping[int, Sequence[str]] | None = None) -> ShardPlan:
     """A plan holding placements for `replicas` (numbered as asked), other groups in `keep` staying
     where `current` has them; InvalidSpec or ShortOfCapacity when there is none. `pods`: every live
-    GPU pod of the cluster (ours included: this model's pods are told apart by label). `previous`:
+    GPU pod of the cluster (ours included: this model's pods are told apart by label and owner). `previous`:
     replica -> nodes it ran on (domain preference)."""
     keep = [r for r in keep if current is not None]
     kept = [p for p in (current.placements if current else []) if p.replica in keep]
@@ -50,7 +50,7 @@ def plan_groups(spec: ShardedModelSpec, facts: ModelFacts, namespace: str, model
     def own(p: Mapping[str, Any]) -> bool:
         labels = p.get("metadata", {}).get("labels") or {}
         return (p.get("metadata", {}).get("namespace") == namespace and labels.get(names.LABEL_MODEL) == model
-                and labels.get(names.LABEL_REPLICA, "") in mine)
+                and labels.get(names.LABEL_REPLICA, "") in mine and inventory.made_by_operator(p))
     pods = list(pods)
     infos = inventory.build(nodes.values(), pods, spec.gpu.resource_name, ignore_pod=own)
     if kept and not same_layout:

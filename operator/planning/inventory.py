@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Mapping
 import yaml
 
 from shardwise.crds import names
-from shardwise.crds.models import DEFAULT_GPU_RESOURCE, ShardedModelSpec, parse_quantity
+from shardwise.crds.models import DEFAULT_GPU_RESOURCE, GROUP, KIND, ShardedModelSpec, parse_quantity
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,28 @@ def pod_gpus(pod: Mapping[str, Any], resource_name: str = DEFAULT_GPU_RESOURCE) 
     main = sum(of(c) for c in spec.get("containers") or [])
     init = max((of(c) for c in spec.get("initContainers") or []), default=0)
     return max(main, init)
+
+
+def made_by_operator(pod: Mapping[str, Any]) -> bool:
+    """The pod is one of a ShardedModel's: owned (ownerReference, as controller) by a ShardedModel
+    whose name its model label carries. A label or an annotation alone is anyone's to write."""
+    meta = pod.get("metadata") or {}
+    model = (meta.get("labels") or {}).get(names.LABEL_MODEL)
+    return bool(model) and any(
+        ref.get("kind") == KIND and str(ref.get("apiVersion", "")).startswith(f"{GROUP}/")
+        and ref.get("name") == model and ref.get("controller") for ref in meta.get("ownerReferences") or [])
+
+
+def counted_node(pod: Mapping[str, Any]) -> str | None:
+    """The node whose GPUs a live pod holds: the one the scheduler bound it to, or for a pending pod
+    the operator made, the node its plan put it on (ANNOTATION_PLANNED_NODE). Anyone else's pending
+    pod holds nothing yet, whatever its annotations say."""
+    node = (pod.get("spec") or {}).get("nodeName")
+    if node:
+        return node
+    if made_by_operator(pod):
+        return ((pod.get("metadata") or {}).get("annotations") or {}).get(names.ANNOTATION_PLANNED_NODE)
+    return None
 
 
 def node_info(node: Mapping[str, Any], used: int = 0, resource_name: str = DEFAULT_GPU_RESOURCE) -> NodeInfo:

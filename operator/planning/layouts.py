@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from shardwise.crds.layout import split_layers
 from shardwise.crds.models import ShardedModelSpec, Workload
+from shardwise.crds.names import MAX_PIPELINE
 from shardwise.crds.modelshape import ModelFacts
 from shardwise.crds.plan import StagePlacement
 from shardwise.crds.schedules import micro_batches_fit, virtual_stages
@@ -36,6 +38,23 @@ BLOCKS_IN_FLIGHT = 2             # unsharded: the block FSDP gathered and the ne
 
 class PlanError(ValueError):
     """Nothing fits; str(error) is one sentence saying why. More capacity may fix it."""
+
+
+class Deadline:
+    """The time a plan may take (PLAN_SECONDS): a search past it ends in a PlanError saying so, so a
+    spec whose search is long cannot hold the capacity lock (plans are made one at a time)."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.seconds = seconds
+        self.end = time.monotonic() + seconds if seconds else None
+
+    def check(self) -> None:
+        if self.end is not None and time.monotonic() > self.end:
+            raise PlanError(f"no plan found within {self.seconds:g} s of search; give parallelism.tensor "
+                            f"and parallelism.pipeline, or check the model's size")
+
+
+PLAN_SECONDS = 10.0
 
 
 class LayoutError(PlanError):
@@ -162,14 +181,45 @@ def fits(memory: int, node: NodeInfo) -> bool:
     return node.gpu_memory == 0 or memory <= node.gpu_memory * USABLE_FRACTION
 
 
-def candidate_layouts(spec: ShardedModelSpec, facts: ModelFacts, nodes: Sequence[NodeInfo]) -> list[Layout]:
-    """Layouts to try, most preferred first (see the module docstring)."""
+def stage_memory_floor(facts: ModelFacts, spec: ShardedModelSpec, tensor: int, pipeline: int) -> int:
+    """A lower bound of make_layout(...).memory, in O(1): some stage holds at least ceil(layers /
+    pipeline) layers (their parameters and KV cache), the first stage the embedding and a layer, the
+    last the LM head and a layer; training at the most sharded ZeRO-3 degree. stage_memory grows with
+    a stage's parameters and layers, so each is at most the worst stage's memory."""
+    per, most = facts.layer_params, -(-facts.layers // pipeline)
+    shard = shard_degrees(spec)[-1]
+    return max(stage_memory(facts, spec, tensor, params, layers, shard, per)
+               for params, layers in ((most * per, most), (facts.embedding_params + per, 1),
+                                      (facts.head_params + per, 1)))
+
+
+def _first_depth(facts: ModelFacts, spec: ShardedModelSpec, tensor: int, deepest: int,
+                 fits_some: Callable[[int], bool]) -> int:
+    """The fewest stages whose memory floor fits some node (deepest when none does): no fewer can
+    fit, and the floor falls as stages are added, so a binary search finds it."""
+    if not fits_some(stage_memory_floor(facts, spec, tensor, deepest)):
+        return deepest
+    lo, hi = 1, deepest
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits_some(stage_memory_floor(facts, spec, tensor, mid)) else (mid + 1, hi)
+    return lo
+
+
+def candidate_layouts(spec: ShardedModelSpec, facts: ModelFacts, nodes: Sequence[NodeInfo],
+                      deadline: Deadline | None = None) -> list[Layout]:
+    """Layouts to try, most preferred first (see the module docstring). Depths whose memory floor
+    fits no node are skipped (the same layouts as trying each depth in turn, without the work)."""
+    deadline = deadline or Deadline(None)
     largest_block = max((n.free for n in nodes), default=0)
     memories = [n.gpu_memory for n in nodes if n.gpu_memory] or [0]
     largest_memory = max(memories)
 
     def fits_some(layout: Layout) -> bool:
         return any(n.free >= layout.tensor and fits(layout.memory, n) for n in nodes)
+
+    def floor_fits(tensor: int) -> Callable[[int], bool]:
+        return lambda memory: any(n.free >= tensor and fits(memory, n) for n in nodes)
 
     def roomy(tensor: int, pipeline: int) -> Callable[[int], bool]:
         """Training's shard degree: enough free GPUs hold `memory` for every replica's stages."""
@@ -186,10 +236,12 @@ def candidate_layouts(spec: ShardedModelSpec, facts: ModelFacts, nodes: Sequence
     for t in tensors:
         # fewest stages whose worst stage fits the largest GPU (memory falls roughly as 1/stages);
         # ZeRO-3 sharding costs no GPUs, so a training layout shards more before it adds stages
-        pp = 1
+        deepest = min(facts.layers, MAX_PIPELINE)
+        pp = 1 if largest_memory == 0 else _first_depth(facts, spec, t, deepest, floor_fits(t))
         while True:
+            deadline.check()
             layout = make_layout(facts, spec, t, pp, roomy(t, pp))
-            if largest_memory == 0 or fits_some(layout) or pp >= facts.layers:
+            if largest_memory == 0 or fits_some(layout) or pp >= deepest:
                 break
             pp += 1
         (single if pp == 1 else multi).append(layout)
@@ -250,7 +302,7 @@ def fit_schedule(spec: ShardedModelSpec, facts: ModelFacts, layouts: list[Layout
 
 
 def layouts_to_try(spec: ShardedModelSpec, facts: ModelFacts, pool, kept: dict[int, list[StagePlacement]],
-             wanted: int) -> list[Layout]:
+             wanted: int, deadline: Deadline | None = None) -> list[Layout]:
     """The layouts to try, most preferred first: the kept replicas' own, else the candidates."""
     if kept:
         first = next(iter(kept.values()))
@@ -259,7 +311,7 @@ def layouts_to_try(spec: ShardedModelSpec, facts: ModelFacts, pool, kept: dict[i
         return [make_layout(facts, spec, spec.parallelism.tensor or 1, spec.parallelism.pipeline or 1)]
     if not pool.nodes:
         raise PlanError(f"no node can run it ({pool.why_not()})" if pool.excluded else "the inventory has no nodes")
-    layouts = candidate_layouts(spec, facts, pool.nodes)
+    layouts = candidate_layouts(spec, facts, pool.nodes, deadline)
     if not layouts:
         raise LayoutError(f"no tensor degree up to the largest free block of "
                           f"{max(n.free for n in pool.nodes)} GPUs divides the model's "

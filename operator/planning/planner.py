@@ -42,15 +42,16 @@ from shardwise.crds.models import ShardedModelSpec, Workload
 from shardwise.crds.modelshape import GGUF_NATIVE_BYTES, ModelFacts, ModelFactsError
 from shardwise.crds.plan import ReplicaPlan, ShardPlan, StagePlacement
 from shardwise.operator.planning.inventory import NodeInfo, usable
-from shardwise.operator.planning.layouts import (GiB, USABLE_FRACTION, Layout, LayoutError, PlanError, asked_shard,
-                                                 check_layout, layouts_to_try, offload_budget, sharded, weight_bytes)
+from shardwise.operator.planning.layouts import (PLAN_SECONDS, GiB, USABLE_FRACTION, Deadline, Layout, LayoutError,
+                                                 PlanError, asked_shard, check_layout, layouts_to_try, offload_budget,
+                                                 sharded, weight_bytes)
 from shardwise.operator.planning.placement import Attempt, Tree, place
 
 __all__ = ["GiB", "LayoutError", "PlanError", "asked_shard", "plan", "variants"]
 
 
 def plan(spec: ShardedModelSpec, facts: ModelFacts, nodes: Sequence[NodeInfo],
-         keep: Sequence[StagePlacement] = ()) -> ShardPlan:
+         keep: Sequence[StagePlacement] = (), seconds: float | None = PLAN_SECONDS) -> ShardPlan:
     """The plan for `spec`, or PlanError with a one-sentence reason.
 
     `nodes` is the inventory with GPUs of other workloads already subtracted and this model's own
@@ -61,8 +62,10 @@ def plan(spec: ShardedModelSpec, facts: ModelFacts, nodes: Sequence[NodeInfo],
     INT8) and stream layers from host memory (spec.serving.offload). They are tried in `variants`
     order, the first plan that places every replica taken, else the one placing most; a plan that
     is not the first variant's says in its first note what it changed and why. A quantization the
-    model cannot have (gguf of a model not stored as Q8_0, Q4_0 or Q4_1) is a LayoutError.
+    model cannot have (gguf of a model not stored as Q8_0, Q4_0 or Q4_1) is a LayoutError. A search
+    longer than `seconds` (all variants together) is a PlanError saying so.
     """
+    deadline = Deadline(seconds)
     tried: list[tuple[str, bool, ShardPlan | None, str]] = []
     for quantization, offload in variants(spec, facts):
         try:
@@ -70,7 +73,7 @@ def plan(spec: ShardedModelSpec, facts: ModelFacts, nodes: Sequence[NodeInfo],
         except ModelFactsError as e:   # gguf asked of a model not stored in such blocks: name the field
             raise LayoutError(f"serving.{e}") from None
         try:
-            result = _plan(spec, sized, nodes, keep, quantization, offload)
+            result = _plan(spec, sized, nodes, keep, quantization, offload, deadline)
         except LayoutError:
             raise                  # degrees that do not fit the model: no variant changes that
         except PlanError as e:
@@ -124,7 +127,7 @@ def _variant_note(spec: ShardedModelSpec, facts: ModelFacts, quantization: str, 
 
 
 def _plan(spec: ShardedModelSpec, facts: ModelFacts, nodes: Sequence[NodeInfo],
-          keep: Sequence[StagePlacement], quantization: str, offload: bool) -> ShardPlan:
+          keep: Sequence[StagePlacement], quantization: str, offload: bool, deadline: Deadline) -> ShardPlan:
     """The plan with the weights sized as `facts` says, streaming layers when `offload`."""
     if spec.workload != Workload.TRAINING and spec.serving.offload != offload:
         spec = spec.model_copy(update={"serving": spec.serving.model_copy(update={"offload": offload})})
@@ -143,7 +146,7 @@ def _plan(spec: ShardedModelSpec, facts: ModelFacts, nodes: Sequence[NodeInfo],
             used[p.node] = used.get(p.node, 0) + p.gpus
     count = wanted - len(kept)
 
-    layouts = layouts_to_try(spec, facts, pool, kept, wanted)
+    layouts = layouts_to_try(spec, facts, pool, kept, wanted, deadline)
     unknown = sum(1 for n in pool.nodes if not n.gpu_memory)
     if unknown:
         notes.append(f"GPU memory unknown on {unknown} node(s) (no {names.GPU_MEMORY_LABEL} label; set "
@@ -154,6 +157,7 @@ def _plan(spec: ShardedModelSpec, facts: ModelFacts, nodes: Sequence[NodeInfo],
     attempts: list[Attempt] = []
     chosen: Attempt | None = None
     for layout in layouts:
+        deadline.check()
         attempt = place(layout, pool.nodes, keys, used, keep_nodes, count, pack=spec.workload == Workload.TRAINING)
         attempts.append(attempt)
         if len(attempt.replicas) == count:

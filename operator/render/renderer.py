@@ -37,28 +37,14 @@ DEFAULT_IMAGE = "ghcr.io/shardwise/worker:0.1.0-cuda"
 
 # --- names ---------------------------------------------------------------------------------------
 
-def hostname(model: str, replica: int, stage: int) -> str:
-    return f"{model}-r{replica}-s{stage}"
-
-
-def pod_name(model: str, replica: int, stage: int, attempt: int) -> str:
-    return f"{hostname(model, replica, stage)}-a{attempt}"
-
-
-def headless_service_name(model: str) -> str:
-    return f"{model}-ranks"
-
-
-def serving_service_name(model: str) -> str:
-    return model
-
-
-def configmap_name(model: str) -> str:
-    return f"{model}-plan"
-
-
-def pdb_name(model: str) -> str:
-    return model
+# One definition of each name, in crds/names.py (the API server's limit on a model's name is
+# derived from them).
+hostname = names.hostname
+pod_name = names.pod_name
+headless_service_name = names.headless_service_name
+serving_service_name = names.serving_service_name
+configmap_name = names.configmap_name
+pdb_name = names.pdb_name
 
 
 def master_addr(model: str, namespace: str, replica: int) -> str:

@@ -287,3 +287,22 @@ def test_plan_summary_for_status():
     status = models.ShardedModelStatus(phase="Running", plan=PlanSummary.from_plan(plan), ready_replicas=1).to_api()
     assert status["readyReplicas"] == 1 and status["plan"]["cost"] == 1
     assert re.fullmatch(r"[A-Za-z]+", status["phase"])
+
+
+def test_a_model_name_is_refused_offline_when_a_derived_name_would_be_invalid():
+    import re
+
+    from shardwise.crds import names
+    from shardwise.crds.models import NAME_NOT_DNS_LABEL, NAME_TOO_LONG, model_name_problem
+
+    longest = "m" * names.MAX_MODEL_NAME
+    assert model_name_problem(longest) == ""
+    label = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    last_replica, last_stage = names.MAX_REPLICAS - 1, names.MAX_PIPELINE - 1
+    for derived in (names.hostname(longest, last_replica, last_stage), names.headless_service_name(longest),
+                    names.serving_service_name(longest)):
+        assert len(derived) <= names.DNS_LABEL_MAX and label.match(derived), derived
+    assert len(names.pod_name(longest, last_replica, last_stage, names.MAX_ATTEMPTS)) <= names.DNS_SUBDOMAIN_MAX
+    assert model_name_problem(longest + "m") == NAME_TOO_LONG
+    assert model_name_problem("8b-chat") == NAME_NOT_DNS_LABEL
+    assert model_name_problem("llama.3") == NAME_NOT_DNS_LABEL

@@ -15,7 +15,9 @@ import pytest
 import yaml
 
 from shardwise.crds.models import (DP_DIVIDES, DP_PRODUCT, INTERLEAVED_MICRO_BATCHES, LOCAL_NEEDS_CLAIM,
-                                   LOCAL_PATH_DIFFERS, MIN_REPLICAS, load_manifest)
+                                   LOCAL_PATH_DIFFERS, MIN_REPLICAS, NAME_NOT_DNS_LABEL, NAME_TOO_LONG,
+                                   load_manifest)
+from shardwise.crds.names import MAX_MODEL_NAME
 from shardwise.crds.schema import CRD_FILE
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.timeout(300)]
@@ -137,6 +139,10 @@ BAD = {
     "local-tier-without-claim": (manifest("a", checkpoint={"local": {}}), "spec.checkpoint.local", LOCAL_NEEDS_CLAIM),
     "local-tier-same-path": (manifest("a", checkpoint={"claim": "ckpt", "local": {"path": "/checkpoints"}}),
                              "spec.checkpoint.local.path", LOCAL_PATH_DIFFERS),
+    # the model's name: every object it makes is named from it (crds/names.py MAX_MODEL_NAME)
+    "name-too-long": (manifest("a" * (MAX_MODEL_NAME + 1)), "metadata.name", NAME_TOO_LONG),
+    "name-with-dots": (manifest("llama.3"), "metadata.name", NAME_NOT_DNS_LABEL),
+    "name-starting-with-a-digit": (manifest("8b-chat"), "metadata.name", NAME_NOT_DNS_LABEL),
     "local-tier-relative-host-path": (manifest("a", checkpoint={"claim": "ckpt", "local": {"hostPath": "var/x"}}),
                                       "spec.checkpoint.local.hostPath", "should match"),
 }
@@ -164,6 +170,10 @@ def test_examples_and_a_minimal_manifest_are_accepted_with_defaults(kubectl):
     assert spec["parallelism"]["replicas"] == 1 and spec["workload"] == "inference"
     assert spec["gpu"]["resourceName"] == "nvidia.com/gpu"
     assert spec["placement"]["topologyKeys"] == ["topology.shardwise.dev/rack", "topology.kubernetes.io/zone"]
+
+
+def test_the_longest_allowed_name_is_accepted(kubectl):
+    kubectl("create", "--dry-run=server", "-f", "-", input=yaml.safe_dump(manifest("m" * MAX_MODEL_NAME)))
 
 
 def test_workload_cannot_change_after_creation(kubectl):

@@ -113,7 +113,9 @@ class Operator:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "shardwise", "operator", "run", "--kubeconfig", self.kube.kubeconfig,
              "--namespace", self.kube.ns, "--lease-namespace", self.kube.ns, "--metrics-port", "0",
-             "--health-port", "0", "--worker-image", "shardwise/worker:test", "--lease-duration", "6"],
+             "--health-port", "0", "--worker-image", "shardwise/worker:test", "--lease-duration", "6",
+             # kwok runs no probe pod: models given by a local path are read by the operator itself
+             "--model-root", "/"],
             stdout=out, stderr=subprocess.STDOUT, env=self.kube.env, cwd=ROOT)
         return self
 

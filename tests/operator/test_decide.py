@@ -7,6 +7,7 @@ the kubelets' part: it binds pods, makes them Ready, fails them, takes nodes awa
 """
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime, timedelta, timezone
 
@@ -17,7 +18,7 @@ from shardwise.crds.models import GroupPhase
 from shardwise.operator.decide import decisions
 from shardwise.operator.decide import probe
 from shardwise.operator.render import renderer
-from shardwise.operator.controller import report
+from shardwise.operator.controller import modelroot, report
 from shardwise.operator.decide import status
 from shardwise.operator.decide.decisions import World
 from shardwise.operator.decide.state import parse_state
@@ -32,7 +33,7 @@ LLAMA_8B = {"uri": "/models/llama-8b", "parameters": 8_000_000_000, "layers": 32
 class Cluster:
     """What the API server holds for one model, and the passes of the reconciler over it."""
 
-    def __init__(self, spec: dict, nodes: list[dict], name: str = "m", namespace: str = "ns"):
+    def __init__(self, spec: dict, nodes: list[dict], name: str = "m", namespace: str = "ns", model_root: str = ""):
         self.body = {"apiVersion": "shardwise.dev/v1alpha1", "kind": "ShardedModel",
                      "metadata": {"name": name, "namespace": namespace, "uid": "u-1", "generation": 1},
                      "spec": spec, "status": {}}
@@ -42,11 +43,12 @@ class Cluster:
         self.now = T0
         self.events: list[decisions.Event] = []
         self.decision: decisions.Decision | None = None
+        self.read_model = functools.partial(modelroot.read, root=model_root)
 
     # --- the reconciler's pass -----------------------------------------------------------------
     def reconcile(self, seconds: float = 1.0) -> decisions.Decision:
         self.now += timedelta(seconds=seconds)
-        state = parse_state(self.body, list(self.pods.values()), self.configmap, "img:1")
+        state = parse_state(self.body, list(self.pods.values()), self.configmap, "img:1", self.read_model)
         d = decisions.decide(state, World(self.nodes, self._gpu_pods()), self.now)
         for action in d.actions:
             self._run(action, state)
@@ -336,7 +338,8 @@ def test_a_layout_the_model_cannot_take_is_an_invalid_spec_not_a_wait(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({
         "num_hidden_layers": 4, "num_attention_heads": 24, "num_key_value_heads": 12, "hidden_size": 768,
         "vocab_size": 1000, "intermediate_size": 2048}))
-    c = Cluster(serving(tensor=8, pipeline=1, model={"uri": str(tmp_path)}), rack("n0", "a"))
+    c = Cluster(serving(tensor=8, pipeline=1, model={"uri": str(tmp_path)}), rack("n0", "a"),
+                model_root=str(tmp_path))   # the operator reads models inside its model root only
     c.reconcile()
     assert c.status["phase"] == "Failed" and c.condition("Planned")["reason"] == "InvalidSpec"
     assert "does not divide" in c.condition("Planned")["message"]
@@ -351,8 +354,16 @@ def test_a_spec_the_api_would_refuse_ends_in_one_condition():
     assert c.reasons() == ["InvalidSpec"]
 
 
+def test_a_model_named_before_the_api_checked_names_ends_in_one_condition_and_makes_nothing():
+    from shardwise.crds.models import NAME_NOT_DNS_LABEL
+    c = Cluster(serving(), rack("n0 n1", "a"), name="8b.chat")
+    c.reconcile()
+    assert c.status["phase"] == "Failed" and c.status["message"] == NAME_NOT_DNS_LABEL
+    assert not c.pods and c.configmap is None
+
+
 def test_a_model_nobody_can_read_fails_with_its_path():
-    c = Cluster(serving(model={"uri": "/nowhere/model"}), rack("n0 n1", "a"))
+    c = Cluster(serving(model={"uri": "/nowhere/model"}), rack("n0 n1", "a"), model_root="/")
     c.reconcile()
     assert c.status["phase"] == "Failed" and "/nowhere/model" in c.condition("Planned")["message"]
 

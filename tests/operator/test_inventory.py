@@ -99,3 +99,44 @@ def test_selector_product_memory_and_resource_name_filters():
     amd = spec(gpu={"resourceName": "amd.com/gpu"})
     none = inventory.usable(inventory.build(nodes, resource_name=amd.gpu.resource_name), amd)
     assert none.nodes == [] and "9 without amd.com/gpu" in none.why_not()
+
+
+def test_only_bound_pods_and_the_operators_own_pending_pods_hold_gpus():
+    from shardwise.crds import names
+    from shardwise.operator.planning.inventory import counted_node
+
+    def pod(labels=None, annotations=None, owners=None, node=None):
+        return {"metadata": {"name": "p", "namespace": "t", "labels": labels or {}, "annotations": annotations or {},
+                             "ownerReferences": owners or []},
+                "spec": {"nodeName": node, "containers": [{"resources": {"limits": {"nvidia.com/gpu": "8"}}}]},
+                "status": {"phase": "Pending"}}
+    planned = {names.ANNOTATION_PLANNED_NODE: "n1"}
+    ours = [{"apiVersion": "shardwise.dev/v1alpha1", "kind": "ShardedModel", "name": "m", "uid": "u",
+             "controller": True}]
+    # a tenant's pending pod claiming a planned node holds nothing, labelled like ours or not
+    assert counted_node(pod(annotations=planned)) is None
+    assert counted_node(pod(labels={names.LABEL_MODEL: "m"}, annotations=planned)) is None
+    assert counted_node(pod(labels={names.LABEL_MODEL: "other"}, annotations=planned, owners=ours)) is None
+    # the operator's own pending pod holds its planned node; any pod bound by the scheduler its node
+    assert counted_node(pod(labels={names.LABEL_MODEL: "m"}, annotations=planned, owners=ours)) == "n1"
+    assert counted_node(pod(annotations=planned, node="n2")) == "n2"
+
+
+def test_a_tenants_bound_pod_with_a_models_labels_still_holds_its_gpus_when_that_model_replans():
+    import pytest
+
+    from shardwise.crds import names
+    from shardwise.crds.models import ShardedModelSpec
+    from shardwise.crds.modelshape import from_hints
+    from shardwise.operator.planning import groups
+    from tests.operator.builders import k8s_node
+
+    spec = ShardedModelSpec.model_validate({"model": {"uri": "/m", "parameters": 10**9, "layers": 8, "heads": 8},
+                                            "parallelism": {"tensor": 8, "pipeline": 1, "replicas": 1}})
+    squatter = {"metadata": {"name": "x", "namespace": "t", "labels": {names.LABEL_MODEL: "m",
+                                                                       names.LABEL_REPLICA: "0"}},
+                "spec": {"nodeName": "n0", "containers": [{"resources": {"limits": {"nvidia.com/gpu": "8"}}}]},
+                "status": {"phase": "Running"}}
+    with pytest.raises(groups.ShortOfCapacity):
+        groups.plan_groups(spec, from_hints(spec.model), "t", "m", {"n0": k8s_node("n0")}, [squatter], [0],
+                           None, [])

@@ -73,6 +73,9 @@ app.kubernetes.io/part-of: shardwise
 - --metrics-port={{ .Values.operator.metricsPort }}
 - --log-level={{ .Values.operator.logLevel }}
 - --worker-image={{ .Values.operator.workerImage }}
+{{- with .Values.operator.modelRoot.path }}
+- --model-root={{ . }}
+{{- end }}
 # One Lease per release, so that two releases in one namespace never share a leader.
 - --lease-namespace={{ .Release.Namespace }}
 - --lease-name={{ include "shardwise.fullname" . }}

@@ -34,22 +34,20 @@ tests/e2e/test_chart_install.py runs the operator as this ServiceAccount against
   resources: ["shardedmodels/status"]
   verbs: ["patch"]
 # Worker pods: watched (failures, readiness, GPUs in use), created per replica group, torn down as a
-# group (deletecollection by label) or one by one when their node is lost.
+# group (the pods with its labels that the model owns, one by one) or when their node is lost.
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["list", "watch", "create", "delete", "deletecollection"]
+  verbs: ["list", "watch", "create", "delete"]
 # The rendezvous and serving Services, the plan ConfigMap and the PodDisruptionBudget: server-side
-# apply: a patch, which the API server also authorizes as a create when the object is missing.
+# apply: a patch, which the API server also authorizes as a create when the object is missing. Each
+# is read first: one that exists without the model's ownerReference is not taken over. The plan
+# ConfigMap is also where the plan is stored: each pass reads it back.
 - apiGroups: [""]
   resources: ["services", "configmaps"]
-  verbs: ["create", "patch"]
-# The plan ConfigMap is also where the plan is stored: each pass reads it back.
-- apiGroups: [""]
-  resources: ["configmaps"]
-  verbs: ["get"]
+  verbs: ["get", "create", "patch"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
-  verbs: ["create", "patch"]
+  verbs: ["get", "create", "patch"]
 # An Event on every phase transition (kopf posts core/v1 Events).
 - apiGroups: [""]
   resources: ["events"]
