@@ -1,13 +1,14 @@
 """A Llama-family decoder in plain torch, free of parallelism code.
 
-Tensor parallelism (distributed/tensor_parallel.py: parameter splits and all-reduce hooks) and
-pipeline stages (serving/pipeline.py) are applied to this model from the outside; it only knows
+Applied to it from outside: tensor parallelism (distributed/tensor_parallel.py: parameter splits
+and all-reduce hooks, by the split table in splits.py), pipeline stages (serving/pipeline.py), the
+weights' inference form (fused, transposed: inference.py), where they sit in memory
+(distributed/placement.py), the paged cache's index (serving/cache_view.py builds the CacheStep a
+cached step is given) and the compiled decode step (serving/fastpath.py). The model only knows
 which contiguous range of layers it holds and whether it holds the token embedding (first stage)
-and the final norm + LM head (last stage). So are the inference form of the weights (fused,
-transposed: inference.py), where they sit in memory (distributed/placement.py), the paged cache's
-index (serving/cache_view.py builds the CacheStep a cached step is given) and the compiled decode
-step (serving/fastpath.py). Each module has one forward; what it computes on depends only on
-what it is given and which projections it holds.
+and the final norm + LM head (last stage). Each module has one forward: what it runs depends on
+what it is given (a cache view or none, 2-D rows or [B, T] sequences) and which projections it
+holds (as loaded, or fused).
 
 Parameter names are the contract with loaders and checkpoints (gpt-fast naming):
     tok_embeddings.weight

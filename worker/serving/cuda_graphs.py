@@ -1,8 +1,8 @@
 """Decode steps replayed as CUDA graphs.
 
 A decode step of a small model is a few hundred short kernels; launched one by one from Python,
-the GPU waits on the launches (on an H100 a 1B model's weights stream in under a millisecond,
-about what the launches take). A graph records the step's kernels once and replays them with one
+the GPU waits on the launches (a small model's weights stream in about the time the launches
+take). A graph records the step's kernels once and replays them with one
 launch.
 
 A graph replays fixed shapes and fixed addresses, so:
