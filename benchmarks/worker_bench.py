@@ -50,7 +50,7 @@ class Bandwidth:
     def __init__(self, device: str, threads: int, mib: int = 512):
         import torch
 
-        from shardwise.worker.model.llama import huge_page_buffer
+        from shardwise.worker.distributed.placement import huge_page_buffer
         self.device, self.threads = device, threads
         n = mib * 2**20 // 4
         buf = huge_page_buffer(n * 4) if device == "cpu" else None

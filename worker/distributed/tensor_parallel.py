@@ -1,15 +1,15 @@
-"""Inference's tensor parallelism, applied to the unchanged model (model.py).
+"""Inference's tensor parallelism, applied to the unchanged model (model/llama.py).
 
-Per block (Megatron layout, one all-reduce per sub-layer):
-    attention:    wq, wk, wv column-parallel (heads split across ranks), wo row-parallel
-    feed_forward: w1, w3 column-parallel, w2 row-parallel
-A column-parallel matrix's bias (Qwen2's q, k, v) is split with its output rows. A mixture of
-experts splits its experts over the group instead, and its shared expert like a dense MLP.
-The output of each sub-layer is all-reduced by a forward hook. A group set up with
-`use_shm_allreduce` does its small CPU all-reduces through shared memory (shm_allreduce.py), the
-others through torch.distributed. Plain tensors and explicit collectives, not DTensor: the
-shared-memory all-reduce and the fused decode path (model.py) work on plain tensors. Training
-splits the same layout with DTensor plans (parallelize.py), which autograd and FSDP understand.
+Per block, Megatron's layout as the model describes it (model/splits.py: q, k, v and gate/up
+column-parallel, the heads split across ranks; o and down row-parallel). A column-parallel
+matrix's bias (Qwen2's q, k, v) is split with its output rows. A mixture of experts splits its
+experts over the group instead, and its shared expert like a dense MLP. The output of each
+sub-layer (attention, feed_forward) is all-reduced by a forward hook on that module. A group set
+up with `use_shm_allreduce` does its small CPU all-reduces through shared memory
+(shm_allreduce.py), the others through torch.distributed. Plain tensors and explicit collectives,
+not DTensor: the shared-memory all-reduce and the fused inference weights (model/inference.py)
+work on plain tensors. Training splits the same table with DTensor plans (parallelize.py), which
+autograd and FSDP understand.
 
 The embedding and LM head are split along the vocabulary (padded to a multiple of the degree):
 each rank looks up the ids it owns and the partial embeddings are summed; each rank computes its
@@ -29,8 +29,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from shardwise.worker.model.llama import transposed_for_inference
+from shardwise.worker.model.inference import transposed_for_inference
 from shardwise.worker.model.moe import MoEFeedForward
+from shardwise.worker.model.splits import ATTENTION_SPLITS, FEED_FORWARD_SPLITS, Split
 from shardwise.worker.distributed.shm_allreduce import ShmAllReduce, connect
 
 
@@ -131,8 +132,8 @@ class VocabParallelEmbedding(nn.Module):
         self.weight_t = None
 
     def use_transposed(self, weight_t: nn.Parameter) -> None:
-        """Read rows from the tied head's transposed table instead (model.fuse_for_inference)."""
-        del self.weight
+        """Read rows from the tied head's transposed table instead (inference.install_fused_weights)."""
+        self.weight = None
         self.weight_t = weight_t
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -152,9 +153,9 @@ class VocabParallelHead(nn.Module):
         self.weight_t = None
 
     def transpose_weight(self) -> nn.Parameter:
-        """Keep the slice as [hidden, vocab/world] for inference (model.transposed_for_inference)."""
+        """Keep the slice as [hidden, vocab/world] for inference (inference.transposed_for_inference)."""
         self.weight_t = transposed_for_inference(self.weight)
-        del self.weight
+        self.weight = None
         return self.weight_t
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -184,52 +185,44 @@ def check_tensor_parallel(config, tp: int) -> None:
                          f"{config.shared_expert_intermediate_size}; use one of: {ok}")
 
 
-def apply_tensor_parallel(model: nn.Module, rank: int, world: int, group=None) -> nn.Module:
-    """Split `model` (model.Transformer, whole or one stage) for TP rank `rank` of `world`."""
-    config = model.config
-    check_tensor_parallel(config, world)
-    shards: dict[str, Shard] = {}
-    if world == 1:
-        model.tp_shards, model.tp_rank, model.tp_world = shards, 0, 1
-        return model
-    col, row = Shard(0, rank, world), Shard(1, rank, world)
-    for idx, block in model.layers.items():
-        att, ffn = block.attention, block.feed_forward
-        linears = [("attention.wq", att.wq, col), ("attention.wk", att.wk, col),
-                   ("attention.wv", att.wv, col), ("attention.wo", att.wo, row)]
-        if isinstance(ffn, MoEFeedForward):
-            # Expert parallel over the same group: whole experts per rank (moe.py says why).
-            for name in ("w1", "w3", "w2"):
-                setattr(ffn, name, _narrow_param(getattr(ffn, name), col))
-                shards[f"layers.{idx}.feed_forward.{name}"] = col
-            ffn.expert_start = col.bounds(ffn.num_experts)[0]
-            if ffn.shared_expert is not None:
-                # A dense MLP split like FeedForward below: its partial output joins the routed
-                # experts' partial sums in the same all-reduce. The gate stays replicated.
-                sh = ffn.shared_expert
-                linears += [("feed_forward.shared_expert.w1", sh.w1, col),
-                            ("feed_forward.shared_expert.w3", sh.w3, col),
-                            ("feed_forward.shared_expert.w2", sh.w2, row)]
-        else:
-            linears += [("feed_forward.w1", ffn.w1, col), ("feed_forward.w3", ffn.w3, col),
-                        ("feed_forward.w2", ffn.w2, row)]
-        for name, lin, shard in linears:
+def _split_linears(block: nn.Module, rank: int, world: int, shards: dict[str, Shard], prefix: str) -> None:
+    """Split the block's dense matrices by model/splits.py's table, recording each split."""
+    shard_of = {Split.COLUMN: Shard(0, rank, world), Split.ROW: Shard(1, rank, world)}
+    tables = [("attention", ATTENTION_SPLITS)]
+    ffn = block.feed_forward
+    if not isinstance(ffn, MoEFeedForward):
+        tables.append(("feed_forward", FEED_FORWARD_SPLITS))
+    elif ffn.shared_expert is not None:
+        # A dense MLP split like FeedForward: its partial output joins the routed experts'
+        # partial sums in the same all-reduce. The gate stays replicated.
+        tables.append(("feed_forward.shared_expert", FEED_FORWARD_SPLITS))
+    for parent, table in tables:
+        for child, split in table.items():
+            name, shard = f"{parent}.{child}", shard_of[split]
+            lin = block.get_submodule(name)
             lin.weight = _narrow_param(lin.weight, shard)
             lin.in_features, lin.out_features = lin.weight.shape[1], lin.weight.shape[0]
-            shards[f"layers.{idx}.{name}.weight"] = shard
+            shards[f"{prefix}{name}.weight"] = shard
             if lin.bias is not None:
                 # Only column-parallel matrices have one here (q, k, v): it goes with their output
                 # rows. A row-parallel bias would be added once per rank before the all-reduce.
                 assert shard.dim == 0, name
                 lin.bias = _narrow_param(lin.bias, shard)
-                shards[f"layers.{idx}.{name}.bias"] = shard
-        att.n_heads //= world
-        att.n_kv_heads //= world
-        for sub in (att, ffn):
-            sub.register_forward_hook(lambda _m, _args, out: all_reduce(out.contiguous(), group))
-        block.reduce = lambda out: all_reduce(out.contiguous(), group)     # TransformerBlock.decode
+                shards[f"{prefix}{name}.bias"] = shard
 
-    vocab = config.vocab_size
+
+def _split_experts(ffn: MoEFeedForward, rank: int, world: int, shards: dict[str, Shard], prefix: str) -> None:
+    """Expert parallel over the same group: whole experts per rank (moe.py says why)."""
+    col = Shard(0, rank, world)
+    for name in ("w1", "w3", "w2"):
+        setattr(ffn, name, _narrow_param(getattr(ffn, name), col))
+        shards[f"{prefix}feed_forward.{name}"] = col
+    ffn.expert_start = col.bounds(ffn.num_experts)[0]
+
+
+def _split_vocab(model: nn.Module, rank: int, world: int, group, shards: dict[str, Shard]) -> None:
+    """The embedding and the LM head split along the (padded) vocabulary (splits.VOCAB_SPLITS)."""
+    vocab = model.config.vocab_size
     vshard = Shard(0, rank, world, padded=-(-vocab // world) * world)
     emb_weight = None
     if model.tok_embeddings is not None:
@@ -237,10 +230,29 @@ def apply_tensor_parallel(model: nn.Module, rank: int, world: int, group=None) -
         model.tok_embeddings = VocabParallelEmbedding(emb_weight, vshard.bounds(vocab)[0], group)
         shards["tok_embeddings.weight"] = vshard
     if model.output is not None:
-        tied = config.tie_word_embeddings and emb_weight is not None
+        tied = model.config.tie_word_embeddings and emb_weight is not None
         head_weight = emb_weight if tied else _narrow_param(model.output.weight, vshard)
         model.output = VocabParallelHead(head_weight, vocab, group, world, rank)
         shards["output.weight"] = vshard
+
+
+def apply_tensor_parallel(model: nn.Module, rank: int, world: int, group=None) -> nn.Module:
+    """Split `model` (llama.Transformer, whole or one stage) for TP rank `rank` of `world`; the
+    attention's and the feed-forward's outputs (partial sums) are all-reduced by forward hooks."""
+    check_tensor_parallel(model.config, world)
+    shards: dict[str, Shard] = {}
+    if world == 1:
+        model.tp_shards, model.tp_rank, model.tp_world = shards, 0, 1
+        return model
+    for idx, block in model.layers.items():
+        _split_linears(block, rank, world, shards, f"layers.{idx}.")
+        if isinstance(block.feed_forward, MoEFeedForward):
+            _split_experts(block.feed_forward, rank, world, shards, f"layers.{idx}.")
+        block.attention.n_heads //= world
+        block.attention.n_kv_heads //= world
+        for sub in (block.attention, block.feed_forward):
+            sub.register_forward_hook(lambda _m, _args, out: all_reduce(out.contiguous(), group))
+    _split_vocab(model, rank, world, group, shards)
     model.tp_shards, model.tp_rank, model.tp_world = shards, rank, world
     return model
 

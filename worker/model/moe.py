@@ -3,7 +3,7 @@ for each token and the token's output is their weighted sum.
 
 The experts' weights are stacked along a leading expert dimension (w1, w3 [E, I, H]; w2
 [E, H, I]), so expert parallelism is a split of that dimension, recorded like tensor
-parallelism's splits (parallel.apply_tensor_parallel): each rank of a tensor-parallel group holds
+parallelism's splits (tensor_parallel.apply_tensor_parallel): each rank of a tensor-parallel group holds
 E / degree whole experts, and the loader reads only those experts' tensors.
 
 Why no all-to-all: attention's output is all-reduced, so every rank of the group already holds
@@ -18,7 +18,7 @@ k, renormalised to sum to one when the checkpoint says so (`norm_topk_prob`; Mix
 
 A shared expert (Qwen2-MoE) runs on every token beside the routed ones, scaled by
 sigmoid(shared_expert_gate(x)), a [1, hidden] linear. Under expert parallel it is a dense MLP split
-tensor-parallel (parallel.py: column-parallel w1/w3, row-parallel w2) with a replicated gate, so
+tensor-parallel (model/splits.py: column-parallel w1/w3, row-parallel w2) with a replicated gate, so
 each rank adds its partial shared output to its routed partial sums before the one all-reduce.
 """
 from __future__ import annotations
@@ -30,14 +30,14 @@ from torch import nn
 
 class MoEFeedForward(nn.Module):
     def __init__(self, config, shared_expert: nn.Module | None = None):
-        """shared_expert: a model.FeedForward of the shared expert's width, or None (built by the
-        caller: model.py imports this module)."""
+        """shared_expert: a llama.FeedForward of the shared expert's width, or None (built by the
+        caller: llama.py imports this module)."""
         super().__init__()
         h, i, e = config.hidden_size, config.moe_intermediate_size, config.num_experts
         self.top_k = config.experts_per_token
         self.norm_topk_prob = config.norm_topk_prob
         self.num_experts = e                      # all of them: the router scores every expert
-        self.expert_start = 0                     # the first expert this rank holds (set by parallel.py)
+        self.expert_start = 0                     # the first expert this rank holds (set by tensor_parallel.py)
         self.router = nn.Linear(h, e, bias=False)
         self.w1 = nn.Parameter(torch.empty(e, i, h))     # gate
         self.w3 = nn.Parameter(torch.empty(e, i, h))     # up
@@ -49,12 +49,6 @@ class MoEFeedForward(nn.Module):
         self.shared_expert = shared_expert
         self.shared_expert_gate = nn.Linear(h, 1, bias=False) if shared_expert is not None else None
 
-    def fuse(self) -> None:
-        """model.fuse_for_inference: nothing to concatenate for the routed experts (each runs on
-        its own tokens); the shared expert fuses its gate and up like a dense MLP."""
-        if self.shared_expert is not None:
-            self.shared_expert.fuse()
-
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, k] in x's dtype, experts [T, k] global expert indices)."""
         probs = torch.softmax(F.linear(x, self.router.weight).float(), dim=-1)
@@ -63,9 +57,11 @@ class MoEFeedForward(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), experts
 
-    def decode(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> this rank's experts' share of the output [T, H] (all-reduced by the caller
-        under expert parallelism)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., H] -> this rank's experts' share of the output, x's shape (all-reduced by
+        tensor_parallel.py's hook under expert parallelism)."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
         weights, experts = self.route(x)
         out = torch.zeros_like(x)
         local = experts - self.expert_start
@@ -85,10 +81,7 @@ class MoEFeedForward(nn.Module):
             # shared expert before the all-reduce scales the all-reduced output exactly.
             gate = torch.sigmoid(F.linear(x, self.shared_expert_gate.weight))
             out += gate * self.shared_expert(x)
-        return out
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.decode(x.reshape(-1, x.shape[-1])).view(x.shape)
+        return out.view(shape)
 
 
 def expert_load(model: nn.Module) -> dict[str, list[int]]:

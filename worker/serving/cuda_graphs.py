@@ -1,13 +1,13 @@
 """Decode steps replayed as CUDA graphs.
 
 A decode step of a small model is a few hundred short kernels; launched one by one from Python,
-the GPU waits on the launches (on an H100 a 1B model's weights stream in under a millisecond,
-about what the launches take). A graph records the step's kernels once and replays them with one
+the GPU waits on the launches (a small model's weights stream in about the time the launches
+take). A graph records the step's kernels once and replays them with one
 launch.
 
 A graph replays fixed shapes and fixed addresses, so:
-  * the model runs with `static_shapes` (Transformer.cache_step): attention over the whole cache,
-    masked, and no host syncs inside the step;
+  * the model runs on the static-shape cache view (cache_view.static_view): attention over the
+    whole cache, masked, and no host syncs inside the step;
   * each request's cache is one block of the whole context (the engine keeps fixed rows under
     graphs: a graph cannot replay another step's block tables of another shape);
   * each step's batch is padded up to a bucket size (powers of two up to the cache's rows, as
@@ -26,6 +26,8 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+
+from shardwise.worker.serving.cache_view import static_view
 
 
 def buckets(max_batch: int) -> list[int]:
@@ -85,7 +87,9 @@ class GraphedDecode:
         ints_in[1] = self.max_batch
 
         def run():
-            return self.step(x_in, positions=ints_in[0].view(n, 1), blocks=ints_in[1].view(n, 1), last_only=True)
+            positions = ints_in[0].view(n, 1)
+            cache = static_view(self.step, positions, ints_in[1].view(n, 1))
+            return self.step(x_in, positions=positions, cache=cache, last_only=True)
 
         # Warm-up on a side stream, as capture requires: it runs torch.compile's compilation and
         # cuBLAS's workspace set-up, which must not happen inside the capture.

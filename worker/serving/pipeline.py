@@ -29,7 +29,9 @@ import torch.distributed as dist
 
 from shardwise.crds.layout import RankLayout
 
+from shardwise.worker.serving.cache_view import cache_view
 from shardwise.worker.serving.cuda_graphs import GraphedDecode
+from shardwise.worker.serving.fastpath import compile_decode
 from shardwise.worker.errors import WorkerError
 from shardwise.worker.distributed.tensor_parallel import COMM
 
@@ -44,7 +46,7 @@ def decode_mode(requested: str, device_type: str, tensor: int, streamed: bool = 
       eager    each op launched from Python;
       graphs   CUDA only: each step replayed as a CUDA graph (cuda_graphs.py);
       compile  torch.compile: on CUDA inductor's kernels replayed as a CUDA graph, on CPU
-               inductor's C++ (Transformer.compile_decode);
+               inductor's C++ (fastpath.compile_decode);
       auto     graphs on CUDA, eager on CPU.
     Tensor-parallel CUDA stages stay eager: their all-reduces sit inside the step. So do stages
     that stream layers from host memory (`streamed`, offload.py): a graph would replay one step's
@@ -154,14 +156,13 @@ class Stage:
         self.graphed: GraphedDecode | None = None
         if self.decode in ("graphs", "compile") and self.device.type == "cuda":
             # Decode is launch-bound on a GPU: replay each step as a CUDA graph (cuda_graphs.py).
-            model.static_shapes = True
             step = torch.compile(model, dynamic=False) if self.decode == "compile" else model
             self.graphed = GraphedDecode(step, self.device)
         elif self.decode == "compile":
             # On CPU a compiled decode step is ~1.25x faster (docs/worker.md, Benchmark), but each
             # kind of step (one row or several, masked or not) compiles for 10-60 s on first use,
             # which a short `shardwise generate` or a test would never win back: opt-in.
-            model.compile_decode()
+            compile_decode(model)
 
     def _c(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.comm_device)
@@ -182,8 +183,10 @@ class Stage:
         with torch.no_grad():
             if t == 1 and self.graphed is not None:
                 return self.graphed(x, positions, blocks).clone()   # the graph reuses its output buffer
-            return self.model(x.to(self.device), positions=positions.to(self.device),
-                              blocks=blocks.to(self.device), last_only=True)
+            positions = positions.to(self.device)
+            cache = cache_view(self.model, positions, blocks.to(self.device),
+                               static_shapes=self.graphed is not None)    # graphs: fixed shapes throughout
+            return self.model(x.to(self.device), positions=positions, cache=cache, last_only=True)
 
     def _forward_next(self, header, ints, out) -> None:
         msgs = [header, ints] + ([out] if out is not None else [])

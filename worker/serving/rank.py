@@ -28,7 +28,9 @@ from shardwise.crds.layout import RankLayout, split_layers
 from shardwise.crds.modelshape import in_memory_dtype
 
 from shardwise.worker.distributed import tensor_parallel as parallel
+from shardwise.worker.distributed.placement import place_in_huge_pages
 from shardwise.worker.errors import WorkerError
+from shardwise.worker.model.inference import install_fused_weights
 from shardwise.worker.weights.loader import DTYPES, check_layout, load_stage, open_model
 from shardwise.worker.serving import defaults
 from shardwise.worker.serving.pipeline import OP_SETUP, OP_STEP, Stage, StageInfo, decode_mode
@@ -115,8 +117,9 @@ def setup_rank(spec: RankSpec, rank: int, world: int, local_rank: int, init_meth
                        tp_rank=tp_rank, tp_world=t, group=info.tp_group,
                        device="cpu" if spec.offload_budget else device, dtype=DTYPES[spec.dtype],
                        keep_blocks=spec.quantize == "gguf")
-    quantized = spec.quantize != "none"
-    model.fuse_for_inference(huge_pages=not quantized)     # quantize_weights places them itself
+    install_fused_weights(model)
+    if spec.quantize == "none":
+        place_in_huge_pages(model)                         # quantize_weights places what it builds
     quantize_weights(model, spec.quantize, device)         # this rank's slices only
     if spec.offload_budget:
         apply_offload(model, spec.offload_budget, device)

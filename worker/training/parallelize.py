@@ -1,4 +1,4 @@
-"""Training parallelism applied from outside to the unchanged model (model.py), on a DeviceMesh.
+"""Training parallelism applied from outside to the unchanged model (model/llama.py), on a DeviceMesh.
 
 The mesh has four named dimensions, outermost first:
 
@@ -8,9 +8,10 @@ Row-major over that order, a rank is (replica·P + stage)·T + tp with replica =
 crds/layout.py RankLayout's formula, so a training pod's ranks (one pod per replica and stage, its
 GPUs the TP ranks) need no second rule. Each dimension is PyTorch's own machinery:
 
-- tp: DTensor tensor parallel through a declarative plan (`TP_PLAN`): Megatron's column/row split
-  of attention and MLP, the embedding and the LM head split along the vocabulary. Attention then
-  holds heads/T heads per rank (set here: the model reshapes by its own head counts).
+- tp: DTensor tensor parallel through a declarative plan (`BLOCK_TP_PLAN`) derived from the
+  model's own table of Megatron's column/row split (model/splits.py, which inference's
+  tensor_parallel.py splits by too); the embedding and the LM head split along the vocabulary.
+  Attention then holds heads/T heads per rank (set here: the model reshapes by its own head counts).
 - dp_shard: FSDP2 `fully_shard` per block and once at the root (ZeRO-3: parameters, gradients and
   optimizer state sharded; each block's parameters all-gathered just before use). With a mixed
   precision policy, the sharded parameters are the fp32 master weights, compute runs in the compute
@@ -40,6 +41,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.utils.checkpoint import checkpoint
 
 from shardwise.crds.layout import RankLayout
+from shardwise.worker.model.splits import BLOCK_SPLITS, VOCAB_SPLITS, Split
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "pp", "tp")
 
@@ -69,14 +71,11 @@ class MeshShape:
                                 mesh_dim_names=MESH_DIMS)
 
 
-# Per block, Megatron's layout: the inputs of a sub-layer stay replicated, its first matmuls are
-# split by output (heads, MLP columns), the last by input, and one all-reduce joins the halves.
-BLOCK_TP_PLAN = {
-    "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
-    "attention.wo": RowwiseParallel(),
-    "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
-    "feed_forward.w2": RowwiseParallel(),
-}
+# Per block, Megatron's layout as the model describes it (model/splits.py): the inputs of a
+# sub-layer stay replicated, its first matmuls are split by output (heads, MLP columns), the last
+# by input, and one all-reduce joins the halves.
+BLOCK_TP_PLAN = {name: ColwiseParallel() if split is Split.COLUMN else RowwiseParallel()
+                 for name, split in BLOCK_SPLITS.items()}
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
@@ -85,11 +84,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     if tp == 1:
         return
     tied = model.config.tie_word_embeddings and model.tok_embeddings is not None and model.output is not None
-    plan = {}
-    if model.tok_embeddings is not None:   # vocabulary rows split; the partial lookups summed
-        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-    if model.output is not None:           # vocabulary columns of the logits, gathered
-        plan["output"] = ColwiseParallel(output_layouts=Replicate())
+    # The vocabulary split (splits.VOCAB_SPLITS) of each end: the embedding's vocabulary rows,
+    # the partial lookups summed; the head's vocabulary columns of the logits, gathered.
+    vocab_styles = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+                    "output": ColwiseParallel(output_layouts=Replicate())}
+    plan = {name: vocab_styles[name] for name, split in VOCAB_SPLITS.items()
+            if split is Split.VOCAB and getattr(model, name) is not None}
     if tied:
         model.output.weight = nn.Parameter(model.output.weight.detach())   # untie: each split once
     parallelize_module(model, tp_mesh, plan)

@@ -13,7 +13,8 @@ from torch import nn
 from shardwise.crds.modelshape import COMPUTE_DTYPES
 
 from shardwise.worker.errors import WorkerError
-from shardwise.worker.model.llama import FUSED_MATRICES, ModelConfig, Transformer
+from shardwise.worker.model.inference import FUSED_MATRICES
+from shardwise.worker.model.llama import ModelConfig, Transformer
 from shardwise.worker.distributed.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 from shardwise.worker.weights.builtin import builtin_model_path, resolve_model
 from shardwise.worker.weights.formats import open_model
@@ -59,8 +60,8 @@ def load_stage(source: ModelSource, layer_start: int, layer_end: int, embedding:
 
     keep_blocks (`--quantize gguf`): the decoder-layer matrices that a GGUF file stores in a type
     with a fast path are not read as floats: their blocks go to `model.gguf_blocks` by fused name
-    (model.FUSED_MATRICES), the parameters stay on the meta device, and quantize.quantize_weights
-    builds them after fuse_for_inference. A fused group is kept only if all its parts are."""
+    (inference.FUSED_MATRICES), the parameters stay on the meta device, and quantize.quantize_weights
+    builds them after inference.install_fused_weights. A fused group is kept only if all its parts are."""
     with torch.device("meta"):
         model = Transformer(source.config, layer_start, layer_end, embedding, head)
     apply_tensor_parallel(model, tp_rank, tp_world, group)

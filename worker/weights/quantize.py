@@ -1,14 +1,14 @@
 """Weight-only INT8 for inference (`--quantize int8`), applied to the unchanged model from outside.
 
 Like tensor parallelism (parallel.py) it is applied after loading, TP slicing and
-Transformer.fuse_for_inference, so each rank quantizes only its own slices: every decoder layer's
+inference.install_fused_weights, so each rank quantizes only its own slices: every decoder layer's
 fused matrices (wqkv, wo, w13, w2) become an `Int8Linear` holding the int8 matrix and one float32
 scale per output row (symmetric, absmax / 127). A row-parallel slice (wo, w2) keeps a scale per
 output row of its own column slice: finer than slicing a whole-matrix quantization.
 
 What stays in the compute dtype: the norms, the token embedding and the LM head. That is the rule
 the planner sizes pods by (crds/modelshape.py ModelFacts.quantized), and a tied head is also the
-embedding table (model.InferenceEmbedding reads rows of it), which then needs no dequantized copy.
+embedding table (inference.InferenceEmbedding reads rows of it), which then needs no dequantized copy.
 The head is one matrix; the decoder layers hold most of a model's weights. Biases (Qwen2's q/k/v)
 stay too, added after the int8 matmul: a few values per output row, which the planner counts with
 their matrices.
@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.worker.errors import WorkerError
-from shardwise.worker.model.llama import InferenceLinear, place_in_huge_pages
+from shardwise.worker.distributed.placement import place_in_huge_pages
+from shardwise.worker.model.inference import InferenceLinear
 
 METHODS = ("none", "int8", "gguf")   # gguf: a GGUF file's own blocks, gguf_blocks.py
 QMAX = 127          # symmetric: -127..127, so that -absmax and absmax are both exact
@@ -73,7 +74,7 @@ def packed_kernel_runs(dtype: torch.dtype) -> bool:
 
 class Int8Linear(nn.Module):
     """y = x @ (weight * scales[:, None]).T with `weight` int8 [out, in] and float32 `scales`
-    [out]; stands in for model.InferenceLinear (forward for any leading dims, mm for 2-D x).
+    [out]; stands in for inference.InferenceLinear (forward for any leading dims, mm for 2-D x).
 
     Both are parameters (requires_grad=False), so parallel.weight_bytes counts their bytes,
     place_in_huge_pages moves the int8 matrix like any 2-D weight, and offload.py packs them."""
@@ -109,8 +110,8 @@ class Int8Linear(nn.Module):
 def quantize_weights(model: nn.Module, method: str, device: str = "cpu") -> int:
     """Quantize a fused model's decoder-layer matrices in place (see the module docstring), then
     place the CPU matrices in huge pages; returns how many matrices were quantized. Call it after
-    model.fuse_for_inference(huge_pages=False): placing the float matrices first would keep their
-    huge-page buffer alive (the head and embedding still point into it) next to the int8 copies.
+    inference.install_fused_weights, before placing anything: placing the float matrices first
+    would keep their huge-page buffer alive (the head and embedding still point into it) next to the int8 copies.
 
     gguf: the matrices loader.load_stage(keep_blocks=True) kept as the file's blocks become
     gguf_blocks.BlockLinear, laid out for `device` (where they will run; a streamed model is
@@ -119,7 +120,7 @@ def quantize_weights(model: nn.Module, method: str, device: str = "cpu") -> int:
     if method == "none":
         return 0
     if not getattr(model, "fused", False):
-        raise WorkerError("quantize the model after fuse_for_inference (inference only)")
+        raise WorkerError("quantize the model after install_fused_weights (inference only)")
     if method == "gguf":
         return _build_block_matrices(model, device)
     count = 0

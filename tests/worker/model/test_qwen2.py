@@ -1,6 +1,6 @@
 """Dense Qwen2 (q/k/v projection biases): greedy tokens of the sharded runtime == transformers' on
 the same random weights, under TP {1, 2} and a pipeline of 2, with the fused and the INT8 paths;
-and a bias survives every matrix kind that stands in for a fused q/k/v (model.InferenceLinear,
+and a bias survives every matrix kind that stands in for a fused q/k/v (inference.InferenceLinear,
 quantize.Int8Linear, gguf_blocks.BlockLinear). Real processes talking torch.distributed."""
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def test_every_fused_matrix_kind_adds_the_bias():
     from gguf import GGMLQuantizationType
 
     from shardwise.worker.weights.gguf_blocks import Blocks, BlockLinear
-    from shardwise.worker.model.llama import InferenceLinear
+    from shardwise.worker.model.inference import InferenceLinear
     from shardwise.worker.weights.quantize import Int8Linear, dequantize_int8
     torch.manual_seed(0)
     w, b, x = torch.randn(32, 64), torch.randn(32), torch.randn(3, 64)

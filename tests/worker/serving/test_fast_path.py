@@ -9,8 +9,12 @@ import mmap
 import pytest
 import torch
 
-from shardwise.worker.serving.cuda_graphs import buckets, padded_ints
+from shardwise.worker.distributed.placement import place_in_huge_pages
+from shardwise.worker.model.inference import install_fused_weights
 from shardwise.worker.model.llama import ModelConfig, Transformer
+from shardwise.worker.serving.cache_view import cache_view
+from shardwise.worker.serving.cuda_graphs import buckets, padded_ints
+from shardwise.worker.serving.fastpath import compile_decode
 
 CONFIG = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=8,
               num_kv_heads=2, rope_theta=10000.0, max_position_embeddings=64)
@@ -38,14 +42,19 @@ class Driver:
 
     def __init__(self, model: Transformer, compiled: bool = False, padded: bool = False):
         self.model = copy.deepcopy(model)
-        self.model.fuse_for_inference()
+        install_fused_weights(self.model)
+        place_in_huge_pages(self.model)
         # padded: decode steps as a CUDA graph replays them (cuda_graphs.py), with static shapes
         # and the batch padded to a bucket whose extra rows write to scratch cache row 4.
         self.padded = padded
-        self.model.static_shapes = padded
         self.model.setup_caches(4 + padded, 40)
         if compiled:
-            self.model.compile_decode()
+            compile_decode(self.model)
+
+    def run(self, x, positions, blocks) -> torch.Tensor:
+        with torch.no_grad():
+            cache = cache_view(self.model, positions, blocks, static_shapes=self.padded)
+            return self.model(x, positions=positions, cache=cache, last_only=True)
 
     def step(self, tokens, positions, slots) -> torch.Tensor:
         if self.padded and len(tokens[0]) == 1:
@@ -53,12 +62,8 @@ class Driver:
             ints = padded_ints(torch.tensor(positions), torch.tensor(slots), n, scratch=4)
             # pad tokens are arbitrary: the scratch row holds nothing anyone reads
             x = torch.tensor([row[0] for row in tokens] + [7] * (n - b))[:, None]
-            with torch.no_grad():
-                out = self.model(x, positions=ints[0].view(n, 1), blocks=ints[1], last_only=True)
-            return out[:b, -1]
-        with torch.no_grad():
-            return self.model(torch.tensor(tokens), positions=torch.tensor(positions),
-                              blocks=torch.tensor(slots), last_only=True)[:, -1]
+            return self.run(x, ints[0].view(n, 1), ints[1])[:b, -1]
+        return self.run(torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots))[:, -1]
 
 
 def bucket_of(b: int, max_batch: int) -> int:

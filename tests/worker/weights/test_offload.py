@@ -8,8 +8,11 @@ import copy
 import pytest
 import torch
 
+from shardwise.worker.distributed.placement import place_in_huge_pages
 from shardwise.worker.errors import WorkerError
+from shardwise.worker.model.inference import install_fused_weights
 from shardwise.worker.model.llama import ModelConfig, Transformer
+from shardwise.worker.serving.cache_view import cache_view
 from shardwise.worker.weights.offload import apply_offload, packing, parse_bytes, plan_offload, tensor_bytes
 
 CONFIG = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_heads=8, num_kv_heads=2,
@@ -22,8 +25,16 @@ def fused_model(layers: int) -> Transformer:
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.3)
-    model.eval().fuse_for_inference()
+    install_fused_weights(model.eval())
+    place_in_huge_pages(model)
     return model
+
+
+def step(model: Transformer, tokens: list[list[int]], positions: list[list[int]], blocks: list[int]) -> torch.Tensor:
+    """The last position's logits of one cached step (each row one block of the whole context)."""
+    positions = torch.tensor(positions)
+    cache = cache_view(model, positions, torch.tensor(blocks))
+    return model(torch.tensor(tokens), positions=positions, cache=cache, last_only=True)[:, -1]
 
 
 def budgets(model: Transformer) -> tuple[int, int, int]:
@@ -39,13 +50,11 @@ def run(model: Transformer, prompts: list[list[int]], new: int) -> list[torch.Te
     seqs, out = [list(p) for p in prompts], []
     with torch.no_grad():
         for slot, seq in enumerate(seqs):
-            logits = model(torch.tensor([seq]), positions=torch.arange(len(seq))[None],
-                           blocks=torch.tensor([slot]), last_only=True)[:, -1]
+            logits = step(model, [seq], [list(range(len(seq)))], [slot])
             out.append(logits)
             seq.append(int(logits[0].argmax()))
         for _ in range(new):
-            logits = model(torch.tensor([[s[-1]] for s in seqs]), positions=torch.tensor([[len(s) - 1] for s in seqs]),
-                           blocks=torch.arange(len(seqs)), last_only=True)[:, -1]
+            logits = step(model, [[s[-1]] for s in seqs], [[len(s) - 1] for s in seqs], list(range(len(seqs))))
             out.append(logits)
             for row, seq in enumerate(seqs):
                 seq.append(int(logits[row].argmax()))

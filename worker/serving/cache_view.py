@@ -1,0 +1,103 @@
+"""The paged KV cache's index: from a step's positions and block tables (kv_blocks.py) to the
+model's view of the cache for that step (model.attention.CacheStep): where each new key and value
+goes, what each row attends to, and whether the rows can be read in place.
+
+The model reads and writes only the places it is given, so the block layout stays here, next to
+the blocks. Two kinds of view: the paged one (host-side decisions, the fewest device ops) and the
+static-shape one a CUDA graph replays (fixed shapes, device ops only, no host syncs).
+"""
+from __future__ import annotations
+
+import torch
+
+from shardwise.worker.model.attention import CacheStep
+from shardwise.worker.serving.kv_blocks import blocks_for
+
+
+def token_slots(blocks: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The token slots of `positions` [B, T] for rows with block tables `blocks` [B, nb]: device
+    ops only (no host sync), for prefill chunks and CUDA graphs."""
+    return torch.gather(blocks, 1, positions // block_size) * block_size + positions % block_size
+
+
+def first_slots(blocks: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """The token slots of every row's positions 0..length-1 [B, length] (token_slots)."""
+    everything = torch.arange(length, device=blocks.device).expand(len(blocks), length)
+    return token_slots(blocks, everything, block_size)
+
+
+def cache_index(slots: torch.Tensor, kv_heads: int, tokens: int) -> torch.Tensor:
+    """Places in a KVCache viewed as [-1, head_dim] of token `slots` [B, T], ordered (row, kv head,
+    token) as k.reshape(-1, head_dim) of k [B, kv, T, hd]."""
+    heads = torch.arange(kv_heads, device=slots.device) * tokens
+    return (heads[None, :, None] + slots[:, None, :]).reshape(-1)
+
+
+def in_place(tables: list[list[int]], ends: list[int], length: int, block_size: int, tokens: int):
+    """(start, stride) when every row's first `ends[b]` positions lie on consecutive blocks and the
+    rows' first blocks are evenly spaced, so the batch reads as one strided view (KVCache.read)
+    of `length` positions per row; None otherwise. Positions past a row's own end read whatever
+    follows it in the pool and are masked."""
+    starts = []
+    for table, end in zip(tables, ends):
+        first, n = table[0], blocks_for(end, block_size)
+        if table[n - 1] != first + n - 1 or table[:n] != list(range(first, first + n)):
+            return None
+        starts.append(first * block_size)
+    stride = starts[1] - starts[0] if len(starts) > 1 else 0
+    if len(starts) > 1 and (stride <= 0 or any(b - a != stride for a, b in zip(starts, starts[1:]))):
+        return None
+    if starts[-1] + length > tokens:
+        return None
+    return starts[0], stride
+
+
+def static_view(model, positions: torch.Tensor, blocks: torch.Tensor) -> CacheStep:
+    """Fixed shapes and no host syncs, for CUDA graphs: every row gathered over the whole context,
+    masked (each row is one block there: cuda_graphs.py)."""
+    bs, tokens, kv_heads, length = model.block_size, model.cache_tokens, model.kv_heads, model.max_seq
+    mask = torch.arange(length, device=positions.device)[None, None, :] <= positions[:, :, None]
+    gather = cache_index(first_slots(blocks, length, bs), kv_heads, tokens)
+    index = cache_index(token_slots(blocks, positions, bs), kv_heads, tokens)
+    return CacheStep(index, length, False, mask, None, 0, gather)
+
+
+def paged_view(model, positions: torch.Tensor, blocks: torch.Tensor) -> CacheStep:
+    """The view of a step on the paged cache, its decisions taken on host copies of positions
+    and tables: one copy each instead of several small device ops and syncs."""
+    bs, tokens, kv_heads = model.block_size, model.cache_tokens, model.kv_heads
+    t = positions.shape[1]
+    rows, tables = positions.tolist(), blocks.tolist()
+    length = max(max(row) for row in rows) + 1
+    # A prefill that starts every row at position 0 needs only causal attention over its own
+    # keys; a decode step whose rows all sit at the last position attends to everything
+    # cached; otherwise row b attends to the cached positions up to its own.
+    fresh = t > 1 and all(row[0] == 0 for row in rows)
+    full = t == 1 and all(row[0] == length - 1 for row in rows)
+    mask = None
+    if not (fresh or full):
+        mask = torch.arange(length, device=positions.device)[None, None, :] <= positions[:, :, None]
+    if t > 1:
+        index = cache_index(token_slots(blocks, positions, bs), kv_heads, tokens)
+    else:       # one token per row, from host ints: one tensor instead of several small ops
+        index = torch.tensor([head * tokens + table[p // bs] * bs + p % bs
+                              for table, (p,) in zip(tables, rows) for head in range(kv_heads)],
+                             device=positions.device)
+    if fresh:
+        return CacheStep(index, length, fresh, mask)
+    view = in_place(tables, [row[-1] + 1 for row in rows], length, bs, tokens)
+    if view is not None:
+        return CacheStep(index, length, fresh, mask, *view)
+    # Tables cover every row up to `length` (the engine pads them), so positions past a
+    # row's own end gather some block's slots, masked.
+    gather = cache_index(first_slots(blocks, length, bs), kv_heads, tokens)
+    return CacheStep(index, length, fresh, mask, None, 0, gather)
+
+
+def cache_view(model, positions: torch.Tensor, blocks: torch.Tensor, static_shapes: bool = False) -> CacheStep:
+    """The model's view of the cache (set up by model.setup_caches) for a step at `positions`
+    [B, T] whose rows hold the blocks of their tables `blocks` [B, nb] ([B]: one block per row, a
+    fixed row of the whole context). `static_shapes`: the CUDA graph kind (static_view)."""
+    if blocks.dim() == 1:
+        blocks = blocks[:, None]
+    return (static_view if static_shapes else paged_view)(model, positions, blocks)
