@@ -41,6 +41,8 @@ import time
 import torch
 
 from shardwise.worker.distributed.tensor_parallel import weight_bytes   # bytes of a model's parameters, a tied pair once
+from shardwise.worker.model.inference import install_fused_weights
+from shardwise.worker.serving.cache_view import cache_view, static_view
 
 SHAPES = {
     # Llama-3.2-1B and Llama-3.1-8B (their config.json values), random weights
@@ -277,7 +279,7 @@ def parity(shape: str, hf, folder: str, device: str, prompts: list[list[int]], n
 def layer_errors(shape: str, hf, folder: str, device: str, prompt: list[int]) -> dict:
     """Where bf16 error against fp32 builds up, layer by layer, over one prompt: transformers in
     bf16, and the worker's model in bf16 run three ways (its plain forward as loaded; after
-    fuse_for_inference; as a cached prefill, the engine's first step). Relative error of each
+    install_fused_weights; as a cached prefill, the engine's first step). Relative error of each
     layer's output (and of the logits) against transformers in fp32."""
     from shardwise.worker.weights.loader import load_stage, open_model
     ids = torch.tensor([prompt], device=device)
@@ -304,18 +306,20 @@ def layer_errors(shape: str, hf, folder: str, device: str, prompt: list[int]) ->
             logits = fn()[0].float().cpu()
             rows[name] = ([rel(h, r) for h, r in zip(outs, ref_h)], rel(logits, ref_logits))
         run("worker bf16, plain forward", lambda: model(ids))
-        model.fuse_for_inference()
+        install_fused_weights(model)
         run("worker bf16, fused", lambda: model(ids))
         model.setup_caches(1, len(prompt) + 8)
-        run("worker bf16, cached prefill", lambda: model(ids, positions=torch.arange(len(prompt), device=device)[None],
-                                                         blocks=torch.tensor([0], device=device)))
-        # the last 16 prompt tokens as decode steps after a cached prefill of the rest (logits only:
-        # TransformerBlock.decode runs no module hooks)
+        row = torch.tensor([0], device=device)
+
+        def cached(x, positions):
+            return model(x, positions=positions, cache=cache_view(model, positions, row))
+        run("worker bf16, cached prefill", lambda: cached(ids, torch.arange(len(prompt), device=device)[None]))
+        # the last 16 prompt tokens as decode steps after a cached prefill of the rest (logits only)
         k, m = 16, len(prompt) - 16
         model.setup_caches(1, len(prompt) + 8)
-        model(ids[:, :m], positions=torch.arange(m, device=device)[None], blocks=torch.tensor([0], device=device))
-        steps = [model(ids[:, j:j + 1], positions=torch.tensor([[j]], device=device),
-                       blocks=torch.tensor([0], device=device))[0, -1].float().cpu() for j in range(m, m + k)]
+        cached(ids[:, :m], torch.arange(m, device=device)[None])
+        steps = [cached(ids[:, j:j + 1], torch.tensor([[j]], device=device))[0, -1].float().cpu()
+                 for j in range(m, m + k)]
         hf_steps = hf(ids).logits[0, m:].float().cpu()
         rows["worker bf16, decode steps"] = ([float("nan")] * (n - 1), rel(torch.stack(steps), ref_logits[m:]))
         rows["transformers bf16, same rows"] = ([float("nan")] * (n - 1), rel(hf_steps, ref_logits[m:]))
@@ -419,7 +423,9 @@ def profile_decode(shape: str, folder: str, device: str, ceil: dict, prompt: lis
             replay_s = timer.median(graph.replay, repeats=50)
             with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(10):
-                    graphed.step(x_in, positions=ints_in[0].view(1, 1), blocks=ints_in[1], last_only=True)
+                    positions = ints_in[0].view(1, 1)
+                    graphed.step(x_in, positions=positions, last_only=True,
+                                 cache=static_view(graphed.step, positions, ints_in[1].view(1, 1)))
                 torch.cuda.synchronize()
             table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60)
             kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
@@ -472,7 +478,7 @@ def offload_speed(shape: str, folder: str, device: str, prompt: list[int], new: 
 
     def build(budget):
         model = load_stage(source, 0, n, True, True, device="cpu", dtype=dtype)
-        model.fuse_for_inference()
+        install_fused_weights(model)
         plan = apply_offload(model, budget, device) if budget else model.to(device)
         return model, plan
 
@@ -481,15 +487,16 @@ def offload_speed(shape: str, folder: str, device: str, prompt: list[int], new: 
         slot = torch.tensor([0], device=device)
         tokens = []
         with torch.no_grad():
-            logits = model(torch.tensor([prompt], device=device), positions=torch.arange(len(prompt), device=device)[None],
-                           blocks=slot, last_only=True)
+            pos = torch.arange(len(prompt), device=device)[None]
+            logits = model(torch.tensor([prompt], device=device), positions=pos,
+                           cache=cache_view(model, pos, slot), last_only=True)
             tokens.append(int(logits[0, -1].argmax()))
             timer.sync()
             t0 = time.perf_counter()
             for i in range(new - 1):
                 pos = torch.tensor([[len(prompt) + i]], device=device)
-                logits = model(torch.tensor([[tokens[-1]]], device=device), positions=pos, blocks=slot,
-                               last_only=True)
+                logits = model(torch.tensor([[tokens[-1]]], device=device), positions=pos,
+                               cache=cache_view(model, pos, slot), last_only=True)
                 tokens.append(int(logits[0, -1].argmax()))
             timer.sync()
         return tokens, (time.perf_counter() - t0) / (new - 1)

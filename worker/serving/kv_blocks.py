@@ -1,7 +1,7 @@
 """Which block of the KV cache holds which tokens: the allocator behind the paged cache.
 
 The cache of every layer is one pool of `num_blocks` blocks of `block_size` token positions
-(model.KVCache). A request owns a block table: block j holds its positions
+(model/attention.py KVCache). A request owns a block table: block j holds its positions
 [j * block_size, (j + 1) * block_size). Blocks are taken as tokens arrive and given back when the
 request ends, so the cache holds the tokens in use rather than a whole context per request.
 
@@ -11,7 +11,7 @@ prompt starts with registered blocks shares them (reference-counted) and prefill
 A registered block nobody uses stays cached until its space is needed, least recently used first.
 
 Contiguity: attention reads a row's blocks without a copy when they are consecutive, and a batch
-of rows when their first blocks are evenly spaced (model.KVCache.read). So each engine row owns a
+of rows when their first blocks are evenly spaced (model/attention.py KVCache.read). So each engine row owns a
 lane, an equal share of the pool, and its requests take their blocks from it in order; a request
 that outgrows its lane borrows free blocks elsewhere, from the ends of other lanes first (the
 positions a lane's own requests reach last), and pays for the copy on the steps that read it.

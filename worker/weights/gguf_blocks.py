@@ -119,7 +119,7 @@ KERNEL_ROWS = 16     # the kernel packs output rows in groups of 16; other slice
 
 class BlockLinear(nn.Module):
     """y = x @ w.T with w held in the file's blocks (see the module docstring); stands in for
-    model.InferenceLinear (forward for any leading dims, mm for 2-D x), as quantize.Int8Linear does.
+    inference.InferenceLinear (forward for any leading dims, mm for 2-D x), as quantize.Int8Linear does.
 
     Its tensors are parameters (requires_grad=False), so parallel.weight_bytes counts them and
     offload.py packs them."""

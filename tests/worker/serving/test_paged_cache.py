@@ -1,4 +1,4 @@
-"""The paged KV cache (worker/serving/kv_blocks.py, model.KVCache, scheduler.py): block allocation and prefix
+"""The paged KV cache (worker/serving/kv_blocks.py, model/attention.py KVCache, scheduler.py): block allocation and prefix
 reuse as pure bookkeeping, then real ranks: many concurrent requests of different lengths, under a
 cache small enough to preempt and with prompts fed in chunks, give the tokens each gives alone;
 a shared prompt prefix is prefilled once; a cancelled request gives its blocks back."""
