@@ -5,14 +5,11 @@ stay open; the keys never reach the server's log. No ranks for the unit checks."
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 
@@ -20,12 +17,12 @@ from shardwise.worker.errors import WorkerError
 from shardwise.worker.serving.http.auth import INCORRECT, MISSING, ApiKeys
 from shardwise.worker.weights.tiny import write_tiny_model
 
+from .serve_process import serve_process
 from .test_http_framing import exchange, serve, status_and_error
 
 openai = pytest.importorskip("openai")
 
 TEXT = "the quick brown fox jumps over the lazy dog. " * 20
-ROOT = Path(__file__).resolve().parents[3]
 KEYS = ["sk-first-key-0123456789", "sk-second-key-abcdef"]
 
 
@@ -70,36 +67,10 @@ def served(tmp_path_factory):
     path = write_tiny_model(tmp / "tiny", TEXT, layers=2, hidden=64, heads=4, kv_heads=2)
     keys = tmp / "keys"
     keys.write_text("\n".join(KEYS) + "\n")
-    cmd = [sys.executable, "-m", "shardwise", "serve", "--model", str(path), "--port", "0",
-           "--max-seq-len", "128", "--max-batch", "2", "--threads", "1", "--api-key-file", str(keys)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
-    lines: list[str] = []
-    base = None
-    for line in proc.stderr:
-        lines.append(line)
-        m = re.search(r"listening on (http://\S+)", line)
-        if m:
-            base = m.group(1)
-            break
-    threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
-    try:
-        assert base, "".join(lines)
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(base + "/healthz", timeout=5):
-                    break
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
-                time.sleep(0.2)
+    args = ["--model", str(path), "--port", "0", "--max-seq-len", "128", "--max-batch", "2", "--threads", "1",
+            "--api-key-file", str(keys)]
+    with serve_process(args) as (base, lines):
         yield base, lines, str(path)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _client(base: str, key: str):

@@ -6,13 +6,6 @@ tokens in usage; /v1/models reports the context length."""
 from __future__ import annotations
 
 import math
-import re
-import subprocess
-import sys
-import threading
-import time
-import urllib.request
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,47 +14,20 @@ from shardwise.worker.weights.loader import open_model
 from shardwise.worker.weights.tiny import write_tiny_model
 from shardwise.worker.weights.tokenizer import load_tokenizer
 
+from .serve_process import serve_process
+
 openai = pytest.importorskip("openai")
 
 TEXT = "the quick brown fox jumps over the lazy dog. pack my box with five dozen liquor jugs. " * 20
 CONTEXT = 128
-ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     path = write_tiny_model(tmp_path_factory.mktemp("tiny"), TEXT, layers=2, hidden=64, heads=4, kv_heads=2)
-    cmd = [sys.executable, "-m", "shardwise", "serve", "--model", str(path), "--port", "0",
-           "--max-seq-len", str(CONTEXT), "--max-batch", "4", "--threads", "1"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
-    lines: list[str] = []
-    base = None
-    for line in proc.stderr:
-        lines.append(line)
-        m = re.search(r"listening on (http://\S+)", line)
-        if m:
-            base = m.group(1)
-            break
-    threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
-    try:
-        assert base, "".join(lines)
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(base + "/healthz", timeout=5):
-                    break
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
-                time.sleep(0.2)
-        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
-        yield client, str(path)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    args = ["--model", str(path), "--port", "0", "--max-seq-len", str(CONTEXT), "--max-batch", "4", "--threads", "1"]
+    with serve_process(args) as (base, _):
+        yield openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60), str(path)
 
 
 @pytest.fixture(scope="module")
