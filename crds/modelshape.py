@@ -17,6 +17,7 @@ from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Iterable
 
+from shardwise.crds.apimodel import PVC_SCHEME
 from shardwise.crds.gguf import GGML_TYPES, GGUFError, read_header
 
 # HF model types whose attention normalises each query and key head (the worker: ModelConfig.qk_norm)
@@ -340,7 +341,7 @@ def from_hints(model: Any, dtype: str = "auto") -> ModelFacts:
 
 def local_path(uri: str) -> Path | None:
     """The local file or directory a uri names, if it exists on this machine."""
-    if uri.startswith("pvc://"):
+    if uri.startswith(PVC_SCHEME):
         return None
     path = Path(uri.removeprefix("file://")).expanduser()
     return path if path.exists() else None
@@ -366,7 +367,7 @@ def resolve(spec: Any, base: Path | None = None) -> ModelFacts:
     """Facts for a ShardedModelSpec: from the files when they are readable here, else from hints."""
     model = spec.model
     path = local_path(model.uri)
-    if path is None and base is not None and not model.uri.startswith(("/", "pvc://")):
+    if path is None and base is not None and not model.uri.startswith(("/", PVC_SCHEME)):
         candidate = base / model.uri
         path = candidate if candidate.exists() else None
     if path is not None:
