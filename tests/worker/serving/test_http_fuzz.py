@@ -8,11 +8,6 @@ from __future__ import annotations
 import json
 import re
 import socket
-import subprocess
-import sys
-import time
-import urllib.request
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -20,10 +15,10 @@ from hypothesis import strategies as st
 
 from shardwise.worker.weights.tiny import write_tiny_model
 
+from .serve_process import serve_process
 from .test_http_framing import exchange
 
 TEXT = "the quick brown fox jumps over the lazy dog. " * 20
-ROOT = Path(__file__).resolve().parents[3]
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n",
           "seed", "stop", "stream", "stream_options", "logprobs", "top_logprobs", "echo", "suffix", "best_of",
           "logit_bias", "presence_penalty", "frequency_penalty", "tools", "response_format", "user"]
@@ -54,32 +49,9 @@ bodies = st.dictionaries(st.sampled_from(FIELDS), json_values, max_size=6).flatm
 def served(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fuzz")
     path = write_tiny_model(tmp / "tiny", TEXT, layers=2, hidden=64, heads=4, kv_heads=2)
-    log = open(tmp / "stderr", "w+")
-    cmd = [sys.executable, "-m", "shardwise", "serve", "--model", str(path), "--port", "0",
-           "--max-seq-len", "64", "--max-batch", "4", "--threads", "1"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=log, text=True)
-    try:
-        deadline, port = time.monotonic() + 120, None
-        while port is None:
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp / "stderr").read_text()
-            m = re.search(r"listening on http://127.0.0.1:(\d+)", (tmp / "stderr").read_text())
-            port = int(m.group(1)) if m else time.sleep(0.2)
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5):
-                    break
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline, (tmp / "stderr").read_text()
-                time.sleep(0.2)
-        yield port, tmp / "stderr"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+    args = ["--model", str(path), "--port", "0", "--max-seq-len", "64", "--max-batch", "4", "--threads", "1"]
+    with serve_process(args) as (base, lines):
+        yield int(base.rsplit(":", 1)[1]), lines
 
 
 def _status(got: bytes) -> int | None:
@@ -92,8 +64,8 @@ def _post(port: int, path: str, body: bytes) -> bytes:
     return exchange(port, head.encode() + body, timeout=20)
 
 
-def _clean(port: int, log: Path) -> None:
-    text = log.read_text()
+def _clean(port: int, log: list[str]) -> None:
+    text = "".join(log)      # the server's stderr so far
     assert "Traceback" not in text and "req-" not in text, text[-3000:]
     got = _post(port, "/v1/completions", b'{"prompt": "the quick", "max_tokens": 2}')
     assert _status(got) == 200, got
