@@ -347,16 +347,23 @@ def local_path(uri: str) -> Path | None:
     return path if path.exists() else None
 
 
+def model_file(path: Path, gguf: bool = False) -> tuple[Path, bool]:
+    """What a local model is read from, and whether it is a GGUF file: a directory without a
+    config.json must hold exactly one .gguf file; anything else is read as it is named."""
+    if path.is_dir() and not (path / "config.json").exists():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) != 1:
+            raise ModelFactsError(f"{path}: not a model (expected a .gguf file or a directory with config.json)")
+        return ggufs[0], True
+    return path, gguf or path.suffix == ".gguf"
+
+
 def from_path(path: Path, dtype: str = "auto", gguf: bool = False) -> ModelFacts:
     """Facts from a local model: a .gguf file (or a directory holding just one), an HF directory
     or its config.json. OSErrors (a directory where a file was expected...) become ModelFactsError."""
     try:
-        if path.is_dir() and not (path / "config.json").exists():
-            ggufs = sorted(path.glob("*.gguf"))
-            if len(ggufs) != 1:
-                raise ModelFactsError(f"{path}: not a model (expected a .gguf file or a directory with config.json)")
-            path, gguf = ggufs[0], True
-        if gguf or path.suffix == ".gguf":
+        path, gguf = model_file(path, gguf)
+        if gguf:
             return from_gguf(path, dtype)
         return from_hf_dir(path, dtype)
     except OSError as e:

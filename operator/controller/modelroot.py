@@ -20,7 +20,8 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from shardwise.crds.modelshape import ModelFacts, ModelFactsError, from_gguf, from_hf_config, from_hints
+from shardwise.crds.modelshape import (ModelFacts, ModelFactsError, from_gguf, from_hf_config, from_hints,
+                                       model_file)
 
 ROOT = ""                         # set by `operator run --model-root`; "" reads nothing
 CONFIG_MAX_BYTES = 1 << 20        # an HF config.json is a few KiB
@@ -66,12 +67,8 @@ def _facts(path: Path, dtype: str, gguf: bool, identity: tuple) -> ModelFacts:
     """Facts of a model inside the root (cached by `identity`): a .gguf file (or a directory holding
     just one), an HF directory or its config.json."""
     del identity   # the cache key only
-    if path.is_dir() and not (path / "config.json").exists():
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) != 1:
-            raise ModelFactsError(f"{path}: not a model (expected a .gguf file or a directory with config.json)")
-        path, gguf = ggufs[0], True
-    if gguf or path.suffix == ".gguf":
+    path, gguf = model_file(path, gguf)
+    if gguf:
         _regular(path)
         return from_gguf(path, dtype, limit=GGUF_HEADER_MAX_BYTES)
     config = path / "config.json" if path.is_dir() else path
