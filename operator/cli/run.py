@@ -82,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
     if args.worker_image:
         handlers.WIRING.default_image = args.worker_image
     lock = None if args.no_leader_election else _become_leader(api, args)
+    if lock is not None:
+        handlers.WIRING.applier.fence = lock.check   # no write once the lease has run out
     scope = dict(clusterwide=True) if not args.namespace else dict(namespaces=args.namespace)
     try:
         kopf.run(standalone=True, **scope)
@@ -154,12 +156,13 @@ def _serve_health_and_metrics(args: argparse.Namespace) -> None:
 
 
 def _become_leader(api, args: argparse.Namespace):
-    """Block until this replica holds the Lease; exit at once if it is ever lost."""
-    from shardwise.operator.controller.leader import LeaseLock
+    """Block until this replica holds the Lease; exit at once if it is ever lost. The Lease has a
+    client of its own (`api` is the applier's)."""
+    from shardwise.operator.controller.leader import LeaseLock, lease_client
 
     lease_ns = args.lease_namespace or os.environ.get("POD_NAMESPACE") or "default"
-    lock = LeaseLock(api, lease_ns, args.lease_name, lease_seconds=args.lease_duration,
-                     renew_seconds=args.lease_duration / 3)
+    lock = LeaseLock(lease_client(api.configuration), lease_ns, args.lease_name,
+                     lease_seconds=args.lease_duration, renew_seconds=args.lease_duration / 3)
     lock.wait_until_leader()
 
     def lost() -> None:

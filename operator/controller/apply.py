@@ -5,12 +5,16 @@ meets an existing pod means an earlier reconcile already made it: nothing is cre
 apply for the per-model objects whose content may change (plan ConfigMap, Services, PDB), delete of a
 whole replica group, and the ShardedModel's status. Every request is counted in
 `shardwise_api_requests_total`, which the benchmark reads to report requests per reconcile.
+
+Every write first calls `fence()` (leader.LeaseLock.check when leader election is on: a leader whose
+lease ran out sends nothing), and status patches are conditional on the resourceVersion the pass read,
+so a stale pass never overwrites status a newer writer stored (leader.py says why).
 """
 from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
@@ -45,6 +49,11 @@ def _json(response: Any) -> Any:
     return json.loads(response.data)
 
 
+class StaleStatus(Exception):
+    """The ShardedModel changed since this pass read it (a spec edit, or another operator's status
+    write): the status patch was refused (409) and the pass must read the model again."""
+
+
 class ObjectConflict(Exception):
     """An object the model would make exists and is not the model's (no ownerReference to it): the
     operator leaves it alone rather than take it over. str(): one line naming it."""
@@ -61,6 +70,8 @@ class Applier:
         self.policy = client.PolicyV1Api(self.api)
         self.custom = client.CustomObjectsApi(self.api)
         self.requests = 0
+        # Called before every write; raises to stop it (leader.LeaseLock.check). No-op without election.
+        self.fence: Callable[[], None] = lambda: None
 
     def _count(self, verb: str, kind: str) -> None:
         self.requests += 1
@@ -78,15 +89,24 @@ class Applier:
                 return None
             raise
 
-    def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> dict | None:
-        """Merge-patch the status subresource. Lists (conditions, groups) are replaced whole."""
+    def patch_status(self, namespace: str, name: str, status: Mapping[str, Any],
+                     resource_version: str | None) -> dict | None:
+        """Merge-patch the status subresource, only if the object is still at `resource_version` (the
+        version this pass read or last wrote; StaleStatus otherwise). Lists (conditions, groups) are
+        replaced whole. Returns the object as stored (its new resourceVersion), None when it is gone."""
+        self.fence()
         self._count("patch", "ShardedModel/status")
+        body: dict[str, Any] = {"status": dict(status)}
+        if resource_version:
+            body["metadata"] = {"resourceVersion": resource_version}
         try:
             return _json(self.custom.patch_namespaced_custom_object_status(
-                GROUP, VERSION, namespace, PLURAL, name, {"status": dict(status)}, _preload_content=False))
+                GROUP, VERSION, namespace, PLURAL, name, body, _preload_content=False))
         except ApiException as e:
             if e.status == 404:
                 return None  # deleted meanwhile: its dependents go with it
+            if e.status == 409:
+                raise StaleStatus(f"ShardedModel {namespace}/{name} changed since it was read") from None
             raise
 
     # --- reads -----------------------------------------------------------------------------------
@@ -118,6 +138,7 @@ class Applier:
 
     def create_pod(self, pod: Mapping[str, Any]) -> bool:
         """Create-or-get: True when created now, False when it already existed."""
+        self.fence()
         self._count("create", "Pod")
         try:
             self.core.create_namespaced_pod(pod["metadata"]["namespace"], pod, _preload_content=False)
@@ -138,6 +159,7 @@ class Applier:
         if existing is not None and owner is not None and not owned_by(existing, owner):
             raise ObjectConflict(f"{kind} {ns}/{name} exists and is not this model's; rename the model "
                                  f"or remove the {kind}")
+        self.fence()
         self._count("apply", kind)
         kw = dict(field_manager=FIELD_MANAGER, force=True, _content_type="application/apply-patch+yaml",
                   _preload_content=False)
@@ -169,6 +191,7 @@ class Applier:
         """Delete pods by name; gone already is fine. `force` (grace 0) for pods on a lost node, whose
         kubelet will never confirm the deletion."""
         for name in names:
+            self.fence()
             self._count("delete", "Pod")
             try:
                 self.core.delete_namespaced_pod(name, namespace, grace_period_seconds=0 if force else None,

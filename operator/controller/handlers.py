@@ -30,6 +30,7 @@ from shardwise.operator.decide import recovery
 from shardwise.operator.controller import reconciler
 from shardwise.operator.render import renderer
 from shardwise.operator.controller.apply import Applier
+from shardwise.operator.controller.leader import NotLeader
 from shardwise.operator.planning.inventory import counted_node, pod_gpus
 
 log = logging.getLogger("shardwise.operator")
@@ -229,6 +230,10 @@ async def model_loop(namespace: str, name: str, ref: dict, logger: logging.Logge
             try:
                 outcome = await loop.run_in_executor(WIRING.executor, _reconcile_once, namespace, name, nodes)
                 failures = 0
+            except NotLeader as e:  # the lease ran out (leader.py): the process is stepping down
+                failures += 1
+                logger.warning(str(e))
+                outcome = reconciler.Outcome(requeue_after=_backoff(failures))
             except TRANSIENT as e:  # an API hiccup must not kill the loop; back off and retry
                 failures += 1
                 logger.warning(f"reconcile failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "

@@ -10,6 +10,10 @@ Level-based and idempotent: everything it needs is read from the API server or f
 node and pod inventory, and what it decided is stored (plan ConfigMap, then group records) before the
 pods that depend on it are created. Plans are made one model at a time: `decide` runs under the
 capacity lock, and the GPUs of the pods it creates are reserved before the lock is released.
+
+Status writes are conditional on the model's resourceVersion as this pass read (or last wrote) it:
+when the model changed meanwhile (a spec edit, or a newer leader's write after this process was
+paused) the patch is refused and the pass ends; the next one, moments later, reads it again.
 """
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ from shardwise.operator.decide import status
 from shardwise.operator.render import renderer
 from shardwise.operator.controller import report
 from shardwise.operator.controller import progress as training
-from shardwise.operator.controller.apply import Applier, ObjectConflict
+from shardwise.operator.controller.apply import Applier, ObjectConflict, StaleStatus
 from shardwise.operator.decide.decisions import Decision, Event, World
 from shardwise.operator.controller.observe import observe
 from shardwise.operator.decide.state import ModelState
@@ -38,6 +42,7 @@ from shardwise.operator.decide.state import ModelState
 log = logging.getLogger("shardwise.operator")
 
 __all__ = ["Event", "Outcome", "reconcile", "act"]
+STALE_REQUEUE = 0.5     # seconds before a pass whose status write was refused reads the model again
 
 
 @dataclasses.dataclass
@@ -65,12 +70,16 @@ def reconcile(applier: Applier, namespace: str, name: str, nodes: Mapping[str, M
         with capacity.lock:
             decision = decisions.decide(state, World(nodes, capacity.pods(set())), now())
             _reserve(capacity, state, decision)
+        writer = StatusWriter(applier, state)
         try:
-            act(applier, state, decision)
+            act(applier, state, decision, writer)
         except ObjectConflict as e:
-            _conflict(applier, state, str(e), now(), out)
+            _conflict(writer, state, str(e), now(), out)
             return out
-        _report(applier, state, decision, progress, now(), out)
+        _report(writer, state, decision, progress, now(), out)
+    except StaleStatus as e:
+        log.info(f"{e}; reading it again")
+        out.requeue_after = STALE_REQUEUE
     except Exception:
         metrics.RECONCILE_ERRORS.labels(namespace, name).inc()
         raise
@@ -80,13 +89,27 @@ def reconcile(applier: Applier, namespace: str, name: str, nodes: Mapping[str, M
     return out
 
 
-def _conflict(applier: Applier, state: ModelState, message: str, now: datetime, out: Outcome) -> None:
+class StatusWriter:
+    """The status writes of one pass, each conditional on the version of the model it last read or
+    wrote (StaleStatus when someone else wrote it in between)."""
+
+    def __init__(self, applier: Applier, state: ModelState):
+        self.applier, self.namespace, self.name = applier, state.namespace, state.name
+        self.version = state.version
+
+    def patch(self, status: Mapping[str, Any]) -> None:
+        stored = self.applier.patch_status(self.namespace, self.name, status, self.version)
+        if stored is not None:
+            self.version = stored["metadata"]["resourceVersion"]
+
+
+def _conflict(writer: StatusWriter, state: ModelState, message: str, now: datetime, out: Outcome) -> None:
     """An object the model would make belongs to someone else: said in the Applied condition and an
     Event; tried again at the steady pace (someone may remove or rename it)."""
     said = conditions.condition(state.status.get("conditions"), "Applied") or {}
     if said.get("reason") != "ObjectConflict" or said.get("message") != message:
         out.events.append(Event("Warning", "ObjectConflict", message))
-        applier.patch_status(state.namespace, state.name, {
+        writer.patch({
             "message": message,
             "conditions": conditions.set_condition(state.status.get("conditions"), "Applied", False,
                                                    "ObjectConflict", message, recovery.iso(now))})
@@ -112,12 +135,12 @@ def _pods(state: ModelState, create: decisions.CreatePods) -> list[dict]:
 
 
 @functools.singledispatch
-def _run(action: Any, applier: Applier, state: ModelState) -> None:
+def _run(action: Any, applier: Applier, state: ModelState, writer: StatusWriter) -> None:
     raise TypeError(f"no way to run {action!r}")
 
 
 @_run.register
-def _(action: decisions.DeleteGroup, applier: Applier, state: ModelState) -> None:
+def _(action: decisions.DeleteGroup, applier: Applier, state: ModelState, writer: StatusWriter) -> None:
     assert state.model is not None
     applier.delete_group(state.namespace, state.name, action.replica, state.model.metadata["uid"])
     if action.force:
@@ -125,45 +148,46 @@ def _(action: decisions.DeleteGroup, applier: Applier, state: ModelState) -> Non
 
 
 @_run.register
-def _(action: decisions.DeletePods, applier: Applier, state: ModelState) -> None:
+def _(action: decisions.DeletePods, applier: Applier, state: ModelState, writer: StatusWriter) -> None:
     applier.delete_pods(state.namespace, list(action.names), force=action.force)
 
 
 @_run.register
-def _(action: decisions.ApplyShared, applier: Applier, state: ModelState) -> None:
+def _(action: decisions.ApplyShared, applier: Applier, state: ModelState, writer: StatusWriter) -> None:
     assert state.model is not None
     for obj in renderer.render_shared(state.model, action.plan):
         applier.apply(obj)
 
 
 @_run.register
-def _(action: decisions.SaveGroups, applier: Applier, state: ModelState) -> None:
+def _(action: decisions.SaveGroups, applier: Applier, state: ModelState, writer: StatusWriter) -> None:
     plan = action.plan if action.plan is not None and action.plan.placements else None
-    applier.patch_status(state.namespace, state.name, {
+    writer.patch({
         "plan": PlanSummary.from_plan(plan).to_api() if plan else None,
         "groups": [g.to_api() for g in action.groups]})
 
 
 @_run.register
-def _(action: decisions.CreatePods, applier: Applier, state: ModelState) -> None:
+def _(action: decisions.CreatePods, applier: Applier, state: ModelState, writer: StatusWriter) -> None:
     # Gang creation: every pod of the group in one pass (create-or-get, so a repeat is harmless).
     for pod in _pods(state, action):
         applier.create_pod(pod)
 
 
 @_run.register
-def _(action: decisions.CreateProbe, applier: Applier, state: ModelState) -> None:
+def _(action: decisions.CreateProbe, applier: Applier, state: ModelState, writer: StatusWriter) -> None:
     assert state.model is not None
     applier.create_pod(probe.render(state.model, state.default_image))
 
 
-def act(applier: Applier, state: ModelState, decision: Decision) -> None:
+def act(applier: Applier, state: ModelState, decision: Decision, writer: StatusWriter | None = None) -> None:
     """Run the decision's actions in order: each is idempotent, so an interrupted pass is redone."""
+    writer = writer or StatusWriter(applier, state)
     for action in decision.actions:
-        _run(action, applier, state)
+        _run(action, applier, state, writer)
 
 
-def _report(applier: Applier, state: ModelState, decision: Decision, progress: training.Fetch,
+def _report(writer: StatusWriter, state: ModelState, decision: Decision, progress: training.Fetch,
             now: datetime, out: Outcome) -> None:
     job = _job_progress(state, decision, progress)
     new = status.build_status(state, decision, job, now)
@@ -174,7 +198,7 @@ def _report(applier: Applier, state: ModelState, decision: Decision, progress: t
     if new["phase"] == ModelPhase.RUNNING:
         out.requeue_after = min(out.requeue_after, training.POLL_SECONDS)
     if status.changed(state.status, new):
-        applier.patch_status(state.namespace, state.name, new)
+        writer.patch(new)
     report.record_metrics(state, decision, new, now)
 
 

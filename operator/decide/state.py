@@ -51,6 +51,7 @@ class ModelState:
     local_facts: ModelFacts | None = None           # the model's shape from hints or the model root
     facts_error: str = ""                           # why those cannot be had (None and "": probe it)
     default_image: str = renderer.DEFAULT_IMAGE
+    version: str = ""                               # metadata.resourceVersion read: status writes need it
 
     @property
     def spec(self) -> ShardedModelSpec:
@@ -85,7 +86,7 @@ def parse_state(body: Mapping[str, Any], pods: list[dict], configmap: Mapping[st
     """The typed state from what the API server returned (pure: the unit tests build states here)."""
     meta, status = body["metadata"], dict(body.get("status") or {})
     base = dict(namespace=meta["namespace"], name=meta["name"], generation=meta.get("generation"),
-                status=status, default_image=default_image)
+                status=status, default_image=default_image, version=meta.get("resourceVersion") or "")
     try:
         spec = ShardedModelSpec.model_validate(body.get("spec") or {})
     except ValidationError as e:
