@@ -386,6 +386,76 @@ def test_two_operators_one_active_and_the_standby_takes_over(kube, operator, tmp
         standby.stop()
 
 
+def test_a_leader_frozen_for_20_s_is_replaced_and_steps_down_on_resume_without_writing_status(
+        kube, operator, tmp_path):
+    """Two operators; the leader is frozen (SIGSTOP) for 20 s: the standby takes the Lease, scales one
+    model and recovers another's lost pod about as fast, once it leads, as a live leader did;
+    resumed (SIGCONT), the old leader steps down (exit 3) and the models' status is still what the
+    new leader wrote."""
+    ns = kube.ns
+    kube.add_nodes([(f"{ns}-n0", f"{ns}-rack-a"), (f"{ns}-n1", f"{ns}-rack-a")])
+    standby = Operator(kube, tmp_path / "standby.log").start()
+    try:
+        model(kube, "a", tensor=4, pipeline=1, replicas=1)
+        model(kube, "b", tensor=4, pipeline=1, replicas=1)
+        wait(ready(kube, "a", 1), 90, "a Ready")
+        wait(ready(kube, "b", 1), 90, "b Ready")
+        baseline = _recover_a_lost_pod(kube, "b")
+        holder = kube.get("lease", "shardwise-operator")["spec"]["holderIdentity"]
+        leader, other = (operator, standby) if holder.endswith(f"-{operator.proc.pid}") else (standby, operator)
+        assert holder.endswith(f"-{leader.proc.pid}")
+
+        leader.proc.send_signal(signal.SIGSTOP)
+        frozen = time.monotonic()
+        kube.kubectl("scale", "sm/a", "--replicas", "2", "-n", ns)
+        wait(lambda: kube.get("lease", "shardwise-operator")["spec"]["holderIdentity"] != holder, 20,
+             "the standby to take the lease", interval=0.2)
+        took_over = time.monotonic() - frozen
+        wait(ready(kube, "a", 2), 60, "a scaled by the new leader")
+        recovery = _recover_a_lost_pod(kube, "b")
+        assert recovery < baseline + 5, f"b recovered in {recovery:.1f}s under the new leader, {baseline:.1f}s before"
+        assert time.monotonic() - frozen < 20, "the new leader took longer than the freeze"
+
+        time.sleep(max(0.0, 20 - (time.monotonic() - frozen)))
+        written = {m: kube.model(m)["status"] for m in ("a", "b")}
+        assert len(written["a"]["groups"]) == 2 and written["b"]["restarts"] == 2
+        leader.proc.send_signal(signal.SIGCONT)
+        assert leader.proc.wait(15) == 3, "the resumed old leader did not step down"
+        text = leader.log.read_text(errors="replace")
+        assert "stepping down" in text and "Traceback" not in text
+        time.sleep(2)
+        for m in ("a", "b"):
+            now = kube.model(m)["status"]
+            for key in ("groups", "readyReplicas", "restarts", "plan", "phase"):
+                assert now.get(key) == written[m].get(key), (m, key, now.get(key), written[m].get(key))
+        assert other.proc.poll() is None
+        assert kube.get("lease", "shardwise-operator")["spec"]["holderIdentity"].endswith(f"-{other.proc.pid}")
+        print(f"leader frozen -> standby leads in {took_over:.1f}s; a lost pod of b replaced and Ready in "
+              f"{recovery:.1f}s under the new leader, {baseline:.1f}s under the first")
+    finally:
+        for op in (operator, standby):
+            if op.proc and op.proc.poll() is None:
+                op.proc.send_signal(signal.SIGCONT)
+        standby.stop()
+
+
+def _recover_a_lost_pod(kube: Kube, name: str) -> float:
+    """Delete the pod of a one-pod model; seconds until the operator has counted the restart, replaced
+    the pod and the model is Ready again."""
+    restarts = kube.model(name)["status"].get("restarts", 0)
+    lost = kube.pods(name)[0]["metadata"]["name"]
+    started = time.monotonic()
+    kube.kubectl("delete", "pod", lost, "-n", kube.ns, "--wait=false")
+
+    def back() -> bool:
+        sm = ready(kube, name, 1)()
+        return bool(sm) and sm["status"].get("restarts", 0) > restarts \
+            and all(g["phase"] == "Ready" for g in sm["status"]["groups"]) \
+            and lost not in {p["metadata"]["name"] for p in kube.pods(name)}
+    wait(back, 60, f"{name}'s lost pod {lost} replaced", interval=0.2)
+    return time.monotonic() - started
+
+
 def test_new_layout_rolls_replica_by_replica_keeping_one_serving(kube, operator):
     ns = kube.ns
     kube.add_nodes([(f"{ns}-n{i}", f"{ns}-rack-{i % 2}") for i in range(4)])
