@@ -70,3 +70,38 @@ def test_a_status_patch_from_a_stale_read_is_refused_and_the_newer_status_kept(c
     # The version the new leader's write returned is the one its next write is conditional on.
     again = new_leader.patch_status(namespace, "m", {"message": "again"}, stored["metadata"]["resourceVersion"])
     assert again["status"]["message"] == "again"
+
+
+def test_a_pass_whose_status_write_meets_a_newer_one_ends_quietly_and_is_redone(cluster, kube_api, namespace,
+                                                                                caplog):
+    """A real reconcile pass; between its read and its status write another writer (a newer leader,
+    here this test) writes status. The pass's write is refused, the pass ends in one log line and a
+    short requeue instead of an error, and the next pass, from a fresh read, writes."""
+    from shardwise.operator.controller import handlers, reconciler
+
+    cluster.install_crd(CRD_FILE)
+    cluster.kubectl("apply", "-f", "-", namespace=namespace, input=(
+        '{"apiVersion": "shardwise.dev/v1alpha1", "kind": "ShardedModel", "metadata": {"name": "m"},'
+        ' "spec": {"model": {"uri": "/models/m", "parameters": 1000000000, "layers": 16, "heads": 16},'
+        ' "parallelism": {"tensor": 1, "pipeline": 1, "replicas": 1},'
+        ' "placement": {"nodeSelector": {"shardwise.dev/test": "no-such-node"}}}}'))
+    applier, newer = Applier(kube_api), Applier(kube_api)
+    writes = []
+
+    def newer_leader_writes_first() -> None:       # the fence runs before each of the pass's writes
+        writes.append(True)
+        if len(writes) == 1:
+            rv = newer.get_model(namespace, "m")["metadata"]["resourceVersion"]
+            newer.patch_status(namespace, "m", {"message": "written by the new leader"}, rv)
+    applier.fence = newer_leader_writes_first
+    with caplog.at_level("INFO", logger="shardwise.operator"):
+        out = reconciler.reconcile(applier, namespace, "m", {}, handlers.Capacity())
+    assert out.requeue_after == reconciler.STALE_REQUEUE
+    assert applier.get_model(namespace, "m")["status"]["message"] == "written by the new leader"
+    said = [r.getMessage() for r in caplog.records if "changed since it was read" in r.getMessage()]
+    assert said == [f"ShardedModel {namespace}/m changed since it was read; reading it again"]
+    assert not [r for r in caplog.records if r.exc_info]
+    # The next pass reads the newer status and writes its own on top of it.
+    out = reconciler.reconcile(applier, namespace, "m", {}, handlers.Capacity())
+    assert out.requeue_after != reconciler.STALE_REQUEUE and out.phase == "Pending"
+    assert applier.get_model(namespace, "m")["status"]["phase"] == "Pending"
