@@ -92,7 +92,7 @@ def test_worker_gets_rendezvous_env_and_command():
 
 def test_everything_is_owned_by_the_model():
     objects = _render(_model(), _plan())
-    assert {o["kind"] for o in objects} == {"Pod", "Service", "ConfigMap", "PodDisruptionBudget"}
+    assert {o["kind"] for o in objects} == {"Pod", "Service", "ConfigMap", "PodDisruptionBudget", "NetworkPolicy"}
     for o in objects:
         (ref,) = o["metadata"]["ownerReferences"]
         assert ref["uid"] == "uid-1" and ref["kind"] == "ShardedModel" and ref["controller"] is True
