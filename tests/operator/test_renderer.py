@@ -214,7 +214,7 @@ def test_training_pods_form_one_world_over_all_replicas_and_get_the_job_settings
 
 def test_a_training_job_has_no_serving_service_and_no_disruption_budget():
     kinds = sorted(o["kind"] for o in renderer.render_shared(_training_model(), _plan()))
-    assert kinds == ["ConfigMap", "Service"]
+    assert kinds == ["ConfigMap", "NetworkPolicy", "Service"]
     svc = next(o for o in renderer.render_shared(_training_model(), _plan()) if o["kind"] == "Service")
     assert svc["spec"]["clusterIP"] == "None"   # the headless one, for the rendezvous
 
