@@ -4,10 +4,12 @@ operator allows, handed to the non-root worker)."""
 from __future__ import annotations
 
 import argparse
+import json
 from datetime import datetime, timezone
 
 import pytest
 
+from shardwise.crds.contract import PodContract
 from shardwise.crds.models import ShardedModel, ShardedModelSpec, load_manifest
 from shardwise.operator.decide import decisions, status
 from shardwise.operator.decide.decisions import World
@@ -66,6 +68,17 @@ def test_serving_pods_read_the_api_keys_from_the_secret_mounted_read_only():
     other = _model(serving={"auth": {"secretRef": {"name": "k", "key": "tokens.txt"}}})
     pod = renderer.render_pod(other, plan, plan.placement(0, 0), 0)
     assert next(v for v in pod["spec"]["volumes"] if v["name"] == "api-keys")["secret"]["items"][0]["key"] == "tokens.txt"
+
+
+def test_the_pod_contract_carries_neither_the_keys_secret_nor_the_peers():
+    """A worker image older than these fields reads the contract as before (its serving section
+    refuses unknown fields)."""
+    model = _model(serving={"port": 8080, "auth": {"secretRef": {"name": "k"}},
+                            "allowFrom": [{"podSelector": {}}]})
+    text = renderer.render_configmap(model, _plan())["data"]["contract.json"]
+    served = json.loads(text)["serving"]
+    assert served["port"] == 8080 and not {"auth", "allow_from", "allowFrom"} & set(served)
+    assert PodContract.from_json(text).serving.port == 8080
 
 
 def test_without_auth_no_key_is_asked_and_existing_pods_keep_their_hash():
