@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import subprocess
+import tempfile
 from datetime import datetime, timezone
 
 import pytest
@@ -230,3 +234,34 @@ def test_the_local_tier_is_handed_to_the_workers_group_by_a_root_init_container_
     # a pod without a local tier is unchanged: no init container, no extra group
     plain = renderer.render_pod(_model(), plan, plan.placement(0, 0), 0, "op/worker:1")["spec"]
     assert "initContainers" not in plain and "supplementalGroups" not in plain["securityContext"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
+                    reason="runs the init container's command as the pods would: needs root and setpriv")
+def test_the_init_containers_command_lets_a_worker_of_any_uid_write_the_kubelets_directory():
+    model = ShardedModel(metadata=META, spec=ShardedModelSpec.model_validate(_training(checkpoint={"local": {}})))
+    plan = _plan()
+    spec = renderer.render_pod(model, plan, plan.placement(0, 0), 0, "op/worker:1")["spec"]
+    (init,) = spec["initContainers"]
+    groups = ",".join(str(g) for g in spec["securityContext"]["supplementalGroups"])
+    base = tempfile.mkdtemp()
+    try:
+        os.chmod(base, 0o755)
+        tier = os.path.join(base, "prod", "llama")
+        os.makedirs(tier, mode=0o755)        # what the kubelet's DirectoryOrCreate makes: root, 0755
+        os.chmod(tier, 0o755)
+
+        def worker(*cmd: str) -> subprocess.CompletedProcess:   # a custom image's uid, in the pod's groups
+            return subprocess.run(["setpriv", "--reuid", "12345", "--regid", "12345", "--groups", groups, *cmd],
+                                  capture_output=True, text=True)
+        assert worker("touch", f"{tier}/before").returncode != 0
+        sc = init["securityContext"]
+        command = [c.replace(renderer.LOCAL_TIER_MOUNT, tier) for c in init["command"]]
+        subprocess.run(["setpriv", "--reuid", str(sc["runAsUser"]), "--regid", str(sc["runAsGroup"]),
+                        "--clear-groups", "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", *command],
+                       check=True, capture_output=True)
+        assert worker("mkdir", f"{tier}/step-10").returncode == 0
+        assert worker("touch", f"{tier}/step-10/rank-0").returncode == 0
+        assert os.stat(f"{tier}/step-10").st_gid == 10001      # setgid: the group stays the worker's
+    finally:
+        shutil.rmtree(base)
