@@ -3,9 +3,8 @@
 Create-or-get for pods (a pod is immutable; its name carries the replica's attempt, so a create that
 meets an existing pod means an earlier reconcile already made it: nothing is created twice), server-side
 apply for the per-model objects whose content may change (plan ConfigMap, Services, PDB,
-NetworkPolicy), delete of a
-whole replica group, and the ShardedModel's status. Every request is counted in
-`shardwise_api_requests_total`, which the benchmark reads to report requests per reconcile.
+NetworkPolicy), delete of a whole replica group, and the ShardedModel's status. Every request is
+counted in `shardwise_api_requests_total`, which the benchmark reads to report requests per reconcile.
 """
 from __future__ import annotations
 

@@ -3,8 +3,9 @@
 One Pod per (replica, pipeline stage), pinned to the planned node and asking for `tensor` GPUs; a
 headless Service through which a replica's ranks find stage 0 (rendezvous); a serving Service in front
 of every replica's stage 0; a ConfigMap with the pod contract (crds/contract.py) as contract.json; a
-PodDisruptionBudget; a NetworkPolicy (render/netpolicy.py). Every object carries an ownerReference to the ShardedModel, so deleting the model
-garbage-collects all of it.
+PodDisruptionBudget; a NetworkPolicy (render/netpolicy.py). Every object carries an ownerReference to
+the ShardedModel, so deleting the model garbage-collects all of it. What the operator is configured
+with (render/settings.py) is an argument, defaulting to the running operator's.
 
 The spec is read typed (crds.models.ShardedModel): every default is the API's. The pod contract holds
 everything the worker needs that is the same for every pod of the model (plan, model path, dtype,
