@@ -51,6 +51,10 @@ class ServingContract(Serving):
     """spec.serving, and the name the OpenAI-compatible API reports."""
 
     model_name: str = Field(min_length=1, description="the ShardedModel's name")
+    # The pod's own arguments and the NetworkPolicy's, not the worker's: never in the file, so that a
+    # worker image older than them still reads it.
+    auth: None = Field(None, exclude=True)
+    allow_from: list = Field(default_factory=list, exclude=True)
 
 
 class PodContract(_Contract):

@@ -23,8 +23,8 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from shardwise.crds.apimodel import (LABEL_KEY_PATTERN, QUANTITY_PATTERN, ApiModel, cel, describe_validation_error,
                                      malformed_pvc, parse_pvc, parse_quantity, pvc_rule)
-from shardwise.crds.names import (MAX_MODEL_NAME, MAX_PIPELINE, MAX_REPLICAS, MODEL_NAME_PATTERN, RACK_LABEL,
-                                  ZONE_LABEL)
+from shardwise.crds.names import (DEFAULT_API_KEYS_KEY, LOCAL_CHECKPOINT_ROOT, MAX_MODEL_NAME, MAX_PIPELINE,
+                                  MAX_REPLICAS, MODEL_NAME_PATTERN, RACK_LABEL, ZONE_LABEL)
 from shardwise.crds.schedules import DEFAULT_SCHEDULE, INTERLEAVED_MICRO_BATCHES, PipelineSchedule, micro_batches_fit
 from shardwise.crds.status import (PHASES, Condition, GroupPhase, LastCheckpoint, ModelFactsStatus, ModelPhase,
                                    PlacementSummary, PlanSummary, ReplicaGroupStatus, ShardedModelStatus,
@@ -216,10 +216,11 @@ class LocalCheckpoint(ApiModel):
 
     path: str = Field("/local-checkpoints", max_length=4096, pattern=r"^/", description=(
         "Directory of the local checkpoints inside the pod; must differ from checkpoint.path."))
-    host_path: str = Field("/var/lib/shardwise/checkpoints", max_length=4096, pattern=r"^/", description=(
-        "Directory on the node; each pod mounts <hostPath>/<namespace>/<model name> of its node "
-        "(hostPath type DirectoryOrCreate), which outlives the pod: a restarted job's new pods on "
-        "the same node read it back."))
+    host_path: str = Field(LOCAL_CHECKPOINT_ROOT, max_length=4096, pattern=r"^/", description=(
+        "Directory on the node, one of the roots the operator allows (`operator run "
+        "--local-checkpoint-root`; a model naming another is refused in its status); each pod mounts "
+        "<hostPath>/<namespace>/<model name> of its node (hostPath type DirectoryOrCreate), which "
+        "outlives the pod: a restarted job's new pods on the same node read it back."))
     interval_steps: int = Field(10, ge=1, description="Training steps between local checkpoints.")
     keep: int = Field(2, ge=1, le=1000, description="Local checkpoints kept per node; older ones are deleted.")
 
@@ -336,6 +337,58 @@ class Quantization(str, Enum):
     AUTO = "auto"      # gguf (a Q8_0/Q4_0/Q4_1 GGUF), then int8, only when the GPUs cannot hold the model otherwise
 
 
+LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+PEER_NEEDS_SELECTOR = "serving.allowFrom: each peer needs namespaceSelector or podSelector"
+
+
+class SecretKeyRef(ApiModel):
+    name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN,
+                      description="A Secret in the model's namespace.")
+    key: str = Field(DEFAULT_API_KEYS_KEY, min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$",
+                     description="Its key holding the accepted API keys, one per line.")
+
+
+class ServingAuth(ApiModel):
+    secret_ref: SecretKeyRef = Field(description=(
+        "The Secret holding the bearer tokens /v1/* accepts (one per line); /healthz and /metrics "
+        "stay open. The pods mount it read-only; the operator never reads it."))
+
+
+class LabelSelector(ApiModel):
+    """Labels only (no expressions): what a NetworkPolicy peer is chosen by. Empty: every one."""
+
+    match_labels: dict[str, str] = Field(default_factory=dict, max_length=16, json_schema_extra={
+        "additionalProperties": {"type": "string", "maxLength": 63, "pattern": LABEL_VALUE_PATTERN}})
+
+    @field_validator("match_labels")
+    @classmethod
+    def _label_keys(cls, labels: dict[str, str]) -> dict[str, str]:
+        for key, value in labels.items():
+            if len(key) > 316 or not re.match(LABEL_KEY_PATTERN, key):
+                raise ValueError(f"{key!r} is not a label key")
+            if len(value) > 63 or not re.match(LABEL_VALUE_PATTERN, value):
+                raise ValueError(f"{value!r} is not a label value")
+        return labels
+
+
+class NetworkPeer(ApiModel):
+    """Who may reach the serving port, as a NetworkPolicy peer: pods of podSelector in the model's
+    namespace, every pod of the namespaces of namespaceSelector, or with both, those pods there."""
+
+    model_config = ConfigDict(json_schema_extra=cel(
+        ("has(self.namespaceSelector) || has(self.podSelector)", PEER_NEEDS_SELECTOR)))
+
+    namespace_selector: Optional[LabelSelector] = None
+    pod_selector: Optional[LabelSelector] = None
+
+    @model_validator(mode="after")
+    def _some_selector(self) -> "NetworkPeer":
+        if self.namespace_selector is None and self.pod_selector is None:
+            raise ValueError(PEER_NEEDS_SELECTOR)
+        return self
+
+
 class Serving(ApiModel):
     port: int = Field(8000, ge=1, le=65535, description="Port of the OpenAI-compatible HTTP API.")
     kv_cache_tokens: int = Field(8192, ge=0, description=(
@@ -352,6 +405,11 @@ class Serving(ApiModel):
         "When the GPUs available cannot hold the model's weights, keep the decoder layers that do not "
         "fit in host memory and stream each to its GPU ahead of its turn (slower: every step copies them "
         "over PCIe). The planner uses it only when no plan holds every replica otherwise."))
+    auth: Optional[ServingAuth] = Field(None, description=(
+        "API keys: omitted, the API is open to whoever reaches the port."))
+    allow_from: list[NetworkPeer] = Field(default_factory=list, max_length=16, description=(
+        "Who may reach the serving port through the model's NetworkPolicy (the operator's pods "
+        "always may). Empty: anyone."))
 
 
 class Resources(ApiModel):

@@ -34,6 +34,18 @@ ZONE_LABEL = "topology.kubernetes.io/zone"
 CONTRACT_FILE = "contract.json"     # the ConfigMap's key, and the file name in the pod
 CONTRACT_MOUNT = "/etc/shardwise"   # where the ConfigMap is mounted
 CONTRACT_PATH = f"{CONTRACT_MOUNT}/{CONTRACT_FILE}"
+# spec.serving.auth.secretRef's key, mounted read-only in a serving pod and passed as --api-key-file
+API_KEYS_MOUNT = "/var/run/shardwise/api-keys"
+API_KEYS_PATH = f"{API_KEYS_MOUNT}/keys"
+DEFAULT_API_KEYS_KEY = "api-keys"   # the Secret's key when secretRef names none
+
+# --- the local checkpoint tier (spec.checkpoint.local) ---------------------------------------------
+# The node directory the operator allows by default (`operator run --local-checkpoint-root`), and
+# spec.checkpoint.local.hostPath's default.
+LOCAL_CHECKPOINT_ROOT = "/var/lib/shardwise/checkpoints"
+# The worker image's group (docker/worker.Dockerfile): a supplemental group of pods with a local tier,
+# which the tier's directory is handed to, so a worker of any non-root uid can write it.
+WORKER_GID = 10001
 
 # --- a worker pod's environment: all that differs between the pods sharing one contract -----------
 ENV_REPLICA = "SHARDWISE_REPLICA"
@@ -81,6 +93,10 @@ def pdb_name(model: str) -> str:
     return model
 
 
+def network_policy_name(model: str) -> str:
+    return model
+
+
 def probe_pod_name(model: str, digest: str) -> str:
     """The model-shape probe's pod; `digest` is 8 hex digits of its uri."""
     return f"{model}-probe-{digest}"
@@ -97,6 +113,7 @@ def _longest_model_name() -> int:
         (len(serving_service_name("")), DNS_LABEL_MAX),
         (len(configmap_name("")), DNS_SUBDOMAIN_MAX),
         (len(pdb_name("")), DNS_SUBDOMAIN_MAX),
+        (len(network_policy_name("")), DNS_SUBDOMAIN_MAX),
         (len(probe_pod_name("", "0" * 8)), DNS_SUBDOMAIN_MAX),
         (0, DNS_LABEL_MAX),  # the model's label (LABEL_MODEL, LABEL_APP_INSTANCE) carries the name
     ]

@@ -18,7 +18,8 @@ CRD_FILE = Path(__file__).with_name(f"{models.PLURAL}.{models.GROUP}.yaml")
 # JSON Schema keywords a structural schema may keep; the rest (title, $defs, ...) are dropped.
 _KEEP = {"type", "description", "default", "enum", "format", "minimum", "maximum", "exclusiveMinimum",
          "exclusiveMaximum", "minLength",
-         "maxLength", "pattern", "minItems", "maxItems", "items", "properties", "required",
+         "maxLength", "pattern", "minItems", "maxItems", "minProperties", "maxProperties", "items", "properties",
+         "required",
          "additionalProperties", "nullable", "x-kubernetes-validations", "x-kubernetes-list-type",
          "x-kubernetes-list-map-keys", "x-kubernetes-int-or-string",
          "x-kubernetes-preserve-unknown-fields"}

@@ -9,6 +9,8 @@ import sys
 import threading
 from typing import Callable
 
+from shardwise.crds.names import LOCAL_CHECKPOINT_ROOT
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", required=True)
@@ -36,6 +38,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--model-root", default=os.environ.get("SHARDWISE_MODEL_ROOT", ""),
                      help="folder of the operator's own file system it may read models from (spec.model.uri "
                           "inside it); default $SHARDWISE_MODEL_ROOT, else none: the probe pod reads them")
+    run.add_argument("--network-policy", action=argparse.BooleanOptionalAction, default=True,
+                     help="make a NetworkPolicy per model (--no-network-policy: for clusters whose network "
+                          "plugin enforces none)")
+    run.add_argument("--operator-pod-labels", default="", metavar="K=V,...",
+                     help="labels of the operator's own pods (in $POD_NAMESPACE), which every model's "
+                          "NetworkPolicy admits to the serving port (a training pod's /progress)")
+    run.add_argument("--local-checkpoint-root", action="append", default=None, metavar="DIR",
+                     help="a node directory spec.checkpoint.local.hostPath may name (repeatable; default "
+                          "%s; an empty value: none, no model gets a local tier)" % LOCAL_CHECKPOINT_ROOT)
+    run.add_argument("--prepare-local-checkpoints", action=argparse.BooleanOptionalAction, default=True,
+                     help="give a local tier's new node directory to the worker's group with a root init "
+                          "container (--no-prepare-local-checkpoints: the nodes' directories are prepared "
+                          "beforehand; see docs/security.md)")
     run.add_argument("--no-leader-election", action="store_true",
                      help="run without a Lease (only when exactly one operator runs)")
 
@@ -97,6 +112,7 @@ def _check_arguments(args: argparse.Namespace) -> None:
     from shardwise.operator.decide import elastic
     from shardwise.operator.controller import modelroot
     from shardwise.operator.controller import progress as training
+    from shardwise.operator.render import settings
 
     if args.progress_seconds <= 0:
         raise _Refused("--progress-seconds must be more than 0")
@@ -108,9 +124,37 @@ def _check_arguments(args: argparse.Namespace) -> None:
         raise _Refused(f"kubeconfig {args.kubeconfig} does not exist")
     if args.model_root and not os.path.isdir(args.model_root):
         raise _Refused(f"--model-root {args.model_root} is not a directory")
+    render_settings = _render_settings(args)
     training.POLL_SECONDS = args.progress_seconds
     modelroot.ROOT = args.model_root
     elastic.GROW_AFTER_SECONDS = args.grow_after_seconds
+    settings.configure(render_settings)
+
+
+def _render_settings(args: argparse.Namespace):
+    """What shapes the objects rendered (operator/render/settings.py), checked: one line if wrong."""
+    from shardwise.operator.render import localtier, settings
+
+    labels = {}
+    for item in filter(None, (p.strip() for p in args.operator_pod_labels.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise _Refused(f"--operator-pod-labels: {item!r} is not KEY=VALUE")
+        labels[key] = value
+    roots = [r for r in (args.local_checkpoint_root or [LOCAL_CHECKPOINT_ROOT]) if r]
+    for root in roots:
+        if not root.startswith("/") or ".." in root.split("/"):
+            raise _Refused(f"--local-checkpoint-root {root} must be an absolute path without '..'")
+    roots = list(dict.fromkeys(localtier.normalised(r) for r in roots))
+    for a in roots:
+        for b in roots:
+            if a != b and (b + "/").startswith(a.rstrip("/") + "/"):
+                raise _Refused(f"--local-checkpoint-root {b} is inside {a}: a model's directory under "
+                               f"{a} could lead into {b}; give roots apart")
+    return settings.Settings(network_policy=args.network_policy,
+                             operator_namespace=os.environ.get("POD_NAMESPACE", ""), operator_labels=labels,
+                             local_checkpoint_roots=tuple(roots),
+                             prepare_local_checkpoints=args.prepare_local_checkpoints)
 
 
 def _configure_logging(level: str) -> None:

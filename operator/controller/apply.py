@@ -2,9 +2,9 @@
 
 Create-or-get for pods (a pod is immutable; its name carries the replica's attempt, so a create that
 meets an existing pod means an earlier reconcile already made it: nothing is created twice), server-side
-apply for the per-model objects whose content may change (plan ConfigMap, Services, PDB), delete of a
-whole replica group, and the ShardedModel's status. Every request is counted in
-`shardwise_api_requests_total`, which the benchmark reads to report requests per reconcile.
+apply for the per-model objects whose content may change (plan ConfigMap, Services, PDB,
+NetworkPolicy), delete of a whole replica group, and the ShardedModel's status. Every request is
+counted in `shardwise_api_requests_total`, which the benchmark reads to report requests per reconcile.
 
 Every write first calls `fence()` (leader.LeaseLock.check when leader election is on: a leader whose
 lease ran out sends nothing), and status patches are conditional on the resourceVersion the pass read,
@@ -68,6 +68,7 @@ class Applier:
         self.api = api or load_config()
         self.core = client.CoreV1Api(self.api)
         self.policy = client.PolicyV1Api(self.api)
+        self.networking = client.NetworkingV1Api(self.api)
         self.custom = client.CustomObjectsApi(self.api)
         self.requests = 0
         # Called before every write; raises to stop it (leader.LeaseLock.check). No-op without election.
@@ -169,6 +170,8 @@ class Applier:
             self.core.patch_namespaced_service(name, ns, obj, **kw)
         elif kind == "PodDisruptionBudget":
             self.policy.patch_namespaced_pod_disruption_budget(name, ns, obj, **kw)
+        elif kind == "NetworkPolicy":
+            self.networking.patch_namespaced_network_policy(name, ns, obj, **kw)
         else:
             raise ValueError(f"apply does not handle kind {kind}")
 
@@ -181,6 +184,8 @@ class Applier:
                 return _json(self.core.read_namespaced_service(name, ns, _preload_content=False))
             if kind == "PodDisruptionBudget":
                 return _json(self.policy.read_namespaced_pod_disruption_budget(name, ns, _preload_content=False))
+            if kind == "NetworkPolicy":
+                return _json(self.networking.read_namespaced_network_policy(name, ns, _preload_content=False))
         except ApiException as e:
             if e.status == 404:
                 return None

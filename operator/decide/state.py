@@ -23,7 +23,7 @@ from shardwise.crds.models import (ModelFactsStatus, ReplicaGroupStatus, Sharded
 from shardwise.crds.modelshape import ModelFacts, ModelFactsError, from_hints
 from shardwise.crds.plan import ShardPlan
 from shardwise.operator.decide import probe
-from shardwise.operator.render import renderer
+from shardwise.operator.render import localtier, renderer, settings
 from shardwise.operator.decide.recovery import Policy
 from shardwise.operator.decide.workloads import Workload, workload_of
 
@@ -95,6 +95,9 @@ def parse_state(body: Mapping[str, Any], pods: list[dict], configmap: Mapping[st
     bad_name = model_name_problem(meta["name"])
     if bad_name:   # made before the API server checked names: nothing it would make is valid
         return ModelState(**base, invalid=bad_name)
+    refused = localtier.refusal(spec, settings.current().local_checkpoint_roots)
+    if refused:    # a node directory the operator does not allow: no pod mounts it
+        return ModelState(**base, invalid=refused)
     replica_pods: dict[int, list[dict]] = {}
     probe_pod = None
     for pod in _owned(pods, meta.get("uid")):

@@ -3,8 +3,9 @@
 One Pod per (replica, pipeline stage), pinned to the planned node and asking for `tensor` GPUs; a
 headless Service through which a replica's ranks find stage 0 (rendezvous); a serving Service in front
 of every replica's stage 0; a ConfigMap with the pod contract (crds/contract.py) as contract.json; a
-PodDisruptionBudget. Every object carries an ownerReference to the ShardedModel, so deleting the model
-garbage-collects all of it.
+PodDisruptionBudget; a NetworkPolicy (render/netpolicy.py). Every object carries an ownerReference to
+the ShardedModel, so deleting the model garbage-collects all of it. What the operator is configured
+with (render/settings.py) is an argument, defaulting to the running operator's.
 
 The spec is read typed (crds.models.ShardedModel): every default is the API's. The pod contract holds
 everything the worker needs that is the same for every pod of the model (plan, model path, dtype,
@@ -26,6 +27,8 @@ from shardwise.crds.contract import (SERVING_GRACE_SECONDS, ContractError, Model
                                      ServingContract)
 from shardwise.crds.models import API_VERSION, KIND, Serving, ShardedModel, ShardedModelSpec, Workload, parse_pvc
 from shardwise.crds.plan import ShardPlan, StagePlacement
+from shardwise.operator.render import localtier, netpolicy
+from shardwise.operator.render.settings import Settings, current
 
 MODEL_MOUNT = "/models"
 DATA_MOUNT = "/data"
@@ -45,6 +48,7 @@ headless_service_name = names.headless_service_name
 serving_service_name = names.serving_service_name
 configmap_name = names.configmap_name
 pdb_name = names.pdb_name
+network_policy_name = names.network_policy_name
 
 
 def master_addr(model: str, namespace: str, replica: int) -> str:
@@ -87,9 +91,12 @@ def spec_hash(spec: ShardedModelSpec, default_image: str = DEFAULT_IMAGE) -> str
     Replicas (training.minReplicas too), recovery and placement preferences are left out: changing
     them rolls nothing. The
     typed spec has its defaults filled in, so writing a default out changes nothing either."""
+    # serving.allowFrom is the NetworkPolicy's alone; serving.auth, when unset, is left out so that
+    # models made before it existed keep their hash (and their pods).
+    serving_out = {"allow_from"} | ({"auth"} if spec.serving.auth is None else set())
     keep = spec.model_dump(mode="json", by_alias=True,
                            exclude={"recovery": True, "placement": True, "parallelism": {"replicas"},
-                                    "training": {"min_replicas"}})
+                                    "training": {"min_replicas"}, "serving": serving_out})
     keep["image"] = spec.image or default_image
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:10]
 
@@ -144,7 +151,7 @@ def pod_contract(model: ShardedModel, plan: ShardPlan) -> PodContract:
         plan=plan,
         model=ModelContract(path=model_volume(spec.model.uri)[0], format=spec.model.format, dtype=spec.dtype),
         workload=spec.workload,
-        serving=ServingContract(**spec.serving.model_dump(), model_name=model.name),
+        serving=ServingContract(**spec.serving.model_dump(exclude={"auth", "allow_from"}), model_name=model.name),
         training=training, checkpoint=spec.checkpoint, termination_log=TERMINATION_LOG)
 
 
@@ -172,7 +179,7 @@ WORKER_CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": 
 
 
 def render_pod(model: ShardedModel, plan: ShardPlan, placement: StagePlacement, attempt: int,
-               default_image: str = DEFAULT_IMAGE) -> dict:
+               default_image: str = DEFAULT_IMAGE, settings: Settings | None = None) -> dict:
     r, s = placement.replica, placement.stage
     labels = {**model_labels(model.name), names.LABEL_REPLICA: str(r), names.LABEL_STAGE: str(s),
               names.LABEL_PLAN_HASH: replica_hash(plan, r), names.LABEL_ATTEMPT: str(attempt),
@@ -181,7 +188,7 @@ def render_pod(model: ShardedModel, plan: ShardPlan, placement: StagePlacement, 
     meta["annotations"] = {names.ANNOTATION_LAYERS: f"{placement.layer_start}-{placement.layer_end}",
                            names.ANNOTATION_PLANNED_NODE: placement.node}
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta,
-            "spec": _pod_spec(model, placement, attempt, default_image)}
+            "spec": _pod_spec(model, placement, attempt, default_image, settings or current())}
 
 
 def _rendezvous(model: ShardedModel, replica: int, attempt: int) -> tuple[str, int]:
@@ -227,15 +234,43 @@ def _volumes(model: ShardedModel) -> tuple[list[dict], list[dict]]:
         volumes.append({"name": "local-checkpoint", "hostPath": {
             "path": local_checkpoint_dir(model), "type": "DirectoryOrCreate"}})
         mounts.append({"name": "local-checkpoint", "mountPath": spec.checkpoint.local.path})
+    if _api_keys(model):
+        ref = spec.serving.auth.secret_ref
+        volumes.append({"name": "api-keys", "secret": {"secretName": ref.name, "defaultMode": 0o444,
+                                                       "items": [{"key": ref.key, "path": "keys"}]}})
+        mounts.append({"name": "api-keys", "mountPath": names.API_KEYS_MOUNT, "readOnly": True})
     return volumes, mounts
+
+
+def _api_keys(model: ShardedModel) -> bool:
+    """Whether the pods check API keys: a served model with spec.serving.auth (a training job serves
+    no API)."""
+    return model.spec.serving.auth is not None and model.spec.workload == Workload.INFERENCE
 
 
 def local_checkpoint_dir(model: ShardedModel) -> str:
     """The node directory of a model's local checkpoint tier: <hostPath>/<namespace>/<model name>.
     A hostPath, not an emptyDir: a restarted job's pods are new pods, and an emptyDir dies with its
     pod; the node's directory outlives them (and dies with the node, which the shared tier covers)."""
-    local = model.spec.checkpoint.local
-    return f"{local.host_path.rstrip('/')}/{model.namespace}/{model.name}"
+    return localtier.directory(model.spec.checkpoint.local.host_path, model.namespace, model.name)
+
+
+LOCAL_TIER_MOUNT = "/local-tier"   # where the preparing init container sees the tier's directory
+
+
+def _prepare_local_tier(default_image: str) -> dict:
+    """The init container that hands the local tier's directory to the worker's group: the kubelet
+    makes it root-owned 0755, and fsGroup does not apply to a hostPath. It runs the operator's own
+    worker image (never spec.image) as root with no capability at all: root owns the directory,
+    so it may chmod it and give it to a group it is in (its own); setgid keeps new files in it."""
+    gid = names.WORKER_GID
+    return {"name": "prepare-local-tier", "image": default_image,
+            "command": ["sh", "-c", f"chgrp {gid} {LOCAL_TIER_MOUNT} && chmod 2770 {LOCAL_TIER_MOUNT}"],
+            "volumeMounts": [{"name": "local-checkpoint", "mountPath": LOCAL_TIER_MOUNT}],
+            "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"memory": "64Mi"}},
+            "securityContext": {"runAsUser": 0, "runAsGroup": gid, "runAsNonRoot": False,
+                                "allowPrivilegeEscalation": False,
+                                "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}}
 
 
 def grace_seconds(spec: ShardedModelSpec) -> int:
@@ -261,7 +296,8 @@ def _container(model: ShardedModel, placement: StagePlacement, attempt: int, def
         "name": "worker",
         "image": model.spec.image or default_image,
         "command": ["shardwise", "worker"],
-        "args": ["--contract", names.CONTRACT_PATH],
+        "args": ["--contract", names.CONTRACT_PATH] + (["--api-key-file", names.API_KEYS_PATH]
+                                                       if _api_keys(model) else []),
         "env": _env(placement, addr, rendezvous),
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"},
                   {"name": "rendezvous", "containerPort": rendezvous, "protocol": "TCP"}],
@@ -278,7 +314,8 @@ def _container(model: ShardedModel, placement: StagePlacement, attempt: int, def
     }
 
 
-def _pod_spec(model: ShardedModel, placement: StagePlacement, attempt: int, default_image: str) -> dict:
+def _pod_spec(model: ShardedModel, placement: StagePlacement, attempt: int, default_image: str,
+              settings: Settings) -> dict:
     volumes, mounts = _volumes(model)
     pod_spec: dict[str, Any] = {
         # A torch.distributed group cannot lose a rank: the operator restarts the whole group instead.
@@ -296,6 +333,14 @@ def _pod_spec(model: ShardedModel, placement: StagePlacement, attempt: int, defa
         "enableServiceLinks": False,
         "securityContext": WORKER_POD_SECURITY,
     }
+    checkpoint = model.spec.checkpoint
+    if checkpoint is not None and checkpoint.local is not None:
+        # The tier's directory belongs to the worker's group (the init container, or whoever prepared
+        # the node): every container is in it, whatever its uid. A supplemental group, not fsGroup:
+        # fsGroup does not apply to a hostPath, and would chown the checkpoint claim instead.
+        pod_spec["securityContext"] = {**WORKER_POD_SECURITY, "supplementalGroups": [names.WORKER_GID]}
+        if settings.prepare_local_checkpoints:
+            pod_spec["initContainers"] = [_prepare_local_tier(default_image)]
     placement_spec = model.spec.placement
     if placement_spec.node_selector:
         pod_spec["nodeSelector"] = dict(placement_spec.node_selector)
@@ -305,9 +350,9 @@ def _pod_spec(model: ShardedModel, placement: StagePlacement, attempt: int, defa
 
 
 def render_replica_pods(model: ShardedModel, plan: ShardPlan, replica: int, attempt: int,
-                        default_image: str = DEFAULT_IMAGE) -> list[dict]:
+                        default_image: str = DEFAULT_IMAGE, settings: Settings | None = None) -> list[dict]:
     """Every pod of one replica: the unit that is created, counted Ready and torn down together."""
-    return [render_pod(model, plan, p, attempt, default_image) for p in plan.stages_of(replica)]
+    return [render_pod(model, plan, p, attempt, default_image, settings) for p in plan.stages_of(replica)]
 
 
 # --- shared objects ------------------------------------------------------------------------------
@@ -351,13 +396,22 @@ def render_pdb(model: ShardedModel, replicas: int, pipeline: int) -> dict:
             "metadata": _meta(model, pdb_name(model.name), model_labels(model.name)), "spec": spec}
 
 
-def render_shared(model: ShardedModel, plan: ShardPlan) -> list[dict]:
-    """The per-model objects (not per replica): services, the contract's ConfigMap, disruption budget.
+def render_network_policy(model: ShardedModel, settings: Settings | None = None) -> dict:
+    meta = _meta(model, network_policy_name(model.name), model_labels(model.name))
+    return netpolicy.render(model, meta, settings or current())
+
+
+def render_shared(model: ShardedModel, plan: ShardPlan, settings: Settings | None = None) -> list[dict]:
+    """The per-model objects (not per replica): services, the contract's ConfigMap, disruption budget,
+    and the NetworkPolicy unless the operator is told not to make one.
 
     A training job has no API to serve, and no disruption budget: losing any of its pods stops
     the whole job (it resumes from the last checkpoint), and a budget that forbade that would
     block node drains for as long as the job runs."""
+    settings = settings or current()
+    # the policy first: no pod of the model runs before it exists
+    policy = [render_network_policy(model, settings)] if settings.network_policy else []
     if model.spec.workload == Workload.TRAINING:
-        return [render_headless_service(model), render_configmap(model, plan)]
-    return [render_headless_service(model), render_serving_service(model), render_configmap(model, plan),
-            render_pdb(model, plan.replicas, plan.pipeline)]
+        return policy + [render_headless_service(model), render_configmap(model, plan)]
+    return policy + [render_headless_service(model), render_serving_service(model), render_configmap(model, plan),
+                     render_pdb(model, plan.replicas, plan.pipeline)]

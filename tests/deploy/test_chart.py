@@ -197,6 +197,38 @@ def test_service_monitor_without_service_is_refused():
     assert "metrics.service.enabled" in proc.stderr
 
 
+def _operator_settings(docs: list[dict]):
+    """What the operator would run with: the Deployment's args through `shardwise operator run`'s parser."""
+    import argparse
+
+    from shardwise.operator.cli import run
+
+    dep = one(docs, "Deployment")
+    parser = argparse.ArgumentParser()
+    run.add_arguments(parser)
+    args = parser.parse_args(dep["spec"]["template"]["spec"]["containers"][0]["args"][1:])
+    return dep, run._render_settings(args)
+
+
+def test_network_policy_and_local_checkpoint_roots_reach_the_operator(tmp_path, monkeypatch):
+    monkeypatch.setenv("POD_NAMESPACE", "shardwise-system")   # what the Deployment's env gives it
+    dep, settings = _operator_settings(render())
+    # on by default, admitting the operator's own pods: the labels its pod template carries
+    pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert settings.network_policy is True and settings.operator_namespace == "shardwise-system"
+    assert settings.operator_labels and settings.operator_labels.items() <= pod_labels.items()
+    assert settings.local_checkpoint_roots == ("/var/lib/shardwise/checkpoints",)
+    assert settings.prepare_local_checkpoints is True
+    values = {"operator": {"networkPolicy": False,
+                           "localCheckpoints": {"roots": ["/mnt/nvme/ckpt", "/data/ckpt/"], "prepareAsRoot": False}}}
+    _, settings = _operator_settings(render(values=values, tmp_path=tmp_path))
+    assert settings.network_policy is False and settings.prepare_local_checkpoints is False
+    assert settings.local_checkpoint_roots == ("/mnt/nvme/ckpt", "/data/ckpt")
+    values["operator"]["localCheckpoints"]["roots"] = []
+    _, settings = _operator_settings(render(values=values, tmp_path=tmp_path))
+    assert settings.local_checkpoint_roots == ()
+
+
 # ------------------------------------------------------------------------------------ values schema
 
 @pytest.mark.parametrize("setting, named", [
@@ -212,6 +244,8 @@ def test_service_monitor_without_service_is_refused():
     ("securityContext.readOnlyRootFilesystem=false", "readOnlyRootFilesystem"),
     ("metrics.serviceMonitor.interval=30", "interval"),
     ("resources.limits.memory=lots", "memory"),
+    ("operator.localCheckpoints.roots[0]=var/lib", "roots"),
+    ("operator.networkPolicy=maybe", "networkPolicy"),
 ])
 def test_schema_rejects_bad_values_naming_the_key(setting, named):
     proc = helm("template", "sw", str(CHART), "--kube-version", KUBE_VERSION, "--set", setting, check=False)
@@ -239,6 +273,7 @@ def test_chart_crd_is_the_generated_crd():
 OPERATOR = ROOT / "operator"
 API_GROUPS = {"pods": "", "services": "", "configmaps": "", "events": "", "nodes": "", "namespaces": "",
               "poddisruptionbudgets": "policy", "leases": "coordination.k8s.io",
+              "networkpolicies": "networking.k8s.io",
               "shardedmodels": "shardwise.dev", "shardedmodels/status": "shardwise.dev",
               "customresourcedefinitions": "apiextensions.k8s.io"}
 CLIENT_VERBS = [("delete_collection", "deletecollection"), ("create", "create"), ("read", "get"),
@@ -255,6 +290,8 @@ KOPF_OWN = {
 def _plural(snake: str) -> str:
     if snake in ("custom_object", "custom_object_status"):
         return "shardedmodels" + ("/status" if snake.endswith("status") else "")
+    if snake == "network_policy":
+        return "networkpolicies"
     return snake.replace("_", "") + "s"
 
 
@@ -276,7 +313,7 @@ def operator_api_calls() -> set[tuple[str, str, str]]:
             for node in ast.walk(func):
                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
                         and isinstance(node.func.value, ast.Attribute) \
-                        and node.func.value.attr in ("core", "policy", "custom", "coord"):
+                        and node.func.value.attr in ("core", "policy", "custom", "coord", "networking"):
                     m = method.match(node.func.attr)
                     assert m, f"{path.name}: unrecognised API call {node.func.attr}"
                     verb = dict(CLIENT_VERBS)[m.group(1)]

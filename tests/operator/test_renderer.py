@@ -92,7 +92,7 @@ def test_worker_gets_rendezvous_env_and_command():
 
 def test_everything_is_owned_by_the_model():
     objects = _render(_model(), _plan())
-    assert {o["kind"] for o in objects} == {"Pod", "Service", "ConfigMap", "PodDisruptionBudget"}
+    assert {o["kind"] for o in objects} == {"Pod", "Service", "ConfigMap", "PodDisruptionBudget", "NetworkPolicy"}
     for o in objects:
         (ref,) = o["metadata"]["ownerReferences"]
         assert ref["uid"] == "uid-1" and ref["kind"] == "ShardedModel" and ref["controller"] is True
@@ -214,7 +214,7 @@ def test_training_pods_form_one_world_over_all_replicas_and_get_the_job_settings
 
 def test_a_training_job_has_no_serving_service_and_no_disruption_budget():
     kinds = sorted(o["kind"] for o in renderer.render_shared(_training_model(), _plan()))
-    assert kinds == ["ConfigMap", "Service"]
+    assert kinds == ["ConfigMap", "NetworkPolicy", "Service"]
     svc = next(o for o in renderer.render_shared(_training_model(), _plan()) if o["kind"] == "Service")
     assert svc["spec"]["clusterIP"] == "None"   # the headless one, for the rendezvous
 

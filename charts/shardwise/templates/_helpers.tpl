@@ -76,6 +76,24 @@ app.kubernetes.io/part-of: shardwise
 {{- with .Values.operator.modelRoot.path }}
 - --model-root={{ . }}
 {{- end }}
+{{- if .Values.operator.networkPolicy }}
+# Every model's NetworkPolicy admits these pods (in $POD_NAMESPACE) to its serving port.
+{{- $labels := list }}
+{{- range $k, $v := include "shardwise.selectorLabels" . | fromYaml }}
+{{- $labels = append $labels (printf "%s=%s" $k $v) }}
+{{- end }}
+- --operator-pod-labels={{ join "," $labels }}
+{{- else }}
+- --no-network-policy
+{{- end }}
+{{- range .Values.operator.localCheckpoints.roots }}
+- --local-checkpoint-root={{ . }}
+{{- else }}
+- --local-checkpoint-root=
+{{- end }}
+{{- if not .Values.operator.localCheckpoints.prepareAsRoot }}
+- --no-prepare-local-checkpoints
+{{- end }}
 # One Lease per release, so that two releases in one namespace never share a leader.
 - --lease-namespace={{ .Release.Namespace }}
 - --lease-name={{ include "shardwise.fullname" . }}

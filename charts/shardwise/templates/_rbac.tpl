@@ -48,6 +48,10 @@ tests/e2e/test_chart_install.py runs the operator as this ServiceAccount against
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["get", "create", "patch"]
+# Each model's NetworkPolicy (operator.networkPolicy), applied and read back the same way.
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "create", "patch"]
 # An Event on every phase transition (kopf posts core/v1 Events).
 - apiGroups: [""]
   resources: ["events"]

@@ -1,0 +1,37 @@
+"""What the operator is configured with that shapes the objects it renders (`operator run`'s flags,
+the chart's values): set once at start, read by the pure renderers (the default of their
+`settings` argument), so that a unit test passes its own."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+from shardwise.crds import names
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    # A NetworkPolicy per model (render/netpolicy.py); off for clusters without a policy engine.
+    network_policy: bool = True
+    # The operator's own pods, admitted to every model's serving port (a training pod's /progress):
+    # their namespace ("" when the operator does not run in a pod) and their labels.
+    operator_namespace: str = ""
+    operator_labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # The node directories spec.checkpoint.local.hostPath may name (render/localtier.py).
+    local_checkpoint_roots: tuple[str, ...] = (names.LOCAL_CHECKPOINT_ROOT,)
+    # Hand a local tier's new directory to the worker's group with a root init container (the
+    # kubelet makes it root-owned 0755); off: the node's directories must be prepared beforehand.
+    prepare_local_checkpoints: bool = True
+
+
+CURRENT = Settings()
+
+
+def current() -> Settings:
+    return CURRENT
+
+
+def configure(settings: Settings) -> None:
+    """Called once by `operator run`, before any model is reconciled."""
+    global CURRENT
+    CURRENT = settings
