@@ -30,7 +30,7 @@ def _scheduler(rows: int = 2, blocks: int = 16, block_size: int = 4, max_seq: in
 def _submit(s: Scheduler, *reqs: Request) -> None:
     for r in reqs:
         s.check(r)
-        s.add(r)
+        s.add([r])
 
 
 class _Loop:
