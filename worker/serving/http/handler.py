@@ -3,7 +3,8 @@
 Request threads (a pool's, one request at a time: connections.py) validate and tokenize, submit
 to the engine, then turn the engine's tokens into text (streaming.py) and write it; the engine
 thread only queues tokens. A request whose client has closed its connection is not submitted, or
-is cancelled once that is seen (its socket is looked at every streaming.POLL_SECONDS).
+is cancelled once that is seen (its socket is looked at every streaming.POLL_SECONDS). A request
+the engine's waiting queue has no room for is answered 429 with Retry-After at once (app.refusal).
 """
 from __future__ import annotations
 
