@@ -13,7 +13,9 @@ normal request (/v1/completions, --max-tokens greedy tokens; the median of --rou
      later, their answers never read.
 
 It prints each latency, its ratio to the idle one (the mean of phase 1 and of the same measure
-taken again at the end; the aim: within 2x), and the server's thread count in each phase.
+taken again at the end; the aim: within 2x), and the server's thread count in each phase; for
+phase 3 also how many of the abandoned requests the bounded queue refused (429, --max-waiting)
+and how long the engine took to be idle again once their clients had gone.
 Loopback only; every loop is bounded in count and in time.
 """
 from __future__ import annotations
@@ -72,6 +74,25 @@ def normal_request(port: int, max_tokens: int) -> float:
 
 def latency(port: int, rounds: int, max_tokens: int) -> float:
     return statistics.median(normal_request(port, max_tokens) for _ in range(rounds))
+
+
+def engine_gauges(port: int) -> dict[str, float]:
+    """The engine's running and waiting requests and the requests refused so far, from /metrics."""
+    with urllib.request.urlopen(f"http://{HOST}:{port}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    names = ("shardwise_running_requests", "shardwise_waiting_requests", "shardwise_rejected_requests_total")
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\w+) (\S+)$", text, re.M) if m.group(1) in names}
+
+
+def seconds_to_idle(port: int, limit: float = 120) -> float:
+    """Seconds until the engine has nothing running or waiting (at most `limit`)."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < limit:
+        g = engine_gauges(port)
+        if not g["shardwise_running_requests"] and not g["shardwise_waiting_requests"]:
+            break
+        time.sleep(0.05)
+    return time.perf_counter() - t0
 
 
 def threads(pid: int) -> int:
@@ -181,9 +202,16 @@ def main() -> None:
             with_idle = latency(port, args.rounds, args.max_tokens)
             print(f"{len(held.socks)} idle connections: {with_idle * 1000:8.1f} ms   x{with_idle / idle:.2f}   "
                   f"threads {threads(proc.pid)}   ({held.reopened} reopened after the server closed them)")
+            refused = engine_gauges(port).get("shardwise_rejected_requests_total", 0)
             sent = send_abandoned(port, args.abandoned)
             time.sleep(args.abandon_after)
+            queued = engine_gauges(port)
+            refused = queued.get("shardwise_rejected_requests_total", 0) - refused
             close_all(sent)
+            freed = seconds_to_idle(port)
+            print(f"abandoned: {queued['shardwise_running_requests']:.0f} running and "
+                  f"{queued['shardwise_waiting_requests']:.0f} waiting, {refused:.0f} refused with 429; "
+                  f"the engine idle {freed:.2f} s after their clients closed")
             t0 = time.perf_counter()
             both = latency(port, args.rounds, args.max_tokens)
             print(f"{len(held.socks)} idle + {len(sent)} abandoned: {both * 1000:8.1f} ms   x{both / idle:.2f}   "

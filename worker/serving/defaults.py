@@ -4,3 +4,13 @@ torch: one definition each, used by the scheduler, RankSpec and the flags."""
 MAX_BATCH = 8                 # requests decoded together (engine rows)
 KV_BLOCK_SIZE = 16            # tokens per KV-cache block (vLLM's default)
 PREFILL_CHUNK = 512           # prompt tokens per prefill step
+# The queue of sequences waiting for a row (a request of n choices is n of them), bounded so that
+# a flood of requests is refused at once (HTTP 429) rather than kept in memory to run hours later:
+# by default this many per row, and at least one request of the most choices (serve --max-waiting)
+WAITING_PER_ROW = 4
+MIN_WAITING = 16
+
+
+def max_waiting(max_batch: int) -> int:
+    """The default bound of the waiting queue, in sequences, of an engine of `max_batch` rows."""
+    return max(MIN_WAITING, WAITING_PER_ROW * max_batch)

@@ -20,20 +20,21 @@ from shardwise.worker.serving.request import FinishReason, Request
 from shardwise.worker.serving.runner import Runner
 from shardwise.worker.serving.sampling import Sampler
 from shardwise.worker.serving.defaults import KV_BLOCK_SIZE, PREFILL_CHUNK
-from shardwise.worker.serving.scheduler import (EngineStats,
-                                                Scheduler)
+from shardwise.worker.serving.scheduler import EngineStats, QueueFull, Scheduler
 
-__all__ = ["Engine", "EngineStats", "FinishReason", "Request"]
+__all__ = ["Engine", "EngineStats", "FinishReason", "QueueFull", "Request"]
 
 
 class Engine:
     """`kv_tokens`: the cache's size in tokens (0: max_batch whole contexts, the memory of one
     fixed row per request); `block_size`: tokens per block (a block of max_seq or more keeps
-    one fixed row per request, as CUDA graphs need); `prefill_chunk`: prompt tokens per step."""
+    one fixed row per request, as CUDA graphs need); `prefill_chunk`: prompt tokens per step;
+    `max_waiting`: sequences queued at most, beyond which a submission raises QueueFull (None: no
+    bound, for a caller that submits a fixed list of its own)."""
 
     def __init__(self, stage, max_batch: int, max_seq: int, eos_ids: list[int], micro_batches: int = 0,
                  kv_tokens: int = 0, block_size: int = KV_BLOCK_SIZE,
-                 prefill_chunk: int = PREFILL_CHUNK, prefix_cache: bool = True):
+                 prefill_chunk: int = PREFILL_CHUNK, prefix_cache: bool = True, max_waiting: int | None = None):
         self.stage = stage
         self.max_batch, self.max_seq = max_batch, max_seq
         self.micro_batches = max(1, min(micro_batches or stage.info.pipeline, max_batch))
@@ -46,26 +47,34 @@ class Engine:
         self.stats = EngineStats()
         self.sampler = Sampler()
         self.scheduler = Scheduler(self.pool, max_batch, max_seq, self.micro_batches, prefill_chunk,
-                                   tuple(eos_ids), self.stats, on_finish=self.sampler.forget)
+                                   tuple(eos_ids), self.stats, on_finish=self.sampler.forget,
+                                   max_waiting=max_waiting)
         self.runner = Runner(stage, blocks, max_seq, block_size)
 
     @classmethod
-    def for_rank(cls, ctx, eos_ids: list[int], micro_batches: int = 0, rows: int = 0) -> "Engine":
+    def for_rank(cls, ctx, eos_ids: list[int], micro_batches: int = 0, rows: int = 0,
+                 max_waiting: int | None = None) -> "Engine":
         """The engine of a loaded rank 0 (runtime.RankContext), sized by its RankSpec (`rows`:
         requests at once, if not its max_batch)."""
         spec = ctx.spec
         return cls(ctx.stage, rows or spec.max_batch, ctx.max_seq, eos_ids, micro_batches, kv_tokens=spec.kv_tokens,
-                   block_size=spec.kv_block, prefill_chunk=spec.prefill_chunk)
+                   block_size=spec.kv_block, prefill_chunk=spec.prefill_chunk, max_waiting=max_waiting)
 
     # ---- requests ----------------------------------------------------------------------------
-    def check(self, req: Request) -> None:
-        """Raises WorkerError (the message for the user) when `req` can never run here."""
-        self.scheduler.check(req)
+    def check(self, req: Request, sequences: int = 1) -> None:
+        """Raises WorkerError (the message for the user) when `req`, one of `sequences` requests
+        submitted together, can never run here; QueueFull when the queue has no room for them now."""
+        self.scheduler.check(req, sequences)
 
     def submit(self, req: Request) -> Request:
-        self.scheduler.check(req)
-        self.scheduler.add(req)
+        self.submit_all([req])
         return req
+
+    def submit_all(self, reqs: list[Request]) -> None:
+        """Queue requests together (a request's choices): all of them, or none and QueueFull."""
+        for r in reqs:
+            self.scheduler.check(r, len(reqs))
+        self.scheduler.add(reqs)
 
     def generate(self, requests: list[Request]) -> list[Request]:
         """Run the given requests to completion (batched together) on the calling thread."""

@@ -15,6 +15,11 @@ no block, the request admitted last among those not in flight is preempted: its 
 released (registered first, so that its resumption finds most of them still cached) and it goes
 back to the front of the queue, to be prefilled again, prompt and tokens so far, when blocks free up.
 
+Admission is bounded: at most `max_waiting` sequences wait for a row (None: no bound, for a caller
+that submits its own fixed list). A submission that would take the queue past it is refused whole
+with QueueFull, before anything of it is queued; requests cancelled while waiting (a client that
+went away) leave the queue at the engine's next step, wherever they stand in it, and never count.
+
 A step's life: `schedule` decides it (and marks its micro-batch in flight), the runner launches it
 and collects its logits, `complete` records what it fed, and when it ends a request's prompt or
 decodes, `append_tokens` hands the sampled tokens to the requests and ends those that are done.
@@ -44,6 +49,16 @@ class EngineStats:
     steps: int = 0               # steps collected
     reused_tokens: int = 0       # prompt tokens found in the cache on admission, resumptions included
     preempted: int = 0           # requests preempted when the cache ran out of blocks
+    rejected: int = 0            # submissions refused because the waiting queue was full
+
+
+class QueueFull(WorkerError):
+    """A submission refused because the waiting queue holds `max_waiting` sequences already: the
+    caller may try again in `retry_after` seconds (HTTP 429 with Retry-After)."""
+
+    def __init__(self, message: str, retry_after: int = 1):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 @dataclass(eq=False)
@@ -80,7 +95,8 @@ class Scheduler:
 
     def __init__(self, pool: BlockPool, max_batch: int, max_seq: int, micro_batches: int = 1,
                  prefill_chunk: int = PREFILL_CHUNK, eos_ids: tuple[int, ...] = (),
-                 stats: EngineStats | None = None, on_finish: Callable[[Request], None] | None = None):
+                 stats: EngineStats | None = None, on_finish: Callable[[Request], None] | None = None,
+                 max_waiting: int | None = None):
         self.pool, self.block_size = pool, pool.block_size
         self.max_batch, self.max_seq = max_batch, max_seq
         self.micro_batches, self.prefill_chunk = micro_batches, max(1, prefill_chunk)
@@ -93,9 +109,12 @@ class Scheduler:
         self.lock = threading.Condition()
         self.on_finish = on_finish                         # told of every request that ends
         self._admissions = itertools.count(1)
+        self.max_waiting = max_waiting                     # sequences queued at most (None: no bound)
 
     # ---- requests ----------------------------------------------------------------------------
-    def check(self, req: Request) -> None:
+    def check(self, req: Request, sequences: int = 1) -> None:
+        """Raises WorkerError when `req` (one of `sequences` submitted together) can never run
+        here, QueueFull when the queue has no room for them now."""
         if not req.prompt_ids:
             raise WorkerError("prompt is empty")
         if len(req.prompt_ids) >= self.max_seq:
@@ -107,12 +126,29 @@ class Scheduler:
         if need > self.pool.num_blocks:
             raise WorkerError(f"prompt is {len(req.prompt_ids)} tokens; the KV cache holds "
                               f"{self.pool.num_blocks * self.block_size} (--kv-cache-tokens)")
-
-    def add(self, req: Request) -> None:
-        """Queue a checked request (any thread)."""
+        if self.max_waiting is not None and sequences > self.max_waiting:
+            raise WorkerError(f"n is {sequences}; this server queues at most {self.max_waiting} choices "
+                              f"at once (--max-waiting)")
         with self.lock:
-            self.waiting.append(SequenceState(req))
+            self._room_for(sequences)
+
+    def add(self, reqs: list[Request]) -> None:
+        """Queue checked requests (any thread), all or none: QueueFull when the queue has no room
+        for every one of them."""
+        with self.lock:
+            self._room_for(len(reqs))
+            self.waiting.extend(SequenceState(r) for r in reqs)
             self.lock.notify_all()
+
+    def _room_for(self, sequences: int) -> None:
+        """QueueFull (counted) unless `sequences` more fit in the queue; under `lock`."""
+        if self.max_waiting is None:
+            return
+        queued = sum(not s.req.cancelled for s in self.waiting)      # at most max_waiting + preempted
+        if queued + sequences > self.max_waiting:
+            self.stats.rejected += 1
+            raise QueueFull(f"the server is busy: {queued} choices are waiting (at most {self.max_waiting}, "
+                            f"--max-waiting); retry shortly")
 
     def wait_for_work(self, timeout: float) -> None:
         """Block until a request is queued or `timeout` seconds pass (the idle engine thread)."""
@@ -151,6 +187,7 @@ class Scheduler:
     def _admit(self, mb: int) -> None:
         """Give free rows of micro-batch `mb` to waiting requests, first come first served, while
         the cache has the blocks for their prompts."""
+        self._drop_cancelled()
         while True:
             with self.lock:
                 if not self.waiting:
@@ -177,6 +214,19 @@ class Scheduler:
             self.stats.reused_tokens += seq.fed
             self.rows[row] = seq
             self._grow(seq, len(tokens))                  # fits: checked above
+
+    def _drop_cancelled(self) -> None:
+        """End the waiting requests whose caller cancelled them, wherever they are in the queue:
+        one that went away behind a long queue neither waits its turn nor holds a place in it."""
+        with self.lock:
+            if not any(s.req.cancelled for s in self.waiting):
+                return
+            gone = [s for s in self.waiting if s.req.cancelled]
+            kept = [s for s in self.waiting if not s.req.cancelled]
+            self.waiting.clear()
+            self.waiting.extend(kept)
+        for seq in gone:
+            self.finish(seq, FinishReason.STOP)
 
     def _prefilling_same(self, tokens: list[int], cached_blocks: int) -> bool:
         """Whether a running request is prefilling the block of `tokens` that follows its cached

@@ -13,7 +13,7 @@ from .test_http_framing import FakeEngine, completion_ok, post, serve, status_an
 
 
 class _BrokenEngine(FakeEngine):
-    def check(self, req) -> None:
+    def check(self, req, sequences: int = 1) -> None:
         raise RuntimeError("secret at /opt/shardwise/internal.py:42")
 
 

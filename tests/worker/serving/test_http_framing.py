@@ -44,13 +44,17 @@ class FakeEngine:
     def __init__(self, delay: float = 0.001):
         self.delay, self.seen = delay, []
 
-    def check(self, req) -> None:
+    def check(self, req, sequences: int = 1) -> None:
         pass
 
     def submit(self, req):
         self.seen.append(req)
         threading.Thread(target=self._generate, args=(req,), daemon=True).start()
         return req
+
+    def submit_all(self, reqs) -> None:
+        for req in reqs:
+            self.submit(req)
 
     def _generate(self, req) -> None:
         for i in range(req.max_new_tokens):

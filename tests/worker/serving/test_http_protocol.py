@@ -26,7 +26,7 @@ class _Engine:
     class stage:
         vocab_size = 50
 
-    def check(self, req) -> None:
+    def check(self, req, sequences: int = 1) -> None:
         pass
 
 

@@ -1,5 +1,6 @@
 """The scheduler's decisions alone (worker/serving/scheduler.py), without torch and without ranks:
-admission order, the refusal of a prompt the cache cannot hold, the choice of the request to
+admission order, the bounded queue (counted in choices, cancelled ones not counted and dropped
+wherever they stand), the refusal of a prompt the cache cannot hold, the choice of the request to
 preempt, prompt chunks taking turns with decodes, cancellation, how requests end, and every block
 coming back. Steps are "run" by handing each row a made-up token, as the engine hands the sampler's."""
 from __future__ import annotations
@@ -16,21 +17,22 @@ import pytest
 from shardwise.worker.errors import WorkerError
 from shardwise.worker.serving.kv_blocks import BlockPool
 from shardwise.worker.serving.request import FinishReason, Request
-from shardwise.worker.serving.scheduler import Scheduler, Step
+from shardwise.worker.serving.scheduler import QueueFull, Scheduler, Step
 
 TOKEN = 7        # what every made-up step samples
 
 
 def _scheduler(rows: int = 2, blocks: int = 16, block_size: int = 4, max_seq: int = 64, micro_batches: int = 1,
-               chunk: int = 512, prefix_cache: bool = True, eos: tuple[int, ...] = ()) -> Scheduler:
+               chunk: int = 512, prefix_cache: bool = True, eos: tuple[int, ...] = (),
+               max_waiting: int | None = None) -> Scheduler:
     pool = BlockPool(blocks, block_size, lanes=rows, prefix_cache=prefix_cache)
-    return Scheduler(pool, rows, max_seq, micro_batches, chunk, eos)
+    return Scheduler(pool, rows, max_seq, micro_batches, chunk, eos, max_waiting=max_waiting)
 
 
 def _submit(s: Scheduler, *reqs: Request) -> None:
     for r in reqs:
         s.check(r)
-        s.add(r)
+        s.add([r])
 
 
 class _Loop:
@@ -160,6 +162,46 @@ def test_a_cancelled_request_ends_and_a_cancelled_queued_one_never_starts():
     assert len(running.token_ids) < 10 and queued.token_ids == []
     assert all(queued not in st.requests for st in loop.launched)
     assert s.pool.available == s.pool.num_blocks and s.running == 0
+
+
+def test_the_queue_is_bounded_in_choices_and_a_submission_is_taken_whole_or_not_at_all():
+    s = _scheduler(rows=1, max_waiting=4)
+    first, three = Request([1, 2]), [Request([3, 4]) for _ in range(3)]
+    s.add([first])
+    s.add(three)                                    # 4 waiting: the bound
+    with pytest.raises(QueueFull, match="4 choices are waiting .*--max-waiting") as e:
+        s.add([Request([5, 6])])
+    assert e.value.retry_after >= 1
+    with pytest.raises(QueueFull):
+        s.check(Request([5, 6]))                    # the same answer before a submission
+    with pytest.raises(WorkerError, match="n is 5; this server queues at most 4") as e:
+        s.check(Request([5, 6]), sequences=5)       # can never fit: not a QueueFull
+    assert not isinstance(e.value, QueueFull)
+    assert len(s.waiting) == 4 and s.stats.rejected == 2
+    three[0].cancel()                               # a client that went away holds no place
+    pair = [Request([7, 8]), Request([7, 8])]
+    with pytest.raises(QueueFull):
+        s.add(pair)                                 # 3 + 2: neither is queued
+    s.add(pair[:1])
+    assert [q.req for q in s.waiting] == [first, *three, pair[0]]
+    _Loop(s).run()
+    assert all(r.done.is_set() for r in [first, *three, pair[0]]) and three[0].token_ids == []
+
+
+def test_cancelled_requests_leave_the_queue_at_once_wherever_they_stand():
+    s = _scheduler(rows=1, max_waiting=8)
+    running, live = Request([1, 2, 3], max_new_tokens=100), Request([4, 5, 6], max_new_tokens=100)
+    gone = [Request([7, 8, 9], max_new_tokens=100) for _ in range(5)]
+    _submit(s, running, live, *gone)
+    loop = _Loop(s)
+    loop.step()
+    assert s.running == 1 and len(s.waiting) == 6
+    for r in gone:
+        r.cancel()
+    loop.step()                                     # the live one still waits for the row
+    assert [q.req for q in s.waiting] == [live] and s.running == 1
+    assert all(r.done.is_set() and r.finish_reason == FinishReason.STOP and r.token_ids == [] for r in gone)
+    assert not running.done.is_set()
 
 
 def test_requests_end_on_an_end_token_a_stop_token_their_length_or_the_context():

@@ -7,6 +7,7 @@ import time
 
 from shardwise.worker.errors import WorkerError
 from shardwise.worker.serving.request import Request
+from shardwise.worker.serving.scheduler import QueueFull
 from shardwise.worker.serving.http import protocol
 from shardwise.worker.serving.http.auth import ApiKeys
 from shardwise.worker.serving.http.detokenize import TokenText
@@ -15,11 +16,20 @@ from shardwise.worker.serving.http.metrics import Metrics
 from shardwise.worker.serving.http.responses import Job
 
 
+def refusal(e: WorkerError) -> BadRequest:
+    """The answer to a request the engine refused: 429 with Retry-After when its queue is full
+    (the request may succeed later, here or on another replica), else 400."""
+    if isinstance(e, QueueFull):
+        return BadRequest(str(e), 429, code="rate_limit_exceeded", retry_after=e.retry_after)
+    return BadRequest(str(e))
+
+
 class App:
     """State shared by the request threads: engine, tokenizer, readiness, metrics."""
 
     def __init__(self, model_name: str, tokenizer, rank: int = 0, max_tokens_default: int = 16,
-                 max_request_tokens: int = protocol.MAX_REQUEST_TOKENS, api_keys: ApiKeys | None = None):
+                 max_request_tokens: int = protocol.MAX_REQUEST_TOKENS, api_keys: ApiKeys | None = None,
+                 max_waiting: int | None = None):
         self.model_name, self.tokenizer, self.rank = model_name, tokenizer, rank
         self.engine = None
         self.loaded: list[dict] = []
@@ -30,6 +40,7 @@ class App:
         self.max_tokens_default = max_tokens_default    # /v1/completions without max_tokens
         self.max_request_tokens = max_request_tokens    # n x max_tokens, when n > 1
         self.api_keys = api_keys                        # None: /v1/* is open
+        self.max_waiting = max_waiting                  # choices queued at most (None: defaults.max_waiting)
         self.created = int(time.time())
         self._token_text: TokenText | None = None
 
@@ -84,9 +95,9 @@ class App:
         reqs = [Request(ids, max_new_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
                         seed=None if seed is None else seed + i, logprobs=top) for i in range(n)]
         try:
-            self.engine.check(reqs[0])
+            self.engine.check(reqs[0], n)
         except WorkerError as e:
-            raise BadRequest(str(e)) from None
+            raise refusal(e) from None
         return Job(reqs, options.stop, chat, options.stream, options.include_usage, top is not None)
 
     def _max_tokens(self, ids: list[int], what: str, options: protocol.CompletionOptions, chat: bool) -> int:

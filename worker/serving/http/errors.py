@@ -9,11 +9,13 @@ import uuid
 
 class BadRequest(Exception):
     """A request the server answers with an error status (4xx, or 503 while loading or draining)
-    instead of a completion; `param` names the offending parameter, `code` is OpenAI's code."""
+    instead of a completion; `param` names the offending parameter, `code` is OpenAI's code,
+    `retry_after` the seconds of a Retry-After header (a 429)."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None):
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
+                 retry_after: int | None = None):
         super().__init__(message)
-        self.status, self.param, self.code = status, param, code
+        self.status, self.param, self.code, self.retry_after = status, param, code, retry_after
 
 
 def error_object(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:

@@ -3,7 +3,8 @@
 Request threads (a pool's, one request at a time: connections.py) validate and tokenize, submit
 to the engine, then turn the engine's tokens into text (streaming.py) and write it; the engine
 thread only queues tokens. A request whose client has closed its connection is not submitted, or
-is cancelled once that is seen (its socket is looked at every streaming.POLL_SECONDS).
+is cancelled once that is seen (its socket is looked at every streaming.POLL_SECONDS). A request
+the engine's waiting queue has no room for is answered 429 with Retry-After at once (app.refusal).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from http.server import BaseHTTPRequestHandler
 from urllib.parse import unquote
 
 from shardwise.worker.errors import WorkerError
-from shardwise.worker.serving.http.app import App
+from shardwise.worker.serving.http.app import App, refusal
 from shardwise.worker.serving.http.connections import Connection, client_gone
 from shardwise.worker.serving.http.errors import BadRequest, error_body, error_object, internal_error
 from shardwise.worker.serving.http.framing import body_length, parse_json
@@ -43,14 +44,17 @@ class Handler(BaseHTTPRequestHandler):
         pass
 
     # ---- plumbing ----
-    def _send(self, status: int, body: bytes, ctype: str = "application/json", endpoint: str = "") -> None:
+    def _send(self, status: int, body: bytes, ctype: str = "application/json", endpoint: str = "",
+              retry_after: int | None = None) -> None:
         self.send_response(status)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(body)))
         if status == 401:
             self.send_header("WWW-Authenticate", "Bearer")
         if status == 503 and self.app.draining.is_set():
-            self.send_header("Retry-After", "1")      # another replica, or this one's successor
+            retry_after = 1                           # another replica, or this one's successor
+        if retry_after is not None:
+            self.send_header("Retry-After", str(retry_after))
         self.end_headers()
         self.wfile.write(body)
         self.app.metrics.requests.labels(endpoint=endpoint or self.path, code=str(status)).inc()
@@ -59,8 +63,8 @@ class Handler(BaseHTTPRequestHandler):
         self._send(status, json.dumps(obj).encode(), endpoint=endpoint)
 
     def _error(self, status: int, message: str, endpoint: str = "", param: str | None = None,
-               code: str | None = None) -> None:
-        self._send(status, error_body(message, status, param, code), endpoint=endpoint)
+               code: str | None = None, retry_after: int | None = None) -> None:
+        self._send(status, error_body(message, status, param, code), endpoint=endpoint, retry_after=retry_after)
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """What http.server answers itself (a malformed request line or headers, an unknown
@@ -147,7 +151,7 @@ class Handler(BaseHTTPRequestHandler):
                 raise BadRequest(app.failed or "model is still loading", 503)
             self._complete(path, app.build_request(body, chat=path.endswith("chat/completions")))
         except BadRequest as e:
-            self._error(e.status, str(e), path, e.param, e.code)
+            self._error(e.status, str(e), path, e.param, e.code, e.retry_after)
         except (ConnectionError, TimeoutError):
             self.close_connection = True
         except Exception as e:  # noqa: BLE001 - a bug, not the request: one line, a JSON 500
@@ -196,14 +200,11 @@ class Handler(BaseHTTPRequestHandler):
         if self._gone():        # it asked and hung up (or gave up waiting): nothing to generate
             self.close_connection = True
             return
-        app.metrics.prompt.inc(sum(len(r.prompt_ids) for r in job.reqs))
         try:
-            for req in job.reqs:
-                app.engine.submit(req)
+            app.engine.submit_all(job.reqs)     # all the choices or none (a full queue: 429)
         except WorkerError as e:
-            for req in job.reqs:
-                req.cancel()
-            raise BadRequest(str(e)) from None
+            raise refusal(e) from None
+        app.metrics.prompt.inc(sum(len(r.prompt_ids) for r in job.reqs))
         answer = Answer(job, app.model_name, tt)
         if job.stream:
             return self._stream(path, feed, answer, t0)

@@ -1,6 +1,7 @@
 """The server's Prometheus collectors: request latency and time to first token, token counts and
 rate, the ranks' weight bytes and communication time, the engine's queue, and, read at scrape
-time, the KV cache's blocks (KVCacheUse) and a mixture-of-experts model's load (ExpertLoad)."""
+time, the KV cache's blocks (KVCacheUse), the queue's bound and refusals (Admission) and a
+mixture-of-experts model's load (ExpertLoad)."""
 from __future__ import annotations
 
 import threading
@@ -63,6 +64,28 @@ class KVCacheUse:
         return [blocks, size, reused, preempted]
 
 
+class Admission:
+    """Prometheus collector of the engine's waiting queue, read at scrape time: its bound,
+    shardwise_max_waiting_requests (choices), and shardwise_rejected_requests_total, the requests
+    refused with 429 because it was full."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        engine = self.engine()
+        if engine is None:
+            return []
+        bound = engine.scheduler.max_waiting
+        out = [CounterMetricFamily("shardwise_rejected_requests", "Requests refused (429) because the "
+                                   "waiting queue was full", value=engine.stats.rejected)]
+        if bound is not None:
+            out.append(GaugeMetricFamily("shardwise_max_waiting_requests", "Choices the waiting queue "
+                                         "holds at most (--max-waiting)", value=bound))
+        return out
+
+
 class Metrics:
     """The registry /metrics renders; `token()` is called once per generated token."""
 
@@ -90,6 +113,7 @@ class Metrics:
         r.register(ExpertLoad(lambda: self.model))
         self.engine = None         # for the KV cache's use (KVCacheUse)
         r.register(KVCacheUse(lambda: self.engine))
+        r.register(Admission(lambda: self.engine))
         self._window: deque = deque()
         self._lock = threading.Lock()
 

@@ -66,9 +66,12 @@ def run_engine(app: App, ctx, stop: threading.Event, micro_batches: int = 0,
     drain: /healthz turns 503 (a readiness probe takes the pod out of its Service's endpoints), new
     requests get 503 with Retry-After, and the running and queued ones go on to their end for up
     to `drain_seconds`. What is still running then ends with finish_reason "error" and a message
-    saying why, rather than a connection cut mid-stream."""
+    saying why, rather than a connection cut mid-stream. Requests beyond the engine's waiting queue
+    (app.max_waiting choices, or the default for its batch) are refused with 429."""
+    from shardwise.worker.serving import defaults
     from shardwise.worker.serving.engine import Engine
-    engine = Engine.for_rank(ctx, app.tokenizer.eos_ids, micro_batches)
+    waiting = app.max_waiting or defaults.max_waiting(ctx.spec.max_batch)
+    engine = Engine.for_rank(ctx, app.tokenizer.eos_ids, micro_batches, max_waiting=waiting)
     app.loaded = ctx.loaded
     app.set_ready(engine, ctx.loaded)
     drained = threading.Event()
