@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 
 import torch
 
@@ -14,6 +13,7 @@ from shardwise.crds.modelshape import QK_NORM_MODEL_TYPES, QKV_BIAS_MODEL_TYPES,
 from shardwise.worker.errors import WorkerError
 from shardwise.worker.model.llama import ModelConfig
 from shardwise.worker.distributed.tensor_parallel import Shard
+from shardwise.worker.weights.safetensors_header import tensor_names
 from shardwise.worker.weights.source import ModelSource, pad_rows
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM",
@@ -124,28 +124,6 @@ def _moe_fields(cfg: dict, where: str) -> dict:
             "shared_expert_intermediate_size": hf_shared_expert_size(cfg)}
 
 
-def _check_safetensors_file(path: str) -> list[str]:
-    """Names of the tensors in one .safetensors file; WorkerError if it is truncated."""
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise WorkerError(f"weight file {path} is truncated ({size} bytes)")
-            n = struct.unpack("<Q", head)[0]
-            if n > size - 8:
-                raise WorkerError(f"weight file {path} is truncated (header needs {n} bytes, file has {size})")
-            header = json.loads(f.read(n))
-    except OSError as e:
-        raise WorkerError(f"weight file {path} cannot be read: {e.strerror}") from None
-    except ValueError:
-        raise WorkerError(f"weight file {path} is not a valid safetensors file") from None
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    if 8 + n + end > size:
-        raise WorkerError(f"weight file {path} is truncated ({size} bytes, needs {8 + n + end})")
-    return [k for k in header if k != "__metadata__"]
-
-
 class HFSource(ModelSource):
     """A Hugging Face model directory: config.json, model.safetensors or sharded files + index."""
 
@@ -188,7 +166,7 @@ class HFSource(ModelSource):
         for f in self.files():
             if not os.path.isfile(f):
                 raise WorkerError(f"weight file {f} is missing (listed in the index)")
-            names = _check_safetensors_file(f)
+            names = tensor_names(f)
             if self.weight_map is None:
                 self.weight_map = {n: f for n in names}
         if "lm_head.weight" not in self.weight_map and not self.config.tie_word_embeddings:
