@@ -13,14 +13,13 @@ Anything else is one WorkerError line naming the file.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
-import re
 import struct
 from typing import Any
 
 from shardwise.worker.errors import WorkerError
+from shardwise.worker.weights.json_file import depth_exceeds, parse
 
 # The format's own bound on the header (safetensors refuses a longer one too).
 HEADER_MAX_BYTES = 100_000_000
@@ -32,8 +31,6 @@ MAX_RANK = 8
 # Bytes per element of every dtype safetensors defines in whole bytes.
 DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
                "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8}
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_INNERMOST = re.compile(rb"\[[^\[\]{}]*\]|\{[^\[\]{}]*\}")
 
 
 def tensor_names(path: str) -> list[str]:
@@ -72,25 +69,12 @@ def _parse(raw: bytes, path: str) -> dict[str, Any]:
     bad = f"weight file {path} is not a valid safetensors file"
     if not raw.startswith(b"{"):
         raise WorkerError(f"{bad}: its header is not a JSON object")
-    if _depth_exceeds(raw, _MAX_JSON_DEPTH):
+    if depth_exceeds(raw, _MAX_JSON_DEPTH):
         raise WorkerError(f"{bad}: its header nests deeper than {_MAX_JSON_DEPTH}")
-    try:
-        header = json.loads(raw)
-    except ValueError as e:
-        raise WorkerError(f"{bad}: its header is not JSON ({str(e).splitlines()[0]})") from None
+    header = parse(raw, f"the header of weight file {path}")
     if not isinstance(header, dict):
         raise WorkerError(f"{bad}: its header is not a JSON object")
     return header
-
-
-def _depth_exceeds(raw: bytes, limit: int) -> bool:
-    """Whether the JSON in `raw` nests deeper than `limit`, found without recursion: strings blanked,
-    then the innermost brackets removed `limit` times; any bracket left is deeper (or unbalanced,
-    which the parser refuses anyway)."""
-    text = _STRING.sub(b'""', raw)
-    for _ in range(limit):
-        text = _INNERMOST.sub(b"0", text)
-    return any(c in text for c in b"[]{}")
 
 
 def _check_entries(header: dict[str, Any], path: str, data_bytes: int) -> None:

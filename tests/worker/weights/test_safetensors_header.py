@@ -126,3 +126,26 @@ def test_generate_on_a_hostile_weight_file_is_one_line(capsys, tmp_path):
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err and str(weights) in err and "nests deeper" in err
     assert os.path.getsize(weights) > 100_000
+
+
+@pytest.mark.parametrize("file,content,says", [
+    # old: RecursionError out of json.load, a traceback
+    ("config.json", b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nests deeper than 32"),
+    ("generation_config.json", b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nests deeper than 32"),
+    # old: AttributeError ('list' object has no attribute 'get')
+    ("generation_config.json", b"[1]", "is not a JSON object"),
+    # old: AttributeError ('list' object has no attribute 'items')
+    ("model.safetensors.index.json", b'{"weight_map": [1]}', "has no weight_map object"),
+    # old: followed out of the model's directory
+    ("model.safetensors.index.json", b'{"weight_map": {"lm_head.weight": "../../etc/passwd"}}',
+     "'../../etc/passwd', not a file of"),
+])
+def test_hostile_json_of_a_model_directory_is_one_line(capsys, tmp_path, file, content, says):
+    """config.json, generation_config.json and the safetensors index are the download's too: one
+    line naming the file from `shardwise generate`, exit 2, no traceback."""
+    from shardwise.worker.weights.tiny import write_tiny_model
+    model = write_tiny_model(tmp_path / "m", TEXT, layers=2, hidden=32, heads=4, kv_heads=2)
+    (model / file).write_bytes(content)
+    code = main(["generate", "--model", str(model), "--prompt", "one two", "--max-new-tokens", "2"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and str(model / file) in err and says in err, err
