@@ -30,8 +30,20 @@ GGML_TYPES = {0: ("float32", 4, 1), 1: ("float16", 2, 1), 2: ("Q4_0", 18, 32), 3
               10: ("Q2_K", 84, 256), 11: ("Q3_K", 110, 256), 12: ("Q4_K", 144, 256), 13: ("Q5_K", 176, 256),
               14: ("Q6_K", 210, 256), 15: ("Q8_K", 292, 256), 24: ("int8", 1, 1), 25: ("int16", 2, 1),
               26: ("int32", 4, 1), 27: ("int64", 8, 1), 28: ("float64", 8, 1), 30: ("bfloat16", 2, 1)}
-# No string in a real header comes near this; a longer one means a damaged length field.
+# Bounds on what a header may claim, so that a damaged or hostile file is refused before it costs
+# time or memory: no string in a real header comes near _MAX_STRING (a longer one means a damaged
+# length field); metadata arrays nest one level in real files (a list of strings), so deeper than
+# _MAX_ARRAY_DEPTH is refused rather than recursed into; ggml tensors have at most 4 dimensions.
 _MAX_STRING = 1 << 24
+_MAX_ARRAY_DEPTH = 4
+_MAX_DIMS = 4
+# The fewest bytes one item can take in the file, so a count larger than the bytes left is refused
+# at once: a metadata pair (u64 key length, u32 type, a 1-byte value), a tensor entry (u64 name
+# length, u32 dims, u32 type, u64 offset), a string (its u64 length), an array (u32 type, u64 count).
+_MIN_PAIR, _MIN_TENSOR, _MIN_STRING, _MIN_ARRAY = 13, 24, 8, 12
+# No ggml type stores an element in less than one bit (IQ1_S takes 1.56), so a tensor of more
+# elements than 8 a byte of the file is a damaged dims field, whatever its type.
+_MAX_ELEMENTS_PER_BYTE = 8
 
 
 class GGUFError(ValueError):
@@ -61,9 +73,18 @@ class _Reader:
     def __init__(self, f: BinaryIO, size: int):
         self.f, self.size, self.pos = f, size, 0
 
+    def left(self) -> int:
+        return self.size - self.pos
+
+    def count(self, what: str, n: int, least: int) -> int:
+        """`n` items of at least `least` bytes each, refused when the rest of the file cannot hold them."""
+        if n * least > self.left():
+            raise GGUFError(f"GGUF {what} count {n} is more than the file holds; the file is damaged or truncated")
+        return n
+
     def take(self, n: int) -> bytes:
         if n > self.size - self.pos:
-            raise GGUFError("GGUF header ends early")
+            raise GGUFError("GGUF header ends early (the file is truncated)")
         self.pos += n
         return self.f.read(n)
 
@@ -76,28 +97,40 @@ class _Reader:
             raise GGUFError("GGUF string length is implausible; the file is damaged")
         return self.take(n).decode("utf-8", "replace")
 
-    def value(self, kind: int, arrays: bool) -> Any:
+    def value(self, kind: int, arrays: bool, depth: int = 0) -> Any:
+        """One metadata value. An array of arrays is read depth-first, refused beyond _MAX_ARRAY_DEPTH;
+        with arrays=False an array is kept as its length only (nothing per item is held)."""
         if kind in SCALARS:
             return self.unpack(SCALARS[kind])
         if kind == STRING:
             return self.string()
-        if kind == ARRAY:
-            item, count = self.unpack("<I"), self.unpack("<Q")
-            if item in SCALARS:    # one read for the whole array (token scores, token types)
-                fmt = SCALARS[item]
-                data = self.take(struct.calcsize(fmt) * count)
-                return list(struct.unpack(f"<{count}{fmt[1]}", data)) if arrays else count
-            items = [self.value(item, arrays) for _ in range(count)]
-            return items if arrays else count
-        raise GGUFError(f"GGUF metadata value type {kind} is unknown")
+        if kind != ARRAY:
+            raise GGUFError(f"GGUF metadata value type {kind} is unknown")
+        if depth >= _MAX_ARRAY_DEPTH:
+            raise GGUFError(f"GGUF metadata arrays nest deeper than {_MAX_ARRAY_DEPTH}; the file is damaged")
+        item, count = self.unpack("<I"), self.unpack("<Q")
+        if item in SCALARS:    # one read for the whole array (token scores, token types)
+            fmt = SCALARS[item]
+            data = self.take(self.count("array", count, struct.calcsize(fmt)) * struct.calcsize(fmt))
+            return list(struct.unpack(f"<{count}{fmt[1]}", data)) if arrays else count
+        if item not in (STRING, ARRAY):
+            raise GGUFError(f"GGUF metadata array of unknown value type {item}")
+        self.count("array", count, _MIN_STRING if item == STRING else _MIN_ARRAY)
+        if not arrays:
+            for _ in range(count):
+                self.value(item, False, depth + 1)
+            return count
+        return [self.value(item, True, depth + 1) for _ in range(count)]
 
 
 def read_header(path: str | Path, arrays: bool = True, limit: int | None = None) -> Header:
-    """The header of the GGUF file at `path`; GGUFError if it is not one or is cut short.
+    """The header of the GGUF file at `path`; GGUFError (one line, without the file's name: the
+    caller adds it) if it is not one, is cut short, or claims more than the file holds.
 
     arrays=False gives each metadata array as its length (the planner needs only the vocabulary
     size, and skips decoding the token strings' scores). `limit`: read no more than that many bytes
-    (a header longer than that "ends early"), for files nobody vouches for."""
+    (a header longer than that "ends early"), for files nobody vouches for. Every tensor's data must
+    lie inside the file, so a reader of the index never maps past its end."""
     with open(path, "rb") as f:
         f.seek(0, 2)
         size = f.tell()
@@ -105,7 +138,9 @@ def read_header(path: str | Path, arrays: bool = True, limit: int | None = None)
         f.seek(0)
         if reader.take(4) != MAGIC:
             raise GGUFError("not a GGUF file (bad magic)")
-        return _read(reader, arrays)
+        header = _read(reader, arrays)
+    _check_extents(header.tensors, size)
+    return header
 
 
 def _read(r: _Reader, arrays: bool) -> Header:
@@ -113,18 +148,57 @@ def _read(r: _Reader, arrays: bool) -> Header:
     if version not in VERSIONS:
         raise GGUFError(f"GGUF version {version} is not supported (2 or 3)")
     n_tensors, n_kv = r.unpack("<Q"), r.unpack("<Q")
+    r.count("metadata", n_kv, _MIN_PAIR)
     start = r.pos
     metadata: dict[str, Any] = {}
     for _ in range(n_kv):
         key = r.string()
         metadata[key] = r.value(r.unpack("<I"), arrays)
     span = (start, r.pos)
-    entries = []
+    r.count("tensor", n_tensors, _MIN_TENSOR)
+    entries = {}
     for _ in range(n_tensors):
-        name = r.string()
-        dims = tuple(r.unpack("<Q") for _ in range(r.unpack("<I")))
-        entries.append((name, dims, r.unpack("<I"), r.unpack("<Q")))
-    align = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+        name, dims = r.string(), _dims(r)
+        if name in entries:
+            raise GGUFError(f"GGUF tensor {name!r} is listed twice")
+        entries[name] = (dims, r.unpack("<I"), r.unpack("<Q"))
+    align = _alignment(metadata)
     data_start = -(-r.pos // align) * align
-    tensors = [TensorEntry(name, dims, kind, data_start + offset) for name, dims, kind, offset in entries]
+    tensors = [TensorEntry(name, dims, kind, data_start + offset) for name, (dims, kind, offset) in entries.items()]
     return Header(version, metadata, tensors, span)
+
+
+def _dims(r: _Reader) -> tuple[int, ...]:
+    n = r.unpack("<I")
+    if n > _MAX_DIMS:
+        raise GGUFError(f"GGUF tensor has {n} dimensions (at most {_MAX_DIMS})")
+    return tuple(r.unpack("<Q") for _ in range(n))
+
+
+def _alignment(metadata: dict[str, Any]) -> int:
+    """general.alignment: a power of two (llama.cpp's own rule); 32 when the header does not say."""
+    align = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if not isinstance(align, int) or isinstance(align, bool) or align < 1 or align & (align - 1) or align > 1 << 30:
+        raise GGUFError(f"GGUF general.alignment {align!r} is not a power of two")
+    return align
+
+
+def _check_extents(tensors: list[TensorEntry], size: int) -> None:
+    """Every tensor's data inside the file (`size` bytes): its element count plausible for the file
+    and, for the ggml types sized here, its bytes ending by the end of the file."""
+    for t in tensors:
+        elements = 1
+        for d in t.dims:
+            elements *= d
+            if elements > _MAX_ELEMENTS_PER_BYTE * size:
+                raise GGUFError(f"GGUF tensor {t.name!r} has dims {list(t.dims)}, more than the file can hold")
+        end = t.offset
+        if t.ggml_type in GGML_TYPES:
+            _, block_bytes, block_elements = GGML_TYPES[t.ggml_type]
+            if t.dims and t.dims[0] % block_elements:
+                raise GGUFError(f"GGUF tensor {t.name!r}: a row of {t.dims[0]} is not whole "
+                                f"{GGML_TYPES[t.ggml_type][0]} blocks of {block_elements}")
+            end += elements // block_elements * block_bytes
+        if end > size:
+            raise GGUFError(f"GGUF tensor {t.name!r} ends at byte {end}, past the end of the file "
+                            f"({size} bytes; the file is truncated)")

@@ -294,7 +294,8 @@ def from_gguf(path: str | Path, dtype: str = "auto", limit: int | None = None) -
     def key(name: str, default: Any = None) -> int:
         value = meta.get(f"{arch}.{name}", default)
         if not isinstance(value, int) or isinstance(value, bool):
-            raise ModelFactsError(f"{path}: GGUF metadata has no integer {arch}.{name}")
+            # repr: the architecture is the file's own text (a newline in it stays on this line)
+            raise ModelFactsError(f"{path}: GGUF metadata has no integer {f'{arch}.{name}'!r}")
         return value
 
     counts = [(t.ggml_type, math.prod(t.dims)) for t in tensors]

@@ -1,12 +1,19 @@
 """The ShardedModel's status, as the operator writes it (operator/decide/status.py builds it): the
 model's phase and conditions, the plan in effect, the replica groups' records, training progress.
+
+The whole status lives in one object, which the API server caps at 1.5 MiB (etcd's request limit),
+so what grows with the replica count is kept short: a group record's failure text is cut to
+FAILURE_MAX_CHARS, the records together take at most GROUPS_MAX_BYTES (group_records), and
+status.plan lists the placements of at most STATUS_MAX_PLACEMENTS stage pods (whole replicas, the
+first ones); the rest are the pods' own (`kubectl get pods -o wide`).
 """
 from __future__ import annotations
 
+import json
 from enum import Enum
-from typing import Any, Literal, Optional
+from typing import Any, Iterable, Literal, Optional
 
-from pydantic import Field
+from pydantic import ConfigDict, Field, field_validator
 
 from shardwise.crds.apimodel import ApiModel
 
@@ -36,6 +43,19 @@ class Condition(ApiModel):
     observed_generation: Optional[int] = Field(None, ge=0)
 
 
+# How much of what grows with the replica count status keeps (see the module docstring): the
+# status of 5,000 replicas stays near 0.5 MiB when they serve, and near 1 MiB with every one of
+# them failing at once (tests/operator/test_status_size.py measures both).
+FAILURE_MAX_CHARS = 128
+GROUPS_MAX_BYTES = 1 << 20
+STATUS_MAX_PLACEMENTS = 256
+
+
+def shortened(text: str, limit: int) -> str:
+    """`text` cut to at most `limit` characters, marked as cut."""
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
 class PlacementSummary(ApiModel):
     replica: int = Field(ge=0)
     stage: int = Field(ge=0)
@@ -54,12 +74,15 @@ class PlanSummary(ApiModel):
 
     @classmethod
     def from_plan(cls, plan: Any) -> "PlanSummary":
-        """Summary of a crds.plan.ShardPlan for status.plan."""
+        """Summary of a crds.plan.ShardPlan for status.plan: the placements of the first replicas,
+        STATUS_MAX_PLACEMENTS stage pods at most (always one whole replica)."""
+        listed = sorted({p.replica for p in plan.placements})[:max(1, STATUS_MAX_PLACEMENTS // plan.pipeline)]
+        shown = set(listed)
         return cls(tensor=plan.tensor, pipeline=plan.pipeline, replicas=plan.replicas, cost=plan.cost,
                    shrunk=plan.shrunk, placements=[
                        PlacementSummary(replica=p.replica, stage=p.stage, node=p.node, gpus=p.gpus,
                                         layers=f"{p.layer_start}-{p.layer_end - 1}")
-                       for p in plan.placements])
+                       for p in sorted(plan.placements, key=lambda p: (p.replica, p.stage)) if p.replica in shown])
 
 
 class LastCheckpoint(ApiModel):
@@ -102,6 +125,31 @@ class ReplicaGroupStatus(ApiModel):
     failed_at: Optional[str] = Field(None, json_schema_extra={"format": "date-time"})
     retry_at: Optional[str] = Field(None, json_schema_extra={"format": "date-time"})
     ready_since: Optional[str] = Field(None, json_schema_extra={"format": "date-time"})
+
+    # Assignments are validated too, so the record holds the cut text from the moment it is set:
+    # a pass compares it with what status holds (and posts an Event only when it changed).
+    model_config = ConfigDict(validate_assignment=True)
+
+    @field_validator("last_failure")
+    @classmethod
+    def _short_failure(cls, text: Optional[str]) -> Optional[str]:
+        """A pod's own words (its termination message: up to 4 KiB) are cut, so thousands of
+        records fit in status; the Event posted with the failure carries the whole text."""
+        return None if text is None else shortened(text, FAILURE_MAX_CHARS)
+
+
+def group_records(groups: Iterable[ReplicaGroupStatus]) -> list[dict[str, Any]]:
+    """status.groups: the records in replica order, as JSON. Should they pass GROUPS_MAX_BYTES
+    (thousands of groups failing at once), the last records' failure texts are left out until they
+    fit; what recovery resumes from - attempt, phase, restarts, times - is always kept."""
+    records = [g.to_api() for g in sorted(groups, key=lambda g: g.replica)]
+    size = sum(len(json.dumps(r, separators=(",", ":"))) + 1 for r in records)
+    for record in reversed(records):
+        if size <= GROUPS_MAX_BYTES:
+            break
+        if "lastFailure" in record:
+            size -= len(json.dumps({"lastFailure": record.pop("lastFailure")}, separators=(",", ":"))) - 1
+    return records
 
 
 class ModelFactsStatus(ApiModel):

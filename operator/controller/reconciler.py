@@ -26,6 +26,7 @@ from typing import Any, Callable, Mapping
 
 from shardwise.crds import names
 from shardwise.crds.models import ModelPhase, PlanSummary
+from shardwise.crds.status import group_records
 from shardwise.operator.decide import conditions, decisions
 from shardwise.operator.controller import metrics
 from shardwise.operator.decide import probe
@@ -164,7 +165,7 @@ def _(action: decisions.SaveGroups, applier: Applier, state: ModelState, writer:
     plan = action.plan if action.plan is not None and action.plan.placements else None
     writer.patch({
         "plan": PlanSummary.from_plan(plan).to_api() if plan else None,
-        "groups": [g.to_api() for g in action.groups]})
+        "groups": group_records(action.groups)})
 
 
 @_run.register

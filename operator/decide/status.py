@@ -22,6 +22,7 @@ from typing import Any, Iterable, Mapping
 
 from shardwise.crds import names
 from shardwise.crds.models import GroupPhase, ModelPhase, PlanSummary, ReplicaGroupStatus
+from shardwise.crds.status import group_records, shortened
 from shardwise.operator.decide import elastic, recovery
 from shardwise.operator.decide.conditions import condition, set_condition
 from shardwise.operator.decide.actions import Decision, Event
@@ -31,6 +32,18 @@ from shardwise.operator.render import renderer
 
 # Phases that post their change as a Warning Event.
 WARNING_PHASES = (ModelPhase.FAILED, ModelPhase.DEGRADED, ModelPhase.RECOVERING)
+# A message names at most this many replicas or pods, each in at most ITEM_MAX_CHARS, and counts
+# the rest: with thousands of replicas failing at once it stays a line, and under the API's 32 KiB
+# bound on a condition's message (a longer one fails the whole status write).
+MAX_LISTED = 8
+ITEM_MAX_CHARS = 200
+
+
+def listed(items: Iterable[str]) -> str:
+    """`items` joined with "; ", the first MAX_LISTED of them, then how many more there are."""
+    items = list(items)
+    shown = "; ".join(shortened(item, ITEM_MAX_CHARS) for item in items[:MAX_LISTED])
+    return shown + (f"; and {len(items) - MAX_LISTED} more" if len(items) > MAX_LISTED else "")
 
 
 def model_phase(groups: Iterable[ReplicaGroupStatus], desired: int, invalid: str = "") -> ModelPhase:
@@ -67,7 +80,7 @@ def phase_message(groups: list[ReplicaGroupStatus], desired: int, invalid: str =
         if g.phase in (GroupPhase.RECOVERING, GroupPhase.FAILED, GroupPhase.PENDING) and g.last_failure))
     if invalid:
         failures.insert(0, invalid)
-    return base + ("; " + "; ".join(failures) if failures else "")
+    return base + ("; " + listed(failures) if failures else "")
 
 
 def build_status(state: ModelState, decision: Decision, job: Mapping[str, Any], now: datetime) -> dict:
@@ -102,7 +115,7 @@ def build_status(state: ModelState, decision: Decision, job: Mapping[str, Any], 
         "endpoint": renderer.endpoint(state.model)
         if plan and workload.serves else None,
         "plan": PlanSummary.from_plan(plan).to_api() if plan else None,
-        "groups": [decision.groups[r].to_api() for r in sorted(decision.groups)],
+        "groups": group_records(decision.groups.values()),
         "modelFacts": decision.facts.to_api() if decision.facts else None,
         **job,
     }
@@ -137,11 +150,11 @@ def _conditions(state: ModelState, decision: Decision, live: list, phase: ModelP
     unscheduled = _unscheduled(state, decision)
     conditions = set_condition(
         conditions, "PodsScheduled", not unscheduled, "Unschedulable" if unscheduled else "Scheduled",
-        "; ".join(unscheduled) or "every pod of the plan is placed or on its way", stamp)
+        listed(unscheduled) or "every pod of the plan is placed or on its way", stamp)
     recovering = [g for g in live if g.phase == GroupPhase.RECOVERING]
     conditions = set_condition(
         conditions, "Recovering", bool(recovering), "GroupFailed" if recovering else "Healthy",
-        "; ".join(f"replica {g.replica}: {g.last_failure}" for g in recovering) or "no group is recovering", stamp)
+        listed(f"replica {g.replica}: {g.last_failure}" for g in recovering) or "no group is recovering", stamp)
     if condition(conditions, "Applied") is not None:   # an ObjectConflict of an earlier pass is over
         conditions = set_condition(conditions, "Applied", True, "Applied",
                                    "every object the model makes is its own", stamp)

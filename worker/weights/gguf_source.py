@@ -10,6 +10,7 @@ import re
 import numpy as np
 import torch
 
+from shardwise.crds.gguf import GGUFError
 from shardwise.crds.modelshape import gguf_dtype
 
 from shardwise.worker.errors import WorkerError
@@ -60,7 +61,9 @@ class GGUFSource(ModelSource):
         self.path = path
         try:
             self.index = GGUFIndex(path)
-        except Exception as e:  # struct/numpy errors on a cut file; the message is not for users
+        except GGUFError as e:  # the header reader's own words, one line
+            raise WorkerError(f"weight file {path} is not a valid GGUF file: {e}") from None
+        except Exception as e:  # noqa: BLE001 - the gguf package's errors (an unknown ggml type)
             raise WorkerError(f"weight file {path} is truncated or not a GGUF file ({e})") from None
         self.fields = self.index.fields
         self.tensors = self.index.tensors

@@ -3,9 +3,7 @@ Qwen3-MoE), model.safetensors or sharded files with their index, read slice by s
 (safetensors' `get_slice`), so a rank reads only the rows or columns it holds."""
 from __future__ import annotations
 
-import json
 import os
-import struct
 
 import torch
 
@@ -14,6 +12,8 @@ from shardwise.crds.modelshape import QK_NORM_MODEL_TYPES, QKV_BIAS_MODEL_TYPES,
 from shardwise.worker.errors import WorkerError
 from shardwise.worker.model.llama import ModelConfig
 from shardwise.worker.distributed.tensor_parallel import Shard
+from shardwise.worker.weights import json_file
+from shardwise.worker.weights.safetensors_header import tensor_names
 from shardwise.worker.weights.source import ModelSource, pad_rows
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM",
@@ -124,26 +124,16 @@ def _moe_fields(cfg: dict, where: str) -> dict:
             "shared_expert_intermediate_size": hf_shared_expert_size(cfg)}
 
 
-def _check_safetensors_file(path: str) -> list[str]:
-    """Names of the tensors in one .safetensors file; WorkerError if it is truncated."""
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise WorkerError(f"weight file {path} is truncated ({size} bytes)")
-            n = struct.unpack("<Q", head)[0]
-            if n > size - 8:
-                raise WorkerError(f"weight file {path} is truncated (header needs {n} bytes, file has {size})")
-            header = json.loads(f.read(n))
-    except OSError as e:
-        raise WorkerError(f"weight file {path} cannot be read: {e.strerror}") from None
-    except ValueError:
-        raise WorkerError(f"weight file {path} is not a valid safetensors file") from None
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    if 8 + n + end > size:
-        raise WorkerError(f"weight file {path} is truncated ({size} bytes, needs {8 + n + end})")
-    return [k for k in header if k != "__metadata__"]
+def _weight_map(index: str, path: str) -> dict[str, str]:
+    """A sharded model's index: tensor name -> its file, which must be a file name in the model's
+    own directory (an index is the download's word: "../" or an absolute path is refused)."""
+    weight_map = json_file.read_object(index).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise WorkerError(f"{index} has no weight_map object")
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or os.path.basename(file) != file or file in ("", ".", ".."):
+            raise WorkerError(f"{index}: tensor {name!r} is in {str(file)[:80]!r}, not a file of {path}")
+    return {name: os.path.join(path, file) for name, file in weight_map.items()}
 
 
 class HFSource(ModelSource):
@@ -152,26 +142,20 @@ class HFSource(ModelSource):
     def __init__(self, path: str):
         self.path = path
         cfg_path = os.path.join(path, "config.json")
-        try:
-            with open(cfg_path) as f:
-                self.raw_config = json.load(f)
-        except FileNotFoundError:
-            raise WorkerError(f"{path}: no config.json") from None
-        except ValueError as e:
-            raise WorkerError(f"{cfg_path} is not valid JSON: {e}") from None
+        if not os.path.isfile(cfg_path):
+            raise WorkerError(f"{path}: no config.json")
+        self.raw_config = json_file.read_object(cfg_path)
         self.config = config_from_hf(self.raw_config, path)
         self.dtype = hf_dtype(self.raw_config)
         gen = os.path.join(path, "generation_config.json")
         if os.path.isfile(gen):
-            with open(gen) as f:
-                eos = json.load(f).get("eos_token_id")
+            eos = json_file.read_object(gen).get("eos_token_id")
             for e in ([eos] if isinstance(eos, int) else eos or []):
                 if e not in self.config.eos_token_ids:
                     self.config.eos_token_ids.append(e)
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.isfile(index):
-            with open(index) as f:
-                self.weight_map = {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
+            self.weight_map = _weight_map(index, path)
         elif os.path.isfile(os.path.join(path, "model.safetensors")):
             self.weight_map = None
             self._single = os.path.join(path, "model.safetensors")
@@ -188,7 +172,7 @@ class HFSource(ModelSource):
         for f in self.files():
             if not os.path.isfile(f):
                 raise WorkerError(f"weight file {f} is missing (listed in the index)")
-            names = _check_safetensors_file(f)
+            names = tensor_names(f)
             if self.weight_map is None:
                 self.weight_map = {n: f for n in names}
         if "lm_head.weight" not in self.weight_map and not self.config.tie_word_embeddings:
