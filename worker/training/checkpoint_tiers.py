@@ -11,7 +11,8 @@ Local tier (LocalCheckpointManager). Between shared checkpoints, each rank may a
 state alone, to node-local storage: `<local root>/rank-<R>/step-NNNNNNNN/` holds `state.pt` (this
 rank's slice tensors, torch.save), `meta.json` (step, data position, RNG, the slices' offsets and
 full shapes, and a fingerprint: layout, global rank, world size, model structure) and `COMPLETE`,
-written by the same commit protocol (temporary folder, fsync, marker with file sizes, rename). No
+written by the same commit protocol (temporary folder named with this process's attempt, fsync,
+marker with file sizes, a rename that never replaces a committed step: checkpoint.py). No
 collective is involved, so it is fast; it can only be read back by the same rank of the same
 layout, which the fingerprint checks.
 """
