@@ -6,19 +6,38 @@ reading are defined in weights/checkpoint_format.py, since any rank opens a chec
 training code finds those names here too. The tiers that save and resume a rank's state (the shared
 tier, asynchronous, and the node-local one) are in checkpoint_tiers.py.
 
-Commit protocol. A checkpoint is written into `.tmp-step-NNNNNNNN/`; when every rank's data and
-DCP's `.metadata` are on disk, rank 0 writes `meta.json` and `COMPLETE` (file list with sizes),
-fsyncs them and renames the folder to `step-NNNNNNNN/`. A checkpoint cut off anywhere in the middle
-of a write therefore never carries the final name with a marker, which is all a reader trusts.
-Replicated slices (norms under TP, optimizer steps) are written once: DCP's planner drops
+Commit protocol. A checkpoint is written into `.tmp-step-NNNNNNNN-<attempt>/`; when every rank's
+data and DCP's `.metadata` are on disk, rank 0 writes `meta.json` and `COMPLETE` (file list with
+sizes), fsyncs them and renames the folder to `step-NNNNNNNN/`. A checkpoint cut off anywhere in
+the middle of a write therefore never carries the final name with a marker, which is all a reader
+trusts. Replicated slices (norms under TP, optimizer steps) are written once: DCP's planner drops
 duplicates that have the same name and offsets.
+
+Fencing. Two runs can write one directory at once: a pod on a NotReady node is force-deleted and
+replaced while it may still be writing. So that neither destroys the other's work:
+- Every run has an attempt, a random token (rank 0 draws it, the others receive it), and its temp
+  folders carry it. A run removes its own attempt's leftovers at once; another attempt's only when
+  nothing in it has been written for STALE_TEMP_S (a live writer keeps its files' mtimes fresh), so
+  a run never deletes a live run's in-flight data, and a dead run's leftovers go within the bound.
+- A commit never replaces a committed checkpoint. It renames the temp folder to the final name,
+  which POSIX refuses when a non-empty folder of that name exists: the first commit of a step
+  wins and a later writer of the same step drops its own copy (both hold the state of the same
+  step; a reader must never see a committed step change under it). Only a final folder that fails
+  verification (damaged) is first moved aside, atomically, and then replaced. This needs no
+  pointer file and keeps the layout every reader already knows (`step-N/` with its marker).
+- Pruning and clearing first rename a folder to `.del-...` and delete it afterwards, so a reader
+  sees a checkpoint whole or not at all, never half deleted.
 """
 from __future__ import annotations
 
 import base64
+import errno
 import json
 import os
+import re
+import secrets
 import shutil
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -104,35 +123,125 @@ def _write_durable(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def commit(tmp: Path, final: Path, meta: dict) -> None:
-    """Make a fully written checkpoint visible: meta + marker, fsync, then one atomic rename."""
+# A temp folder of another attempt untouched this long belongs to a run that is gone.
+STALE_TEMP_S = 3600.0
+TEMP_DIR = re.compile(r"^\.tmp-step-(\d{8,})(?:-([0-9a-f]+))?$")
+DELETING = ".del-"        # prefix of a folder being deleted (renamed first, so it vanishes at once)
+
+
+def new_attempt() -> str:
+    """A fresh attempt token: 48 random bits, as 12 hex digits."""
+    return secrets.token_hex(6)
+
+
+def agree_attempt(group: dist.ProcessGroup | None) -> str:
+    """Collective over `group`: the attempt token rank 0 of the group draws, on every rank (they all
+    write into one temp folder). Without a group, this process's own token."""
+    if group is None:
+        return new_attempt()
+    token = torch.tensor([int(new_attempt(), 16)], dtype=torch.int64)
+    dist.broadcast(token, src=dist.get_global_rank(group, 0), group=group)
+    return f"{int(token.item()):012x}"
+
+
+def temp_dir(root: Path, step: int, attempt: str) -> Path:
+    """The folder one attempt writes a step into before it commits it."""
+    return root / f".tmp-{step_dir_name(step)}-{attempt}"
+
+
+def _remove(path: Path) -> None:
+    """Make `path` vanish at once (one rename), then delete it."""
+    gone = path.with_name(f"{DELETING}{path.name.lstrip('.')}-{secrets.token_hex(4)}")
+    try:
+        os.rename(path, gone)
+    except OSError:   # removed meanwhile by another cleaner
+        return
+    shutil.rmtree(gone, ignore_errors=True)
+
+
+def commit(tmp: Path, final: Path, meta: dict) -> bool:
+    """Make a fully written checkpoint visible: meta + marker, fsync, then one atomic rename that
+    never replaces a committed checkpoint. True if this copy became `final`; False if a complete
+    checkpoint of the step was already there (this copy is then dropped)."""
     _write_durable(tmp / META, json.dumps(meta, indent=1, sort_keys=True))
     files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file() and p.name != MARKER}
     _write_durable(tmp / MARKER, json.dumps({"step": meta["step"], "files": files}, sort_keys=True))
     _fsync_dir(tmp)
-    if final.exists():  # a stale copy of the same step (written before a crash): replace it
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync_dir(final.parent)
+    for _ in range(3):   # each retry follows the removal of a damaged final folder
+        try:
+            os.rename(tmp, final)   # a directory onto a non-empty one: EEXIST/ENOTEMPTY, never replaced
+        except OSError as e:
+            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+        else:
+            _fsync_dir(final.parent)
+            return True
+        try:
+            verify(final, meta.get("format", FORMAT))
+        except CheckpointError:   # a damaged copy (say, a stale one from before a crash): replace it
+            _remove(final)
+            continue
+        shutil.rmtree(tmp, ignore_errors=True)
+        return False
+    raise CheckpointError(f"checkpoint {final} could not be committed: it keeps reappearing damaged")
 
 
 def prune(root: Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` committed checkpoints, and leftovers of cut-off writes."""
+    """Delete all but the newest `keep` committed checkpoints."""
     removed = []
     done = committed(root)
     for _, p in done[:-keep] if keep > 0 else []:
-        shutil.rmtree(p, ignore_errors=True)
+        _remove(p)
         removed.append(p)
     return removed
 
 
-def clean_partial(root: Path) -> None:
-    """Remove folders a crash left behind mid-write (run before the first save of a new run)."""
+def _last_written(path: Path) -> float:
+    """The newest mtime of a folder and of what it directly holds (a writer's files change)."""
+    newest = path.lstat().st_mtime
+    with os.scandir(path) as entries:
+        for n, entry in enumerate(entries):
+            if n >= 100_000:   # bound the walk: a folder that large is not one of ours
+                break
+            try:
+                newest = max(newest, entry.stat(follow_symlinks=False).st_mtime)
+            except OSError:
+                continue
+    return newest
+
+
+def _is_leftover(p: Path, attempt: str | None, now: float, stale_after: float) -> bool:
+    if p.name.startswith(DELETING):
+        return True
+    if STEP_DIR.match(p.name):   # a final name is only ever made by rename, marker included
+        return not (p / MARKER).exists()
+    m = TEMP_DIR.match(p.name)
+    if not m:
+        return False
+    if attempt is not None and m.group(2) == attempt:
+        return True
+    try:
+        return now - _last_written(p) > stale_after
+    except OSError:
+        return False
+
+
+def clean_partial(root: Path, attempt: str | None = None, stale_after: float = STALE_TEMP_S) -> list[Path]:
+    """Remove what cut-off writes left: `attempt`'s own temp folders, other attempts' temp folders
+    untouched for `stale_after` seconds (never a live run's), final-named folders without a marker
+    and folders left mid-deletion. Returns what was removed."""
     if not root.is_dir():
-        return
-    for p in root.iterdir():
-        if p.name.startswith(".tmp-step-") or (STEP_DIR.match(p.name) and not (p / MARKER).exists()):
-            shutil.rmtree(p, ignore_errors=True)
+        return []
+    now = time.time()
+    removed = []
+    for p in sorted(root.iterdir()):
+        if p.is_dir() and not p.is_symlink() and _is_leftover(p, attempt, now, stale_after):
+            if p.name.startswith(DELETING):   # already renamed: another cleaner may be deleting it too
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                _remove(p)
+            removed.append(p)
+    return removed
 
 
 def commit_delay(step: int) -> float:

@@ -11,7 +11,8 @@ Local tier (LocalCheckpointManager). Between shared checkpoints, each rank may a
 state alone, to node-local storage: `<local root>/rank-<R>/step-NNNNNNNN/` holds `state.pt` (this
 rank's slice tensors, torch.save), `meta.json` (step, data position, RNG, the slices' offsets and
 full shapes, and a fingerprint: layout, global rank, world size, model structure) and `COMPLETE`,
-written by the same commit protocol (temporary folder, fsync, marker with file sizes, rename). No
+written by the same commit protocol (temporary folder named with this process's attempt, fsync,
+marker with file sizes, a rename that never replaces a committed step: checkpoint.py). No
 collective is involved, so it is fast; it can only be read back by the same rank of the same
 layout, which the fingerprint checks.
 """
@@ -29,8 +30,9 @@ import torch
 import torch.distributed as dist
 
 from shardwise.worker.training.checkpoint import (
-    FORMAT, CheckpointError, CheckpointMismatch, Slice, check_same_model, check_writable, clean_partial, commit,
-    commit_delay, committed, fsync_file, prune, read_slices, step_dir_name, verify, write_slices)
+    FORMAT, CheckpointError, CheckpointMismatch, Slice, agree_attempt, check_same_model, check_writable,
+    clean_partial, commit, commit_delay, committed, fsync_file, new_attempt, prune, read_slices, step_dir_name,
+    temp_dir, verify, write_slices)
 
 LOCAL_FORMAT = "shardwise-local-checkpoint/1"
 LOCAL_STATE = "state.pt"
@@ -50,7 +52,8 @@ class CheckpointManager:
 
     `group` is a gloo process group over all ranks used only by checkpoint writes; `rank` is this
     rank's global rank (rank 0 commits). `model_meta` describes the model (config); a checkpoint
-    whose model_meta differs is refused with a clear error.
+    whose model_meta differs is refused with a clear error. Constructing one is a collective over
+    `group`: the ranks agree on the run's attempt token (the fence of its temp folders).
     """
 
     def __init__(self, root: str | Path, *, rank: int, group: dist.ProcessGroup | None,
@@ -69,9 +72,10 @@ class CheckpointManager:
         self.last_blocking_s = 0.0   # time training waited in the last save()
         self.last_write_s = 0.0      # time the last write took end to end
         self.last_committed: tuple[int, float] | None = None  # (step, unix time)
+        self.attempt = agree_attempt(group)
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
-            clean_partial(self.root)
+            clean_partial(self.root, self.attempt)
 
     # -- save
     def save(self, step: int, slices: dict[str, Slice], extra: dict) -> None:
@@ -89,10 +93,10 @@ class CheckpointManager:
         self.last_blocking_s = time.perf_counter() - t0
 
     def _write(self, step: int, slices: dict[str, Slice], meta: dict, t0: float) -> None:
-        tmp = self.root / f".tmp-{step_dir_name(step)}"
+        tmp = temp_dir(self.root, step, self.attempt)
         try:
             if self.rank == 0:
-                if tmp.exists():
+                if tmp.exists():   # this run's own earlier try at the step (no other run writes here)
                     shutil.rmtree(tmp)
                 tmp.mkdir(parents=True)
             if self.group is not None:
@@ -106,10 +110,13 @@ class CheckpointManager:
             if self.rank == 0:
                 for name, content in self.files.items():
                     (tmp / name).write_bytes(content)
-                commit(tmp, self.root / step_dir_name(step), meta)
+                if commit(tmp, self.root / step_dir_name(step), meta):
+                    self.log(f"checkpoint {step_dir_name(step)} committed")
+                else:
+                    self.log(f"checkpoint {step_dir_name(step)} was already committed by another run: kept that one")
                 for p in prune(self.root, self.keep):
                     self.log(f"removed old checkpoint {p.name}")
-                self.log(f"checkpoint {step_dir_name(step)} committed")
+                clean_partial(self.root, self.attempt)   # other runs' leftovers, once stale
             self.last_committed = (step, meta["time"])
             self.last_write_s = time.perf_counter() - t0
         except BaseException as e:  # surfaced on the next save()/wait() in the training thread
@@ -180,8 +187,9 @@ class LocalCheckpointManager:
         self.last_blocking_s = 0.0
         self.last_write_s = 0.0
         self.last_committed: tuple[int, float] | None = None
+        self.attempt = new_attempt()   # this process alone writes its rank's folder
         check_writable(self.dir)
-        clean_partial(self.dir)
+        clean_partial(self.dir, self.attempt)
 
     # -- save
     def save(self, step: int, slices: dict[str, Slice], extra: dict) -> None:
@@ -200,9 +208,9 @@ class LocalCheckpointManager:
         self.last_blocking_s = time.perf_counter() - t0
 
     def _write(self, step: int, tensors: dict[str, torch.Tensor], meta: dict, t0: float) -> None:
-        tmp = self.dir / f".tmp-{step_dir_name(step)}"
+        tmp = temp_dir(self.dir, step, self.attempt)
         try:
-            if tmp.exists():
+            if tmp.exists():   # this process's own earlier try at the step
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
             torch.save(tensors, tmp / LOCAL_STATE)
@@ -212,6 +220,7 @@ class LocalCheckpointManager:
                 time.sleep(delay)
             commit(tmp, self.dir / step_dir_name(step), meta)
             prune(self.dir, self.keep)
+            clean_partial(self.dir, self.attempt)
             self.last_committed = (step, meta["time"])
             self.last_write_s = time.perf_counter() - t0
         except BaseException as e:  # reported on the next save()/wait()

@@ -11,6 +11,9 @@ takes them from each DTensor shard (FSDP2 over DTensor TP included: parallelize.
 offsets DCP itself would compute), inference loaders compute them for their own slices, and no
 DeviceMesh has to exist to read a checkpoint (inference ranks load without any process group).
 
+DCP's metadata is a pickle; it is read only through checkpoint_metadata's restricted loader, which
+builds DCP's metadata classes and nothing else, so opening a checkpoint never runs code from it.
+
 Folder. A committed checkpoint is `step-NNNNNNNN/` holding DCP's files, `meta.json` and a
 `COMPLETE` marker listing every file with its size. A reader only considers folders with the final
 name *and* a COMPLETE marker whose listed files all exist with the listed sizes, so a checkpoint
@@ -31,9 +34,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from shardwise.worker.weights.checkpoint_metadata import SafeFileSystemReader, UnsafeCheckpoint, load_metadata
 
 FORMAT = "shardwise-checkpoint/1"
 MARKER = "COMPLETE"
@@ -116,10 +121,11 @@ class _SliceLoadPlanner(DefaultLoadPlanner):
 
 def read_slices(path: str | Path, slices: dict[str, Slice]) -> None:
     """Fill each Slice's tensor in place from the checkpoint at `path`; no process group needed."""
+    reader = SafeFileSystemReader(str(path), _metadata(path))   # checked before DCP sees the folder
     try:
         with warnings.catch_warnings():  # "loading in a single process" is exactly what we ask for
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load({k: s.tensor for k, s in slices.items()}, storage_reader=dcp.FileSystemReader(str(path)),
+            dcp.load({k: s.tensor for k, s in slices.items()}, storage_reader=reader,
                      planner=_SliceLoadPlanner(slices, str(path)), no_dist=True)
     except CheckpointError:
         raise
@@ -130,12 +136,24 @@ def read_slices(path: str | Path, slices: dict[str, Slice]) -> None:
             e = e[0] if isinstance(e, tuple) else e
         if isinstance(e, CheckpointError):
             raise e from None
+        if isinstance(e, UnsafeCheckpoint):
+            raise CheckpointError(str(e)) from None
         raise CheckpointError(f"checkpoint {path} cannot be read: {type(e).__name__}: {e}".splitlines()[0]) from None
+
+
+def _metadata(path: str | Path) -> Metadata:
+    """DCP's metadata of a checkpoint through the safe loader; CheckpointError (one line) if refused."""
+    try:
+        return load_metadata(path)
+    except UnsafeCheckpoint as e:
+        raise CheckpointError(str(e)) from None
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {path}: its metadata is unreadable ({e.strerror or e})") from None
 
 
 def stored_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
     """Full name -> full shape of every tensor in a checkpoint (reads only DCP's metadata)."""
-    md = dcp.FileSystemReader(str(path)).read_metadata()
+    md = _metadata(path)
     return {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
 

@@ -6,6 +6,7 @@ import json
 import multiprocessing as mp
 import os
 import socket
+import time
 
 import pytest
 import torch
@@ -141,9 +142,14 @@ def test_cut_off_and_damaged_checkpoints_are_never_loaded(tmp_path):
     ckpt_file.write_bytes(os.urandom(size))
     with pytest.warns(UserWarning, match="falling back"):
         assert _load(tmp_path, {"model/col": ckpt.Slice.whole(col)})["step"] == 1
-    # A new manager on rank 0 clears the leftovers of cut-off writes.
+    # A new manager on rank 0 clears the leftovers of cut-off writes: the final-named folder without
+    # a marker at once, another run's temp folder only once nothing in it was written for the bound.
     tiers.CheckpointManager(tmp_path, rank=0, group=None, model_meta=META)
-    assert not (tmp_path / ".tmp-step-00000009").exists() and not (tmp_path / "step-00000008").exists()
+    assert (tmp_path / ".tmp-step-00000009").exists() and not (tmp_path / "step-00000008").exists()
+    old = time.time() - ckpt.STALE_TEMP_S - 60
+    os.utime(tmp_path / ".tmp-step-00000009", (old, old))
+    tiers.CheckpointManager(tmp_path, rank=0, group=None, model_meta=META)
+    assert not (tmp_path / ".tmp-step-00000009").exists()
 
 
 def test_checkpoint_of_another_model_is_a_clear_error(tmp_path):

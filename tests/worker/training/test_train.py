@@ -91,15 +91,18 @@ def test_rank_killed_mid_save_never_loads_the_cut_off_checkpoint(reference, trai
     want, _ = reference
     ckdir = tmp_path / "ck"
     proc = train.start(ckdir, "--tensor-parallel", "2", env={"SHARDWISE_CHECKPOINT_COMMIT_DELAY_S": "8:60"})
-    tmp = ckdir / ".tmp-step-00000008"
     deadline = time.time() + 120
-    while not (tmp / ".metadata").exists():        # every rank's data written, commit pending
+    while not list(ckdir.glob(".tmp-step-00000008-*/.metadata")):   # every rank's data written, commit pending
         assert time.time() < deadline and proc.poll() is None
         time.sleep(0.05)
+    (tmp,) = ckdir.glob(".tmp-step-00000008-*")
     os.kill(train.ranks(proc.pid)[0], signal.SIGKILL)   # rank 0: the one that commits
     proc.communicate(timeout=60)
     assert proc.returncode != 0
     assert [s for s, _ in ckpt.committed(ckdir)] == [4]     # the cut-off step 8 is not visible
+    old = time.time() - ckpt.STALE_TEMP_S - 60             # the killed run's folder, untouched past the bound
+    for p in (tmp, *tmp.iterdir()):
+        os.utime(p, (old, old))
     code, got, err = train.run(ckdir, "--data-parallel", "2")
     assert code == 0, err
     assert "resumed from checkpoint step 4" in err

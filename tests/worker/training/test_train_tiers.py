@@ -121,15 +121,18 @@ def test_resume_in_another_layout_ignores_the_local_tier(train, reference, crash
 def test_killed_mid_local_save_loses_nothing_before_the_last_complete_local_checkpoint(train, reference, tmp_path):
     ckdir, local = tmp_path / "ck", tmp_path / "local"
     proc = train.start(ckdir, *_tier(local), "--tensor-parallel", "2", env={DELAY: "10:60"})
-    tmp = local / "rank-0" / ".tmp-step-00000010"
     deadline = time.time() + 120
-    while not (tmp / LOCAL_STATE).exists():      # rank 0's step 10 written, commit pending
+    while not list((local / "rank-0").glob(f".tmp-step-00000010-*/{LOCAL_STATE}")):   # written, commit pending
         assert time.time() < deadline and proc.poll() is None
         time.sleep(0.05)
+    (tmp,) = (local / "rank-0").glob(".tmp-step-00000010-*")
     os.kill(train.ranks(proc.pid)[0], signal.SIGKILL)
     proc.communicate(timeout=60)
     assert proc.returncode != 0
     assert _local_steps(local, 0) == [4, 8] and tmp.exists()     # the cut-off step 10 is not visible
+    old = time.time() - ckpt.STALE_TEMP_S - 60                  # the killed run's folder, past the bound
+    for p in (tmp, *tmp.iterdir()):
+        os.utime(p, (old, old))
     code, got, err = train.run(ckdir, *_tier(local), "--tensor-parallel", "2")
     assert code == 0, err
     assert "resumed from local checkpoint step 8" in err
