@@ -207,7 +207,7 @@ def test_metrics_show_tokens_per_expert_and_the_imbalance(tmp_path, tiny_model):
     from shardwise.worker.weights.tokenizer import load_tokenizer
 
     from ..serving.test_server import _get, _post
-    tiny = tiny_model(tmp_path / "tiny", layers=1)           # for its tokenizer
+    tiny = tiny_model(tmp_path / "tiny", layers=1)                       # for its tokenizer
     vocab = json.loads((tiny / "config.json").read_text())["vocab_size"]
     torch.manual_seed(0)
     MixtralForCausalLM(MixtralConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

@@ -26,8 +26,8 @@ LONG = {"prompt": "the quick", "max_tokens": 1000, "temperature": 0}     # greed
 
 @pytest.fixture(scope="module")
 def served(tiny_serving_model):
-    args = ["--model", str(tiny_serving_model), "--port", "0", "--max-seq-len", "1024", "--max-batch", "1", "--threads", "1",
-            "--max-waiting", str(MAX_WAITING)]
+    args = ["--model", str(tiny_serving_model), "--port", "0", "--max-seq-len", "1024", "--max-batch", "1",
+            "--threads", "1", "--max-waiting", str(MAX_WAITING)]
     with serve_process(args) as (base, lines):
         yield base, lines
 

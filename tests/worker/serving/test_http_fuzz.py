@@ -44,7 +44,8 @@ bodies = st.dictionaries(st.sampled_from(FIELDS), json_values, max_size=6).flatm
 
 @pytest.fixture(scope="module")
 def served(tiny_serving_model):
-    args = ["--model", str(tiny_serving_model), "--port", "0", "--max-seq-len", "64", "--max-batch", "4", "--threads", "1"]
+    args = ["--model", str(tiny_serving_model), "--port", "0", "--max-seq-len", "64", "--max-batch", "4",
+            "--threads", "1"]
     with serve_process(args) as (base, lines):
         yield int(base.rsplit(":", 1)[1]), lines
 
