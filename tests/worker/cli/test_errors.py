@@ -11,14 +11,11 @@ import sys
 import pytest
 
 from shardwise.cli import main
-from shardwise.worker.weights.tiny import write_tiny_model
-
-TEXT = "one two three four five six seven eight nine ten. " * 30
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("tiny"), TEXT, layers=3, hidden=32, heads=4, kv_heads=2)
+def model(tmp_path_factory, tiny_model):
+    return tiny_model(tmp_path_factory.mktemp("tiny"), layers=3, hidden=32, heads=4, kv_heads=2)
 
 
 @pytest.fixture(scope="module")

@@ -17,10 +17,7 @@ import torch
 from shardwise.crds.contract import ModelContract, PodContract, ServingContract
 from shardwise.crds.plan import ShardPlan, StagePlacement
 from shardwise.worker.serving.rank import free_port
-from shardwise.worker.weights.tiny import write_tiny_model
 from shardwise.worker.weights.tokenizer import from_hf_dir
-
-TEXT = "a stitch in time saves nine. all that glitters is not gold. " * 20
 
 
 def _get(url):
@@ -33,8 +30,8 @@ def _get(url):
         return None, b""
 
 
-def test_two_stage_pods_serve_the_same_tokens_as_transformers(tmp_path):
-    model = write_tiny_model(tmp_path / "model", TEXT, layers=3, hidden=64, heads=4, kv_heads=2)
+def test_two_stage_pods_serve_the_same_tokens_as_transformers(tmp_path, tiny_model):
+    model = tiny_model(tmp_path / "model", layers=3, hidden=64, heads=4, kv_heads=2)
     plan = ShardPlan(tensor=2, pipeline=2, replicas=1, num_layers=3, placements=[
         StagePlacement(replica=0, stage=0, node="n0", gpus=2, layer_start=0, layer_end=2, embedding=True, head=False),
         StagePlacement(replica=0, stage=1, node="n1", gpus=2, layer_start=2, layer_end=3, embedding=False, head=True),

@@ -193,7 +193,7 @@ def test_quantizing_a_moe_model_is_refused_in_one_line(models):
 # ---------------------------------------------------------------- load balance in /metrics
 
 
-def test_metrics_show_tokens_per_expert_and_the_imbalance(tmp_path):
+def test_metrics_show_tokens_per_expert_and_the_imbalance(tmp_path, tiny_model):
     """A served Mixtral-shaped model under EP 2: /metrics counts, per layer, the tokens routed to
     every expert (rank 0 routes all tokens, so it counts the experts it does not hold too) and the
     max/mean imbalance."""
@@ -204,11 +204,10 @@ def test_metrics_show_tokens_per_expert_and_the_imbalance(tmp_path):
     from transformers import MixtralConfig, MixtralForCausalLM
 
     from shardwise.worker.serving.http.server import App, Server, run_engine
-    from shardwise.worker.weights.tiny import write_tiny_model
     from shardwise.worker.weights.tokenizer import load_tokenizer
 
-    from ..serving.test_server import TEXT, _get, _post
-    tiny = write_tiny_model(tmp_path / "tiny", TEXT, layers=1)           # for its tokenizer
+    from ..serving.test_server import _get, _post
+    tiny = tiny_model(tmp_path / "tiny", layers=1)                       # for its tokenizer
     vocab = json.loads((tiny / "config.json").read_text())["vocab_size"]
     torch.manual_seed(0)
     MixtralForCausalLM(MixtralConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

@@ -14,9 +14,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from shardwise.worker.weights.tiny import write_tiny_model
-
-from .test_server import TEXT, _get
+from .test_server import _get
 
 ROOT = Path(__file__).resolve().parents[3]
 NEW_TOKENS = 120
@@ -47,8 +45,8 @@ def _stream(base: str, out: dict) -> None:
         out["error"] = f"{type(e).__name__}: {e}"
 
 
-def test_sigterm_drains_streaming_requests_and_refuses_new_ones(tmp_path):
-    model = write_tiny_model(tmp_path / "tiny", TEXT, layers=2, hidden=64, heads=4, kv_heads=2)
+def test_sigterm_drains_streaming_requests_and_refuses_new_ones(tiny_serving_model):
+    model = tiny_serving_model
     proc = subprocess.Popen([sys.executable, "-m", "shardwise", "serve", "--model", str(model), "-t", "2",
                              "--port", "0", "--max-seq-len", "256", "--threads", "1"],
                             cwd=ROOT, stderr=subprocess.PIPE, text=True)

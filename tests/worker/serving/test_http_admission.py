@@ -18,21 +18,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from shardwise.worker.weights.tiny import write_tiny_model
-
 from .serve_process import serve_process
 
-TEXT = "the quick brown fox jumps over the lazy dog. " * 20
 MAX_WAITING = 6
 LONG = {"prompt": "the quick", "max_tokens": 1000, "temperature": 0}     # greedy: never an end token
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    path = write_tiny_model(tmp_path_factory.mktemp("admission") / "tiny", TEXT, layers=2, hidden=64,
-                            heads=4, kv_heads=2)
-    args = ["--model", str(path), "--port", "0", "--max-seq-len", "1024", "--max-batch", "1", "--threads", "1",
-            "--max-waiting", str(MAX_WAITING)]
+def served(tiny_serving_model):
+    args = ["--model", str(tiny_serving_model), "--port", "0", "--max-seq-len", "1024", "--max-batch", "1",
+            "--threads", "1", "--max-waiting", str(MAX_WAITING)]
     with serve_process(args) as (base, lines):
         yield base, lines
 

@@ -15,14 +15,12 @@ import pytest
 
 from shardwise.worker.errors import WorkerError
 from shardwise.worker.serving.http.auth import INCORRECT, MISSING, ApiKeys
-from shardwise.worker.weights.tiny import write_tiny_model
 
 from .serve_process import serve_process
 from .test_http_framing import exchange, serve, status_and_error
 
 openai = pytest.importorskip("openai")
 
-TEXT = "the quick brown fox jumps over the lazy dog. " * 20
 KEYS = ["sk-first-key-0123456789", "sk-second-key-abcdef"]
 
 
@@ -62,10 +60,9 @@ def test_v1_needs_a_key_and_probes_do_not():
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("auth")
-    path = write_tiny_model(tmp / "tiny", TEXT, layers=2, hidden=64, heads=4, kv_heads=2)
-    keys = tmp / "keys"
+def served(tmp_path_factory, tiny_serving_model):
+    path = tiny_serving_model
+    keys = tmp_path_factory.mktemp("auth") / "keys"
     keys.write_text("\n".join(KEYS) + "\n")
     args = ["--model", str(path), "--port", "0", "--max-seq-len", "128", "--max-batch", "2", "--threads", "1",
             "--api-key-file", str(keys)]
@@ -106,7 +103,7 @@ def test_probes_stay_open_and_keys_never_reach_the_log(served):
     assert not any(k in log for k in KEYS)
 
 
-def test_the_pod_command_takes_the_same_key_file(tmp_path):
+def test_the_pod_command_takes_the_same_key_file(tmp_path, tiny_serving_model):
     """`shardwise worker --api-key-file` (one pod, one rank): /v1/* needs a key, /healthz does not."""
     import os
     import signal
@@ -115,7 +112,7 @@ def test_the_pod_command_takes_the_same_key_file(tmp_path):
     from shardwise.crds.plan import ShardPlan, StagePlacement
     from shardwise.worker.serving.rank import free_port
 
-    model = write_tiny_model(tmp_path / "model", TEXT, layers=2, hidden=64, heads=4, kv_heads=2)
+    model = tiny_serving_model
     plan = ShardPlan(tensor=1, pipeline=1, replicas=1, num_layers=2, placements=[
         StagePlacement(replica=0, stage=0, node="n0", gpus=1, layer_start=0, layer_end=2, embedding=True, head=True)])
     port, contract, keys = free_port(), tmp_path / "contract.json", tmp_path / "keys"

@@ -11,17 +11,13 @@ import pytest
 
 from shardwise.worker.serving.http.server import App, Server, run_engine
 from shardwise.worker.serving.rank import LocalRuntime, RankSpec
-from shardwise.worker.weights.tiny import write_tiny_model
 from shardwise.worker.weights.tokenizer import load_tokenizer
-
-TEXT = "the quick brown fox jumps over the lazy dog. pack my box with five dozen liquor jugs. " * 20
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    path = write_tiny_model(tmp_path_factory.mktemp("tiny"), TEXT, layers=2, hidden=64, heads=4, kv_heads=2)
+def base(tiny_serving_model):
     # 32 cached tokens (two blocks of 16) for a context of 128: one request outgrows the cache
-    spec = RankSpec(str(path), max_batch=2, max_seq=128, kv_tokens=32)
+    spec = RankSpec(str(tiny_serving_model), max_batch=2, max_seq=128, kv_tokens=32)
     runtime = LocalRuntime(spec)
     app = App("tiny", load_tokenizer(runtime.source))
     server = Server(app, "127.0.0.1", 0).start()

@@ -13,12 +13,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shardwise.worker.weights.tiny import write_tiny_model
-
 from .serve_process import serve_process
 from .test_http_framing import exchange
 
-TEXT = "the quick brown fox jumps over the lazy dog. " * 20
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n",
           "seed", "stop", "stream", "stream_options", "logprobs", "top_logprobs", "echo", "suffix", "best_of",
           "logit_bias", "presence_penalty", "frequency_penalty", "tools", "response_format", "user"]
@@ -46,10 +43,9 @@ bodies = st.dictionaries(st.sampled_from(FIELDS), json_values, max_size=6).flatm
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("fuzz")
-    path = write_tiny_model(tmp / "tiny", TEXT, layers=2, hidden=64, heads=4, kv_heads=2)
-    args = ["--model", str(path), "--port", "0", "--max-seq-len", "64", "--max-batch", "4", "--threads", "1"]
+def served(tiny_serving_model):
+    args = ["--model", str(tiny_serving_model), "--port", "0", "--max-seq-len", "64", "--max-batch", "4",
+            "--threads", "1"]
     with serve_process(args) as (base, lines):
         yield int(base.rsplit(":", 1)[1]), lines
 

@@ -11,20 +11,18 @@ import pytest
 import torch
 
 from shardwise.worker.weights.loader import open_model
-from shardwise.worker.weights.tiny import write_tiny_model
 from shardwise.worker.weights.tokenizer import load_tokenizer
 
 from .serve_process import serve_process
 
 openai = pytest.importorskip("openai")
 
-TEXT = "the quick brown fox jumps over the lazy dog. pack my box with five dozen liquor jugs. " * 20
 CONTEXT = 128
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    path = write_tiny_model(tmp_path_factory.mktemp("tiny"), TEXT, layers=2, hidden=64, heads=4, kv_heads=2)
+def served(tiny_serving_model):
+    path = tiny_serving_model
     args = ["--model", str(path), "--port", "0", "--max-seq-len", str(CONTEXT), "--max-batch", "4", "--threads", "1"]
     with serve_process(args) as (base, _):
         yield openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60), str(path)

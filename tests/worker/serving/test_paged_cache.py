@@ -14,9 +14,7 @@ from shardwise.worker.serving.request import Request
 from shardwise.worker.errors import WorkerError
 from shardwise.worker.serving.kv_blocks import BlockPool
 from shardwise.worker.serving.rank import LocalRuntime, RankSpec
-from shardwise.worker.weights.tiny import write_tiny_model
 
-TEXT = "the quick brown fox jumps over the lazy dog while the river runs to the sea " * 20
 MAX_SEQ = 128
 
 
@@ -93,8 +91,8 @@ def test_random_operations_keep_every_block_in_exactly_one_state():
 
 # ---- real ranks -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return str(write_tiny_model(tmp_path_factory.mktemp("tiny"), TEXT, layers=3))
+def tiny(tmp_path_factory, tiny_model):
+    return str(tiny_model(tmp_path_factory.mktemp("tiny"), layers=3))
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:

@@ -16,10 +16,8 @@ import torch
 
 from shardwise.worker.serving.rank import LocalRuntime, RankSpec
 from shardwise.worker.serving.http.server import App, Server, run_engine
-from shardwise.worker.weights.tiny import write_tiny_model
 from shardwise.worker.weights.tokenizer import load_tokenizer
 
-TEXT = "the quick brown fox jumps over the lazy dog. pack my box with five dozen liquor jugs. " * 20
 PROMPTS = ["the quick brown", "pack my box with five", "the lazy dog", "five dozen liquor jugs over the"]
 
 
@@ -42,8 +40,9 @@ def _get(url: str):
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    path = write_tiny_model(tmp_path_factory.mktemp("tiny"), TEXT, layers=3, hidden=64, heads=4, kv_heads=2)
+def served(tmp_path_factory, tiny_model, pangrams):
+    # 3 layers: TP 2 x PP 2 splits them unevenly
+    path = tiny_model(tmp_path_factory.mktemp("tiny"), pangrams, layers=3, hidden=64, heads=4, kv_heads=2)
     spec = RankSpec(str(path), tensor=2, pipeline=2, max_batch=4, max_seq=128)
     runtime = LocalRuntime(spec)
     app = App("tiny", load_tokenizer(runtime.source))

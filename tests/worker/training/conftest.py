@@ -1,9 +1,8 @@
 """What the training tests share: a corpus and the tiny random model trained on it
-(shardwise.worker.weights.tiny), and `shardwise train` run on them as real local processes.
+(tests/worker/conftest.py: corpus, tiny_model), and `shardwise train` run on them as real local
+processes.
 
 Fixtures:
-  tiny_model  writes a tiny model (write_tiny_model's shape arguments) with its tokenizer trained on
-              the corpus: tiny_model(path, layers=2, tie=True)
   work        a folder per test module: data.txt (the corpus) and model/ (4 layers, 64 wide)
   train       `shardwise train --model <work>/model --data <work>/data.txt --checkpoint-dir CKDIR`
               followed by the test module's COMMON arguments and the call's own (a later option
@@ -14,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -22,16 +20,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
-
-from shardwise.worker.weights.tiny import write_tiny_model
-
-
-def corpus() -> str:
-    """300 lines of 12 words drawn from a small vocabulary, the same every time."""
-    rnd = random.Random(0)
-    words = ("the quick brown fox jumps over a lazy dog while seven wizards quietly brew potent "
-             "elixirs under the pale moon").split()
-    return "\n".join(" ".join(rnd.choice(words) for _ in range(12)) for _ in range(300))
 
 
 class TrainRun(NamedTuple):
@@ -88,17 +76,10 @@ class TrainCommand:
         return found
 
 
-@pytest.fixture(scope="session")
-def tiny_model():
-    def write(path: Path, **shape) -> Path:
-        return write_tiny_model(path, corpus(), **shape)
-    return write
-
-
 @pytest.fixture(scope="module")
-def work(tmp_path_factory, tiny_model) -> Path:
+def work(tmp_path_factory, tiny_model, corpus) -> Path:
     root = tmp_path_factory.mktemp("train")
-    (root / "data.txt").write_text(corpus())
+    (root / "data.txt").write_text(corpus)
     tiny_model(root / "model", layers=4, hidden=64, heads=4, kv_heads=2)
     return root
 
