@@ -1,0 +1,28 @@
+"""The model's ConfigMap at the most replicas the API allows: the pod contract inside lists every
+placement of the plan, and the API server refuses a ConfigMap over 1 MiB, which would leave the
+model without pods and never Ready. Measured as the compact JSON the API server stores."""
+from __future__ import annotations
+
+import json
+
+from shardwise.crds import names
+from shardwise.crds.models import ShardedModel, ShardedModelSpec
+from shardwise.operator.render import renderer
+from tests.operator.test_status_size import _plan
+
+CONFIGMAP_LIMIT = 1 << 20     # the API server's bound on a ConfigMap's data
+
+
+def _model(replicas: int, pipeline: int) -> ShardedModel:
+    spec = {"model": {"uri": "pvc://weights/llama-8b"},
+            "parallelism": {"tensor": 2, "pipeline": pipeline, "replicas": replicas}}
+    return ShardedModel(metadata={"name": "llama-8b-chat", "namespace": "team-a", "uid": "u-1"},
+                        spec=ShardedModelSpec.model_validate(spec))
+
+
+def test_the_contract_of_the_most_replicas_fits_in_one_configmap_and_reads_back_whole():
+    plan = _plan(names.MAX_REPLICAS, 4)
+    configmap = renderer.render_configmap(_model(names.MAX_REPLICAS, 4), plan)
+    size = len(json.dumps(configmap, separators=(",", ":")).encode())
+    assert size < CONFIGMAP_LIMIT, size     # about 285 KB (it was 11.7 MB, indented JSON in data)
+    assert renderer.plan_from_configmap(configmap) == plan
