@@ -3,9 +3,10 @@
 The renderer (operator/render/renderer.py) writes it gzip-compressed as `contract.json.gz` in the
 model's ConfigMap, mounted in every pod at /etc/shardwise/contract.json.gz (crds/names.py
 CONTRACT_PATH); `shardwise worker --contract PATH` reads it with `load_contract`, which takes plain
-JSON as well (a contract written by hand) and tells the two apart by gzip's magic bytes. The ConfigMap is shared by all the pods of a model, so
-what differs from pod to pod stays in their environment (crds/names.py ENV_*): SHARDWISE_REPLICA,
-SHARDWISE_STAGE, MASTER_ADDR, MASTER_PORT (the torch.distributed rendezvous), POD_IP and NODE_NAME.
+JSON as well (a contract written by hand) and tells the two apart by gzip's magic bytes. The
+ConfigMap is shared by all the pods of a model, so what differs from pod to pod stays in their
+environment (crds/names.py ENV_*): SHARDWISE_REPLICA, SHARDWISE_STAGE, MASTER_ADDR, MASTER_PORT (the
+torch.distributed rendezvous), POD_IP and NODE_NAME.
 
 The fields reuse the API's own models (crds/models.py), so every default has one definition, the
 spec's. Paths are paths inside the pod: a pvc:// uri is already resolved to where the renderer

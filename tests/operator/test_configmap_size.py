@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from shardwise.crds import names
 from shardwise.crds.models import ShardedModel, ShardedModelSpec
 from shardwise.operator.render import renderer
@@ -26,3 +28,15 @@ def test_the_contract_of_the_most_replicas_fits_in_one_configmap_and_reads_back_
     size = len(json.dumps(configmap, separators=(",", ":")).encode())
     assert size < CONFIGMAP_LIMIT, size     # about 285 KB (it was 11.7 MB, indented JSON in data)
     assert renderer.plan_from_configmap(configmap) == plan
+
+
+@pytest.mark.controlplane
+def test_the_api_server_takes_the_configmap_of_the_most_replicas_and_gives_the_plan_back(kubectl, namespace):
+    """Server-side apply, as the operator applies it; the read-back is the operator's own."""
+    plan = _plan(names.MAX_REPLICAS, 4)
+    configmap = renderer.render_configmap(_model(names.MAX_REPLICAS, 4), plan)
+    del configmap["metadata"]["ownerReferences"]      # no such model here: the collector would delete it
+    configmap["metadata"]["namespace"] = namespace
+    kubectl("apply", "--server-side", "--field-manager=shardwise", "-f", "-", input=json.dumps(configmap))
+    stored = json.loads(kubectl("get", "configmap", configmap["metadata"]["name"], "-o", "json"))
+    assert renderer.plan_from_configmap(stored) == plan
