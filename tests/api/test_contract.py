@@ -82,7 +82,8 @@ def test_the_local_checkpoint_tier_and_min_replicas_reach_the_pods_contract_json
     model = _model(workload="training", parallelism={"tensor": 1, "pipeline": 2, "replicas": 2},
                    training={"data": "/data/wiki.txt", "steps": 50, "minReplicas": 1},
                    checkpoint={"claim": "ckpt", "local": {"intervalSteps": 5, "keep": 3}})
-    contract = PodContract.from_json(renderer.configmap_contract(renderer.render_configmap(model, plan(model.spec, SMOL, _nodes()))))
+    configmap = renderer.render_configmap(model, plan(model.spec, SMOL, _nodes()))
+    contract = PodContract.from_json(renderer.configmap_contract(configmap))
     local = contract.checkpoint.local
     assert (local.path, local.interval_steps, local.keep) == ("/local-checkpoints", 5, 3)
     assert contract.training.min_replicas == 1
