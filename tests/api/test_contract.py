@@ -227,7 +227,7 @@ def test_a_contract_file_over_the_bound_is_refused_unread(tmp_path):
     (b"\x1f\x8bnot gzip", "is not valid gzip"),
     (gzip.compress(b'{"plan": {}}')[:-12], "is truncated gzip"),
     (gzip.compress(b"{}") + gzip.compress(b"{}"), "has data after its gzip stream"),
-])
+], ids=["not-gzip", "truncated", "trailing-data"])
 def test_broken_gzip_is_one_line_naming_the_file(tmp_path, data, words):
     path = tmp_path / "contract.json.gz"
     path.write_bytes(data)
