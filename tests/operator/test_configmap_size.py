@@ -3,12 +3,15 @@ placement of the plan, and the API server refuses a ConfigMap over 1 MiB, which 
 model without pods and never Ready. Measured as the compact JSON the API server stores."""
 from __future__ import annotations
 
+import base64
+import gzip
 import json
 
 import pytest
 
 from shardwise.crds import names
 from shardwise.crds.models import ShardedModel, ShardedModelSpec
+from shardwise.crds.plan import ShardPlan
 from shardwise.operator.render import renderer
 from tests.operator.test_status_size import _plan
 
@@ -40,3 +43,7 @@ def test_the_api_server_takes_the_configmap_of_the_most_replicas_and_gives_the_p
     kubectl("apply", "--server-side", "--field-manager=shardwise", "-f", "-", input=json.dumps(configmap))
     stored = json.loads(kubectl("get", "configmap", configmap["metadata"]["name"], "-o", "json"))
     assert renderer.plan_from_configmap(stored) == plan
+    # what docs/operator.md tells people to run: the jsonpath, then `base64 -d | gunzip`
+    encoded = kubectl("get", "configmap", configmap["metadata"]["name"], "-o",
+                      r"jsonpath={.binaryData.contract\.json\.gz}")
+    assert ShardPlan.model_validate(json.loads(gzip.decompress(base64.b64decode(encoded)))["plan"]) == plan
