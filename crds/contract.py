@@ -1,10 +1,12 @@
 """The pod contract: everything the operator tells a worker pod, in one validated file.
 
-The renderer (operator/render/renderer.py) writes it as `contract.json` in the model's ConfigMap,
-mounted in every pod at /etc/shardwise/contract.json (crds/names.py CONTRACT_PATH); `shardwise worker
---contract PATH` reads it with `load_contract`. The ConfigMap is shared by all the pods of a model, so
-what differs from pod to pod stays in their environment (crds/names.py ENV_*): SHARDWISE_REPLICA,
-SHARDWISE_STAGE, MASTER_ADDR, MASTER_PORT (the torch.distributed rendezvous), POD_IP and NODE_NAME.
+The renderer (operator/render/renderer.py) writes it gzip-compressed as `contract.json.gz` in the
+model's ConfigMap, mounted in every pod at /etc/shardwise/contract.json.gz (crds/names.py
+CONTRACT_PATH); `shardwise worker --contract PATH` reads it with `load_contract`, which takes plain
+JSON as well (a contract written by hand) and tells the two apart by gzip's magic bytes. The
+ConfigMap is shared by all the pods of a model, so what differs from pod to pod stays in their
+environment (crds/names.py ENV_*): SHARDWISE_REPLICA, SHARDWISE_STAGE, MASTER_ADDR, MASTER_PORT (the
+torch.distributed rendezvous), POD_IP and NODE_NAME.
 
 The fields reuse the API's own models (crds/models.py), so every default has one definition, the
 spec's. Paths are paths inside the pod: a pvc:// uri is already resolved to where the renderer
@@ -17,6 +19,7 @@ from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from shardwise.crds import compressed
 from shardwise.crds.models import (Checkpoint, ModelSource, Serving, ShardedModelSpec, Training, Workload,
                                    describe_validation_error)
 from shardwise.crds.plan import ShardPlan
@@ -30,6 +33,11 @@ DRAIN_SECONDS = SERVING_GRACE_SECONDS - 2
 # The spec's own types: the contract accepts exactly the values the API accepts.
 Dtype = ShardedModelSpec.model_fields["dtype"].annotation
 ModelFormat = ModelSource.model_fields["format"].annotation
+
+
+# A contract's JSON at most, read from a file or inflated from gzip: far above what a ConfigMap's 1 MiB
+# holds gzipped (about 20 MiB of JSON), low enough that a decompression bomb cannot exhaust a pod.
+CONTRACT_MAX_BYTES = 64 << 20
 
 
 class ContractError(ValueError):
@@ -77,6 +85,10 @@ class PodContract(_Contract):
         # Field names, not the API's camelCase aliases: the plan inside has no aliases either.
         return self.model_dump_json(indent=2)
 
+    def to_gzip(self) -> bytes:
+        """The ConfigMap's form: compact JSON, gzip-compressed (what `load_contract` reads)."""
+        return compressed.compress(self.model_dump_json().encode())
+
     @classmethod
     def from_json(cls, text: str | bytes, where: str = "the JSON") -> "PodContract":
         """Parse and validate; raises ContractError (one line) on anything else."""
@@ -87,11 +99,26 @@ class PodContract(_Contract):
 
 
 def load_contract(path: str | Path) -> PodContract:
-    """The contract file a worker pod is started with; ContractError when missing or invalid."""
+    """The contract file a worker pod is started with, plain JSON or gzip; ContractError when
+    missing, invalid or over CONTRACT_MAX_BYTES."""
     try:
-        text = Path(path).read_bytes()
+        with open(path, "rb") as f:
+            data = f.read(CONTRACT_MAX_BYTES + 1)
     except FileNotFoundError:
         raise ContractError(f"pod contract {path} not found") from None
     except OSError as e:
         raise ContractError(f"pod contract {path} cannot be read: {e.strerror or e}") from None
-    return PodContract.from_json(text, where=str(path))
+    return PodContract.from_json(contract_json(data, where=f"pod contract {path}"), where=str(path))
+
+
+def contract_json(data: bytes, where: str) -> bytes:
+    """A contract's JSON from its stored bytes: gzip (told by its magic bytes) inflated, plain JSON
+    as it is, either at most CONTRACT_MAX_BYTES; ContractError (one line starting with `where`)."""
+    if compressed.is_gzip(data):
+        try:
+            return compressed.decompress(data, CONTRACT_MAX_BYTES)
+        except compressed.Unreadable as e:
+            raise ContractError(f"{where} {e}") from None
+    if len(data) > CONTRACT_MAX_BYTES:
+        raise ContractError(f"{where} is larger than {CONTRACT_MAX_BYTES >> 20} MiB")
+    return data

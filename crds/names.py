@@ -31,7 +31,13 @@ RACK_LABEL = "topology.shardwise.dev/rack"
 ZONE_LABEL = "topology.kubernetes.io/zone"
 
 # --- the pod contract (crds/contract.py), as a worker pod sees it ---------------------------------
-CONTRACT_FILE = "contract.json"     # the ConfigMap's key, and the file name in the pod
+# The ConfigMap's binaryData key, and the file name in the pod: the contract as gzip-compressed
+# compact JSON. Compressed because the plan inside lists every placement, and a ConfigMap holds at
+# most 1 MiB: 10,000 replicas of 4 stages are 5.8 MB of compact JSON, about 0.2 MB gzipped.
+CONTRACT_FILE = "contract.json.gz"
+# The `data` key of a ConfigMap written before the contract was compressed: only read back, so that an
+# upgraded operator keeps the plan its running pods were given instead of planning afresh.
+PLAIN_CONTRACT_FILE = "contract.json"
 CONTRACT_MOUNT = "/etc/shardwise"   # where the ConfigMap is mounted
 CONTRACT_PATH = f"{CONTRACT_MOUNT}/{CONTRACT_FILE}"
 # spec.serving.auth.secretRef's key, mounted read-only in a serving pod and passed as --api-key-file

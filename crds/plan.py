@@ -2,7 +2,7 @@
 
 The plan is the contract between the planner (pure), the renderer (pods from the plan) and the
 worker (which layers and which slice of each weight a rank owns). It travels to the pods inside the
-pod contract (crds/contract.py, `contract.json` in a ConfigMap), so both sides validate it with this
+pod contract (crds/contract.py, `contract.json.gz` in a ConfigMap), so both sides validate it with this
 one model.
 
 Ranks: crds/layout.py RankLayout. Inside one replica (one torch.distributed world per replica)

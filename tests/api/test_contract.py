@@ -2,13 +2,21 @@
 ConfigMap and the worker's own reading function (no torch needed)."""
 from __future__ import annotations
 
+import base64
+import gzip
 import json
+import struct
 import subprocess
 import sys
+import time
+import tracemalloc
+import zlib
+from pathlib import Path
 
 import pytest
 
-from shardwise.crds.contract import ContractError, PodContract, load_contract
+from shardwise.crds import names
+from shardwise.crds.contract import CONTRACT_MAX_BYTES, ContractError, PodContract, load_contract
 from shardwise.crds.models import ShardedModel, ShardedModelSpec, Workload
 from shardwise.crds.modelshape import from_hf_config
 from shardwise.operator.render import renderer
@@ -30,6 +38,13 @@ def _model(**spec) -> ShardedModel:
                         spec=ShardedModelSpec.model_validate({**base, **spec}))
 
 
+def _mounted(configmap: dict, folder) -> Path:
+    """The ConfigMap's contract file as a kubelet writes it into the pod: binaryData, decoded."""
+    path = folder / names.CONTRACT_FILE
+    path.write_bytes(base64.b64decode(configmap["binaryData"][names.CONTRACT_FILE]))
+    return path
+
+
 def _nodes() -> list[NodeInfo]:
     # One node without a memory label: the plan carries a note about it.
     return [NodeInfo(f"n{i}", {ZONE: f"z{i % 2}", RACK: f"r{i}"}, gpus=4, used=1,
@@ -43,8 +58,8 @@ def test_the_pod_reads_exactly_the_plan_the_planner_made(tmp_path):
     assert all(p.params and p.domains for p in planned.placements) and len(planned.placements) == 4
 
     configmap = renderer.render_configmap(model, planned)
-    (tmp_path / "contract.json").write_text(configmap["data"]["contract.json"])
-    contract = read_contract(str(tmp_path / "contract.json"))     # what `shardwise worker --contract` does
+    path = _mounted(configmap, tmp_path)
+    contract = read_contract(str(path))     # what `shardwise worker --contract` does
 
     assert contract.plan == planned
     assert contract.plan.model_dump() == planned.model_dump()
@@ -57,7 +72,7 @@ def test_a_training_contract_carries_the_specs_options_with_pod_paths(tmp_path):
                    training={"data": "pvc://corpora/wiki.txt", "steps": 50, "microBatches": 4},
                    checkpoint={"claim": "ckpt", "intervalSteps": 10})
     planned = plan(model.spec, SMOL, _nodes())
-    contract = PodContract.from_json(renderer.render_configmap(model, planned)["data"]["contract.json"])
+    contract = PodContract.from_json(renderer.configmap_contract(renderer.render_configmap(model, planned)))
     assert contract.workload == "training" and contract.plan == planned
     assert contract.training == model.spec.training.model_copy(update={"data": "/data/corpora/wiki.txt"})
     assert contract.checkpoint == model.spec.checkpoint and contract.checkpoint.path == "/checkpoints"
@@ -67,7 +82,8 @@ def test_the_local_checkpoint_tier_and_min_replicas_reach_the_pods_contract_json
     model = _model(workload="training", parallelism={"tensor": 1, "pipeline": 2, "replicas": 2},
                    training={"data": "/data/wiki.txt", "steps": 50, "minReplicas": 1},
                    checkpoint={"claim": "ckpt", "local": {"intervalSteps": 5, "keep": 3}})
-    contract = PodContract.from_json(renderer.render_configmap(model, plan(model.spec, SMOL, _nodes()))["data"]["contract.json"])
+    configmap = renderer.render_configmap(model, plan(model.spec, SMOL, _nodes()))
+    contract = PodContract.from_json(renderer.configmap_contract(configmap))
     local = contract.checkpoint.local
     assert (local.path, local.interval_steps, local.keep) == ("/local-checkpoints", 5, 3)
     assert contract.training.min_replicas == 1
@@ -86,14 +102,13 @@ def test_zero3_schedule_and_compression_reach_the_pods_contract_json(tmp_path):
                                                gpu_memory=24 * GiB) for i in range(2)])
     assert (planned.data_shard, planned.data_replicate) == (2, 2)
     configmap = renderer.render_configmap(model, planned)
-    raw = json.loads(configmap["data"]["contract.json"])
+    raw = json.loads(renderer.configmap_contract(configmap))
     assert raw["plan"]["data_shard"] == 2
     assert raw["training"]["data_parallel"] == {"shard": 2, "replicate": None}
     assert (raw["training"]["schedule"], raw["training"]["activation_checkpointing"]) == ("Interleaved1F1B", True)
     assert raw["training"]["gradient_compression"] == {"method": "topk", "density": 0.05}
 
-    (tmp_path / "contract.json").write_text(configmap["data"]["contract.json"])
-    contract = read_contract(str(tmp_path / "contract.json"))
+    contract = read_contract(str(_mounted(configmap, tmp_path)))
     assert contract.plan == planned and contract.plan.data_shard == 2 and contract.plan.data_replicate == 2
     assert contract.training == model.spec.training
     t = contract.training
@@ -103,11 +118,12 @@ def test_zero3_schedule_and_compression_reach_the_pods_contract_json(tmp_path):
 
 
 def test_a_plan_written_before_data_shard_reads_as_unsharded():
+    """An older operator's ConfigMap: plain JSON under data, a plan without data_shard."""
     model = _model()
     planned = plan(model.spec, SMOL, _nodes())
-    old = json.loads(renderer.render_configmap(model, planned)["data"]["contract.json"])
+    old = json.loads(renderer.configmap_contract(renderer.render_configmap(model, planned)))
     del old["plan"]["data_shard"]
-    read = renderer.plan_from_configmap({"data": {"contract.json": json.dumps(old)}})
+    read = renderer.plan_from_configmap({"data": {"contract.json": json.dumps(old, indent=2)}})
     assert read is not None and (read.data_shard, read.data_replicate) == (1, read.replicas)
 
 
@@ -128,17 +144,93 @@ def test_a_missing_or_invalid_contract_is_one_line(tmp_path, text, words):
 
 
 def test_a_training_contract_without_its_options_is_refused():
-    contract = PodContract.from_json(renderer.render_configmap(_model(), plan(_model().spec, SMOL, _nodes()))
-                                     ["data"]["contract.json"])
+    contract = PodContract.from_json(renderer.configmap_contract(
+        renderer.render_configmap(_model(), plan(_model().spec, SMOL, _nodes()))))
     with pytest.raises(ContractError, match="a training contract needs training and checkpoint"):
         PodContract.from_json(contract.model_copy(update={"workload": Workload.TRAINING}).to_json())
 
 
-def test_the_worker_exits_2_in_one_line_without_a_traceback(tmp_path):
+def test_the_worker_exits_2_in_one_line_without_a_traceback(tmp_path, bomb):
     (tmp_path / "contract.json").write_text("{}")
-    for path in (tmp_path / "missing.json", tmp_path / "contract.json"):
+    (tmp_path / "contract.json.gz").write_bytes(bomb)
+    for path in (tmp_path / "missing.json", tmp_path / "contract.json", tmp_path / "contract.json.gz"):
         p = subprocess.run([sys.executable, "-m", "shardwise", "worker", "--contract", str(path)],
                            capture_output=True, text=True, timeout=120, cwd=tmp_path)
         assert p.returncode == 2, p.stderr
         assert p.stderr.strip().startswith("shardwise worker: error: ") and len(p.stderr.strip().splitlines()) == 1
         assert "Traceback" not in p.stderr
+
+
+def _gzip_bomb(size: int = 1 << 30) -> bytes:
+    """`size` bytes of zeros as one valid gzip stream of about 1 MB, built without compressing them
+    all: after a full flush the compressor starts afresh, so every further MiB compresses alike."""
+    mib = bytes(1 << 20)
+    deflate = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    first = deflate.compress(mib) + deflate.flush(zlib.Z_FULL_FLUSH)
+    again = deflate.compress(mib) + deflate.flush(zlib.Z_FULL_FLUSH)
+    crc = 0
+    for _ in range(size >> 20):
+        crc = zlib.crc32(mib, crc)
+    end = deflate.flush()[:-8] + struct.pack("<II", crc, size & 0xFFFFFFFF)   # the whole stream's trailer
+    return first + again * ((size >> 20) - 1) + end
+
+
+@pytest.fixture(scope="module")
+def bomb() -> bytes:
+    data = _gzip_bomb()
+    assert len(data) < 2 << 20
+    return data
+
+
+def test_the_configmaps_contract_is_gzip_and_a_plain_contract_written_by_hand_still_loads(tmp_path):
+    configmap = renderer.render_configmap(_model(), plan(_model().spec, SMOL, _nodes()))
+    mounted = _mounted(configmap, tmp_path)
+    assert mounted.name == "contract.json.gz" and mounted.read_bytes()[:2] == b"\x1f\x8b"
+    contract = read_contract(str(mounted))
+    indented, compact = tmp_path / "contract.json", tmp_path / "compact.json"
+    indented.write_text(contract.to_json())                      # as `docs/worker.md` shows one
+    compact.write_bytes(renderer.configmap_contract(configmap))  # the ConfigMap's, gunzipped
+    assert read_contract(str(indented)) == contract == load_contract(compact)
+
+
+def test_a_gzip_bomb_is_refused_quickly_in_one_line_by_the_worker_and_the_operator(tmp_path, bomb):
+    path = tmp_path / "contract.json.gz"
+    path.write_bytes(bomb)
+    configmap = {"binaryData": {names.CONTRACT_FILE: base64.b64encode(bomb).decode()}}
+    tracemalloc.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(ContractError) as raised:
+            load_contract(path)
+        with pytest.raises(WorkerError, match="inflates to more than 64 MiB$"):
+            read_contract(str(path))
+        assert renderer.plan_from_configmap(configmap) is None
+        with pytest.raises(ContractError) as from_configmap:
+            renderer.configmap_contract(configmap)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert str(raised.value) == f"pod contract {path} inflates to more than 64 MiB"
+    assert str(from_configmap.value) == "the ConfigMap's contract.json.gz inflates to more than 64 MiB"
+    assert time.monotonic() - started < 10 and peak < 256 << 20     # not 1 GiB inflated, nor held
+
+
+def test_a_contract_file_over_the_bound_is_refused_unread(tmp_path):
+    path = tmp_path / "contract.json"
+    with open(path, "wb") as f:
+        f.truncate(CONTRACT_MAX_BYTES + 1)
+    with pytest.raises(ContractError, match=f"^pod contract {path} is larger than 64 MiB$"):
+        load_contract(path)
+
+
+@pytest.mark.parametrize("data, words", [
+    (b"\x1f\x8bnot gzip", "is not valid gzip"),
+    (gzip.compress(b'{"plan": {}}')[:-12], "is truncated gzip"),
+    (gzip.compress(b"{}") + gzip.compress(b"{}"), "has data after its gzip stream"),
+], ids=["not-gzip", "truncated", "trailing-data"])
+def test_broken_gzip_is_one_line_naming_the_file(tmp_path, data, words):
+    path = tmp_path / "contract.json.gz"
+    path.write_bytes(data)
+    with pytest.raises(ContractError, match=words) as raised:
+        load_contract(path)
+    assert str(raised.value).startswith(f"pod contract {path} ") and "\n" not in str(raised.value)

@@ -2,6 +2,7 @@
 from the pod's own probe, restarts reported, processes killed with the pod or the node."""
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import signal
@@ -16,11 +17,12 @@ pytestmark = [pytest.mark.controlplane, pytest.mark.timeout(240)]
 
 # The container: records what it sees, then serves HTTP on its pod IP once the test allows it.
 SERVER = textwrap.dedent("""
-    import http.server, json, os, pathlib, sys, time
+    import gzip, http.server, json, os, pathlib, sys, time
     out, gate = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
     seen = {k: os.environ.get(k) for k in ("MY_NAME", "MY_NAMESPACE", "MY_ROLE", "GREETING",
                                             "POD_IP", "PEER", "PLAN")}
     seen["plan_file"] = open(os.environ["PLAN"]).read()
+    seen["gzip_file"] = gzip.decompress(open(os.environ["PLAN"] + ".gz", "rb").read()).decode()
     seen["pid"] = os.getpid()
     (out / f"seen-{os.getpid()}.json").write_text(json.dumps(seen))
     while not gate.exists():
@@ -82,8 +84,12 @@ def alive(pid: int) -> bool:
 def server(kubectl, namespace, tmp_path):
     script = tmp_path / "server.py"
     script.write_text(SERVER)
+    # plan.json.gz is not UTF-8: kubectl stores it in binaryData, as the operator stores the contract
+    (tmp_path / "plan.json.gz").write_bytes(gzip.compress(b'{"self": "/etc/shardwise/plan.json.gz", '
+                                                          b'"log": "/dev/termination-log"}'))
     kubectl("create", "configmap", "plan", "--from-literal=greeting=hello",
-            '--from-literal=plan.json={"stages": 2, "self": "/etc/shardwise/plan.json", "log": "/dev/termination-log"}')
+            '--from-literal=plan.json={"stages": 2, "self": "/etc/shardwise/plan.json", "log": "/dev/termination-log"}',
+            f"--from-file=plan.json.gz={tmp_path / 'plan.json.gz'}")
     return script, tmp_path
 
 
@@ -104,12 +110,15 @@ def test_pod_runs_its_command_and_is_ready_only_when_its_probe_answers(kubectl, 
     assert ip.startswith("127.") and ip != "127.0.0.1"
     assert seen == {"MY_NAME": "rank-0", "MY_NAMESPACE": namespace, "MY_ROLE": "server",
                     "GREETING": "hello", "POD_IP": ip, "PEER": f"{ip}:29500",
-                    "PLAN": seen["PLAN"], "plan_file": seen["plan_file"], "pid": seen["pid"]}
+                    "PLAN": seen["PLAN"], "plan_file": seen["plan_file"], "gzip_file": seen["gzip_file"],
+                    "pid": seen["pid"]}
     assert seen["PLAN"] != "/etc/shardwise/plan.json" and seen["PLAN"].endswith("/plan.json")
     # Paths inside the pod named in a ConfigMap's file (the worker's pod contract) are this machine's.
     plan_file = json.loads(seen["plan_file"])
     assert plan_file["stages"] == 2 and plan_file["self"] == seen["PLAN"]
     assert plan_file["log"].endswith(f"{namespace}_rank-0/server.termination-log")
+    # ...a gzip-compressed one's too (binaryData, written byte for byte, rewritten inside)
+    assert json.loads(seen["gzip_file"]) == {"self": seen["PLAN"] + ".gz", "log": plan_file["log"]}
 
     # Running, but its probe does not answer yet: not Ready for a few probe periods.
     for _ in range(3):

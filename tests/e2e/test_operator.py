@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from shardwise.e2e.pytest_plugin import wait_until
+from shardwise.operator.render import renderer
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -226,7 +227,7 @@ def test_create_ready_with_planned_placement_then_delete_collects_everything(kub
         res = pod["spec"]["containers"][0]["resources"]
         assert res["limits"]["nvidia.com/gpu"] == "8"
     assert {s["metadata"]["name"] for s in kube.get("services")["items"]} >= {"llama", "llama-ranks"}
-    plan_json = json.loads(kube.get("configmap", "llama-plan")["data"]["contract.json"])
+    plan_json = json.loads(renderer.configmap_contract(kube.get("configmap", "llama-plan")))
     assert len(plan_json["plan"]["placements"]) == 4   # the pod contract: the whole plan and more
     assert kube.get("pdb", "llama")["spec"]["minAvailable"] == 2
 

@@ -492,13 +492,13 @@ def test_every_group_phase_survives_a_status_round_trip(phase):
 def test_a_new_zero3_shard_degree_restarts_the_job_on_a_new_plan():
     c = Cluster(training(replicas=4), rack("n0 n1", "a"))
     c.ready()
-    assert json.loads(c.configmap["data"]["contract.json"])["plan"]["data_shard"] == 1   # GPUs large enough
+    assert json.loads(renderer.configmap_contract(c.configmap))["plan"]["data_shard"] == 1   # GPUs large enough
     c.edit(training={"data": "/data/text.txt", "steps": 100, "dataParallel": {"shard": 2}})
     c.reconcile()
     told = [e.message for e in c.events if e.reason == "Restarting"]
     assert told and told[-1].startswith("layout changed from TP=4 PP=1 ZeRO-3 shard 1 to TP=4 PP=1 ZeRO-3 shard 2")
     c.reconcile()
-    contract = json.loads(c.configmap["data"]["contract.json"])
+    contract = json.loads(renderer.configmap_contract(c.configmap))
     assert contract["plan"]["data_shard"] == 2 and contract["training"]["data_parallel"]["shard"] == 2
     assert {c.group(r)["attempt"] for r in range(4)} == {2} and len(c.replica_pods()) == 4
 
@@ -531,7 +531,7 @@ def test_an_elastic_job_short_of_capacity_runs_with_fewer_replicas_and_says_why(
     assert shrunk["status"] == "True" and shrunk["reason"] == "ShortOfCapacity"
     assert shrunk["message"].startswith("running 1 of 2 replicas (minReplicas 1): "), shrunk["message"]
     assert "running 1 of 2 replicas" in c.status["message"] and "Shrunk" in c.reasons()
-    contract = json.loads(c.configmap["data"]["contract.json"])
+    contract = json.loads(renderer.configmap_contract(c.configmap))
     assert contract["plan"]["replicas"] == 1 and contract["training"]["batch_size"] == 8   # the global batch
     assert c.status["restarts"] == 1
 
@@ -580,7 +580,7 @@ def test_a_shrunk_job_keeps_the_asked_shard_degree_dividing_its_replicas():
     c.nodes["n1"] = node("n1", "b", gpus=4, ready=False)
     c.nodes["n2"] = node("n2", "b", gpus=4)
     c.reconcile()
-    plan = json.loads(c.configmap["data"]["contract.json"])["plan"]
+    plan = json.loads(renderer.configmap_contract(c.configmap))["plan"]
     assert (plan["replicas"], plan["data_shard"]) == (2, 2) and plan["shrunk"]
 
 

@@ -79,7 +79,7 @@ def test_the_pod_contract_carries_neither_the_keys_secret_nor_the_peers():
     refuses unknown fields)."""
     model = _model(serving={"port": 8080, "auth": {"secretRef": {"name": "k"}},
                             "allowFrom": [{"podSelector": {}}]})
-    text = renderer.render_configmap(model, _plan())["data"]["contract.json"]
+    text = renderer.configmap_contract(renderer.render_configmap(model, _plan()))
     served = json.loads(text)["serving"]
     assert served["port"] == 8080 and not {"auth", "allow_from", "allowFrom"} & set(served)
     assert PodContract.from_json(text).serving.port == 8080

@@ -1,6 +1,9 @@
 """Renderer: what a ShardPlan becomes in Kubernetes objects (pure; no cluster)."""
 from __future__ import annotations
 
+import base64
+import gzip
+
 from shardwise.crds.contract import PodContract
 from shardwise.crds.models import ShardedModel, ShardedModelSpec
 from shardwise.crds.plan import ReplicaPlan, ShardPlan, StagePlacement
@@ -21,7 +24,7 @@ def _model(**spec) -> ShardedModel:
 
 
 def _contract(configmap: dict) -> PodContract:
-    return PodContract.from_json(configmap["data"]["contract.json"])
+    return PodContract.from_json(renderer.configmap_contract(configmap))
 
 
 def _render(model: ShardedModel, plan: ShardPlan, attempts: dict[int, int] | None = None) -> list[dict]:
@@ -81,7 +84,7 @@ def test_worker_gets_rendezvous_env_and_command():
     assert 20000 <= int(port) < 30000
     assert {"name": "rendezvous", "containerPort": int(port), "protocol": "TCP"} in c["ports"]
     assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
-    assert c["command"] + c["args"] == ["shardwise", "worker", "--contract", "/etc/shardwise/contract.json"]
+    assert c["command"] + c["args"] == ["shardwise", "worker", "--contract", "/etc/shardwise/contract.json.gz"]
     assert {"name": "plan", "mountPath": "/etc/shardwise", "readOnly": True} in c["volumeMounts"]
     assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": 8080}
     # The pod's DNS name is what MASTER_ADDR of its replica points at (stage 0), stable across attempts.
@@ -113,10 +116,18 @@ def test_configmap_carries_the_contract_the_worker_validates():
 def test_the_plan_is_read_back_from_the_configmap():
     plan = _plan()
     cm = renderer.render_configmap(_model(), plan)
+    assert list(cm["binaryData"]) == ["contract.json.gz"] and "data" not in cm
     assert renderer.plan_from_configmap(cm) == plan
-    bare = {**cm, "data": {"contract.json": plan.model_dump_json()}}   # a bare ShardPlan is no contract
+
+    def stored(data: bytes) -> dict:
+        return {**cm, "binaryData": {"contract.json.gz": base64.b64encode(data).decode()}}
+    whole = gzip.compress(renderer.configmap_contract(cm))
+    assert renderer.plan_from_configmap(stored(whole)) == plan
+    bare = stored(gzip.compress(plan.model_dump_json().encode()))   # a bare ShardPlan is no contract
     assert renderer.plan_from_configmap(bare) is None
-    for unreadable in (None, {}, {"data": {}}, {"data": {"contract.json": "{not json"}}, {"data": {"contract.json": "{}"}}):
+    for unreadable in (None, {}, {"binaryData": {}}, {"binaryData": {"contract.json.gz": "not base64!"}},
+                       stored(b"{not json"), stored(gzip.compress(b"{}")), stored(whole[:-20]),
+                       stored(whole + b"trailing"), {"data": {"contract.json": "{not json"}}):
         assert renderer.plan_from_configmap(unreadable) is None
 
 

@@ -1,6 +1,6 @@
 """`shardwise worker`: what one ShardedModel pod runs (one pipeline stage of one replica).
 
-    shardwise worker --contract /etc/shardwise/contract.json
+    shardwise worker --contract /etc/shardwise/contract.json.gz     (or a plain contract.json)
     env: SHARDWISE_REPLICA, SHARDWISE_STAGE   which placement of the plan this pod is (--replica/--stage)
          MASTER_ADDR, MASTER_PORT             rendezvous (the world's stage-0 pod)
          POD_IP                               a loopback POD_IP is the address to bind (--host overrides)
@@ -8,7 +8,9 @@
 The contract (crds/contract.py, written by the operator into the model's ConfigMap) is everything
 the pods of a model share: the plan, the model's path and dtype, the workload, the serving port and
 name, the training and checkpoint options, the termination-log path. The environment says which pod
-this is. A missing or invalid contract is one line on stderr and exit status 2.
+this is. The file is plain JSON or gzip-compressed JSON (the operator's; told apart by gzip's magic
+bytes), inflated to at most 64 MiB. A missing, invalid or oversized contract is one line on stderr
+and exit status 2.
 
 The pod process reads the contract, then starts one process per TP rank (plan.tensor of them),
 ranked by crds/layout.py RankLayout (a replica is its own world), and supervises them: if
@@ -44,7 +46,7 @@ from shardwise.worker.distributed.launch import Ending, Exit, Policy, stop_on_si
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--contract", required=True, metavar="PATH",
-                        help=f"pod contract JSON (the operator mounts {names.CONTRACT_PATH})")
+                        help=f"pod contract, JSON or gzip-compressed JSON (the operator mounts {names.CONTRACT_PATH})")
     parser.add_argument("--host", default=None,
                         help="address to bind (default: $POD_IP when it is a loopback address, else 0.0.0.0)")
     parser.add_argument("--replica", type=int, default=None, help=f"default: ${names.ENV_REPLICA}")

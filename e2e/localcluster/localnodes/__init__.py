@@ -17,9 +17,9 @@ Node labelled `shardwise.dev/local-node=true` that is not labelled `shardwise.de
 
 What a container sees, since there is no image and no mount namespace:
 - mountPath of a volume is rewritten to the materialised folder wherever it appears in command, args,
-  env values and the files of ConfigMap volumes (`/etc/shardwise/contract.json` ->
-  `<state>/pods/ns_pod/volumes/plan/contract.json`; the worker's pod contract in that file names the
-  model, data and checkpoint paths inside the pod);
+  env values and the files of ConfigMap volumes, a gzip-compressed one inside and recompressed
+  (`/etc/shardwise/contract.json.gz` -> `<state>/pods/ns_pod/volumes/plan/contract.json.gz`; the
+  worker's pod contract in that file names the model, data and checkpoint paths inside the pod);
   a pod's own hostPath volume is a folder of its node, <state>/nodes/<node>/hostpath/<path> (made
   for any type but File/Socket/CharDevice/BlockDevice), so node-local storage is local to the node:
   pods on other nodes do not see it, a pod on the same node later does, and deleting the Node
@@ -45,5 +45,5 @@ Its modules: the process that serves the nodes (__main__), this machine as their
 one pod's lifecycle (pods), what its containers see (podenv, volumes), their processes (containers),
 their probes (probes) and the pod status reported (podstatus).
 
-May import: shardwise.e2e.localcluster.kapi, shardwise.e2e.localcluster.nodes
+May import: shardwise.e2e.localcluster.kapi, shardwise.e2e.localcluster.nodes, shardwise.crds.compressed
 """

@@ -112,6 +112,17 @@ class PodEnvironment:
             data[k] = base64.b64decode(v).decode(errors="replace")
         return data
 
+    def object_files(self, kind: str, name: str, optional) -> dict[str, bytes]:
+        """A ConfigMap's or Secret's keys as the files a kubelet writes: data as UTF-8, binaryData
+        and a Secret's data base64-decoded, byte for byte (a gzip-compressed pod contract)."""
+        obj = self.get_or_wait(f"/api/v1/namespaces/{self.ns}/{kind}/{name}", f"{kind[:-1]} {name!r} not found",
+                               optional)
+        if kind == "secrets":
+            return {k: base64.b64decode(v) for k, v in (obj.get("data") or {}).items()}
+        files = {k: v.encode() for k, v in (obj.get("data") or {}).items()}
+        files.update({k: base64.b64decode(v) for k, v in (obj.get("binaryData") or {}).items()})
+        return files
+
     def get_or_wait(self, path: str, missing: str, optional: bool = False) -> dict:
         """The object at `path`; when it does not exist: {} if `optional`, else the container waits
         (CreateContainerConfigError, `missing`), as a kubelet's does."""

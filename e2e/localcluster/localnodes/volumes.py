@@ -1,14 +1,19 @@
 """A pod's volumes as folders of this machine: ConfigMaps and Secrets written into the pod's folder,
 hostPath volumes on its node's disk, claims at their bound PersistentVolume's path; the files of
-ConfigMap volumes get the pod's paths rewritten to those folders."""
+ConfigMap volumes (inside gzip too) get the pod's paths rewritten to those folders."""
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
 
+from shardwise.crds import compressed
 from shardwise.e2e.localcluster.localnodes import nodedisk
 from shardwise.e2e.localcluster.localnodes.containers import TERMINATION_LOG, ContainerProc
 from shardwise.e2e.localcluster.localnodes.podenv import PodEnvironment, Waiting, rewrite_paths
+
+# A gzip-compressed ConfigMap file is inflated to at most this to rewrite its paths (a ConfigMap holds
+# 1 MiB); one that inflates to more is left as it is, for its reader to refuse.
+REWRITE_MAX_BYTES = 64 << 20
 
 
 def materialise(environment: PodEnvironment, pod: dict, folder: Path, state_dir: Path,
@@ -38,24 +43,37 @@ def materialise(environment: PodEnvironment, pod: dict, folder: Path, state_dir:
                 mounts[m["mountPath"].rstrip("/") or "/"] = str(host).rstrip("/")
     paths = {**termination_paths(containers), **mounts}
     for text in texts:
-        text.write_text(rewrite_paths(text.read_text(), paths))
+        _rewrite_file(text, paths)
     return mounts or {"": ""}
+
+
+def _rewrite_file(path: Path, paths: dict[str, str]) -> None:
+    """A ConfigMap file with the pod's paths rewritten; a gzip-compressed one (the pod contract) is
+    rewritten inside, and stays compressed. A file that is not text, or not gzip it can read, is left
+    as it is (the container reads it as a kubelet would have written it)."""
+    raw = path.read_bytes()
+    gzipped = compressed.is_gzip(raw)
+    try:
+        text = (compressed.decompress(raw, REWRITE_MAX_BYTES) if gzipped else raw).decode()
+    except (compressed.Unreadable, UnicodeDecodeError):
+        return
+    out = rewrite_paths(text, paths).encode()
+    path.write_bytes(compressed.compress(out) if gzipped else out)
 
 
 def _write_objects(environment: PodEnvironment, vol: dict, target: Path) -> list[Path]:
     """A ConfigMap or Secret volume's keys as files in `target`; the ConfigMap files written."""
     texts = []
-    for kind, key, decode in (("configMap", "configmaps", False), ("secret", "secrets", True)):
+    for kind, key in (("configMap", "configmaps"), ("secret", "secrets")):
         if kind in vol:
             ref = vol[kind]
-            data = environment.object_data(key, ref.get("name") or ref.get("secretName"),
-                                           ref.get("optional"), decode=decode)
+            data = environment.object_files(key, ref.get("name") or ref.get("secretName"), ref.get("optional"))
             items = ref.get("items")
             pairs = [(i["key"], i["path"]) for i in items] if items else [(k, k) for k in data]
             for k, rel in pairs:
                 if k in data:
                     (target / rel).parent.mkdir(parents=True, exist_ok=True)
-                    (target / rel).write_text(data[k])
+                    (target / rel).write_bytes(data[k])
                     if kind == "configMap":
                         texts.append(target / rel)
     return texts

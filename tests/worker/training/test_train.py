@@ -221,7 +221,7 @@ def test_options_from_the_contract_are_the_specs():
     """The one mapping from spec.training and spec.checkpoint (in the contract) to TrainOptions."""
     from shardwise.crds.contract import PodContract
     from shardwise.crds.models import ShardedModel, ShardedModelSpec
-    from shardwise.operator.render.renderer import render_configmap
+    from shardwise.operator.render.renderer import configmap_contract, render_configmap
     from shardwise.worker.training.trainer import options_from_contract
     plan = _one_stage_plan()
     spec = ShardedModelSpec.model_validate({
@@ -229,7 +229,7 @@ def test_options_from_the_contract_are_the_specs():
         "training": {"data": "pvc://d/x.txt", "steps": 9, "batchSize": 6, "seqLength": 16, "learningRate": 0.01,
                      "warmupSteps": 3, "weightDecay": 0.1, "seed": 4, "microBatches": 2}})
     cm = render_configmap(ShardedModel(metadata={"name": "t", "namespace": "n", "uid": "u"}, spec=spec), plan)
-    opts = options_from_contract(PodContract.from_json(cm["data"]["contract.json"]), device="cpu", dtype="float32")
+    opts = options_from_contract(PodContract.from_json(configmap_contract(cm)), device="cpu", dtype="float32")
     assert (opts.model, opts.data, opts.checkpoint_dir, opts.steps) == ("/m", "/data/d/x.txt", "/checkpoints", 9)
     assert (opts.checkpoint_every, opts.keep, opts.batch_size, opts.seq_len) == (5, 2, 6, 16)
     assert (opts.lr, opts.warmup, opts.weight_decay, opts.seed, opts.micro_batches) == (0.01, 3, 0.1, 4, 2)
