@@ -35,9 +35,6 @@ ZONE_LABEL = "topology.kubernetes.io/zone"
 # compact JSON. Compressed because the plan inside lists every placement, and a ConfigMap holds at
 # most 1 MiB: 10,000 replicas of 4 stages are 5.8 MB of compact JSON, about 0.2 MB gzipped.
 CONTRACT_FILE = "contract.json.gz"
-# The `data` key of a ConfigMap written before the contract was compressed: only read back, so that an
-# upgraded operator keeps the plan its running pods were given instead of planning afresh.
-PLAIN_CONTRACT_FILE = "contract.json"
 CONTRACT_MOUNT = "/etc/shardwise"   # where the ConfigMap is mounted
 CONTRACT_PATH = f"{CONTRACT_MOUNT}/{CONTRACT_FILE}"
 # spec.serving.auth.secretRef's key, mounted read-only in a serving pod and passed as --api-key-file

@@ -171,14 +171,10 @@ def plan_from_configmap(configmap: Mapping[str, Any] | None) -> ShardPlan | None
 def configmap_contract(configmap: Mapping[str, Any] | None) -> bytes:
     """The contract's JSON in the model's ConfigMap, as the pods read it (binaryData, base64 of gzip,
     inflated to at most CONTRACT_MAX_BYTES); ContractError (one line) when there is none or it cannot
-    be read. A ConfigMap written before the contract was compressed has it as plain JSON in data."""
-    configmap = configmap or {}
-    encoded = (configmap.get("binaryData") or {}).get(names.CONTRACT_FILE)
+    be read."""
+    encoded = ((configmap or {}).get("binaryData") or {}).get(names.CONTRACT_FILE)
     if encoded is None:
-        plain = (configmap.get("data") or {}).get(names.PLAIN_CONTRACT_FILE)
-        if not isinstance(plain, str):
-            raise ContractError(f"the ConfigMap has no {names.CONTRACT_FILE}")
-        return contract_json(plain.encode(), where=f"the ConfigMap's {names.PLAIN_CONTRACT_FILE}")
+        raise ContractError(f"the ConfigMap has no {names.CONTRACT_FILE}")
     where = f"the ConfigMap's {names.CONTRACT_FILE}"
     try:
         data = base64.b64decode(encoded, validate=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.crds import names
+from shardwise.crds import compressed, names
 from shardwise.crds.contract import CONTRACT_MAX_BYTES, ContractError, PodContract, load_contract
 from shardwise.crds.models import ShardedModel, ShardedModelSpec, Workload
 from shardwise.crds.modelshape import from_hf_config
@@ -118,12 +118,13 @@ def test_zero3_schedule_and_compression_reach_the_pods_contract_json(tmp_path):
 
 
 def test_a_plan_written_before_data_shard_reads_as_unsharded():
-    """An older operator's ConfigMap: plain JSON under data, a plan without data_shard."""
+    """A contract whose plan has no data_shard (as written before the field existed)."""
     model = _model()
     planned = plan(model.spec, SMOL, _nodes())
     old = json.loads(renderer.configmap_contract(renderer.render_configmap(model, planned)))
     del old["plan"]["data_shard"]
-    read = renderer.plan_from_configmap({"data": {"contract.json": json.dumps(old, indent=2)}})
+    stored = base64.b64encode(compressed.compress(json.dumps(old).encode())).decode()
+    read = renderer.plan_from_configmap({"binaryData": {names.CONTRACT_FILE: stored}})
     assert read is not None and (read.data_shard, read.data_replicate) == (1, read.replicas)
 
 
