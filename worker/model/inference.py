@@ -32,7 +32,24 @@ def transposed_for_inference(weight: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(weight.detach().t().contiguous(), requires_grad=False)
 
 
-class InferenceLinear(nn.Module):
+class InferenceMatrix(nn.Module):
+    """A weight matrix of the inference form: `forward` for any leading dims, `mm` for 2-D x.
+
+    Called without nn.Module's hook dispatch: nothing hooks these matrices (tensor parallelism's
+    all-reduce hooks sit on the attention and feed-forward modules around them), and a decode step
+    calls five a layer, where the dispatch costs about a microsecond each on top of ops that take a
+    few. A hook registered on one would never run, so registering one is refused."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward(x)
+
+    def register_forward_hook(self, *args, **kwargs):
+        raise TypeError(f"{type(self).__name__} is called without hooks (see InferenceMatrix)")
+
+    register_forward_pre_hook = register_forward_hook
+
+
+class InferenceLinear(InferenceMatrix):
     """y = x @ weight_t (+ bias) (see transposed_for_inference)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):

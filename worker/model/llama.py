@@ -206,8 +206,9 @@ class FeedForward(nn.Module):
 
     def forward(self, x):
         if self.w13 is not None:        # inference only: silu's output is ours to overwrite
-            gate, up = self.w13(x).chunk(2, dim=-1)
-            return self.w2(F.silu(gate).mul_(up))
+            gate_up = self.w13(x)
+            i = gate_up.shape[-1] // 2   # two slices: fewer ops than chunk's split into narrows
+            return self.w2(F.silu(gate_up[..., :i]).mul_(gate_up[..., i:]))
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 

@@ -38,6 +38,7 @@ from torch import nn
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from shardwise.crds.modelshape import GGUF_NATIVE_BYTES
+from shardwise.worker.model.inference import InferenceMatrix
 
 NATIVE = tuple(GGUF_NATIVE_BYTES)   # the types kept as stored: Q8_0, Q4_0, Q4_1
 # (values, bytes) per block of each, from the gguf package's table of ggml types
@@ -117,7 +118,7 @@ def cpu_kernel_runs() -> bool:
 KERNEL_ROWS = 16     # the kernel packs output rows in groups of 16; other slices take the fallback
 
 
-class BlockLinear(nn.Module):
+class BlockLinear(InferenceMatrix):
     """y = x @ w.T with w held in the file's blocks (see the module docstring); stands in for
     inference.InferenceLinear (forward for any leading dims, mm for 2-D x), as quantize.Int8Linear does.
 

@@ -32,7 +32,7 @@ from torch import nn
 
 from shardwise.worker.errors import WorkerError
 from shardwise.worker.distributed.placement import place_in_huge_pages
-from shardwise.worker.model.inference import InferenceLinear
+from shardwise.worker.model.inference import InferenceLinear, InferenceMatrix
 
 METHODS = ("none", "int8", "gguf")   # gguf: a GGUF file's own blocks, gguf_blocks.py
 QMAX = 127          # symmetric: -127..127, so that -absmax and absmax are both exact
@@ -72,7 +72,7 @@ def packed_kernel_runs(dtype: torch.dtype) -> bool:
     return bool(out.shape == (1, 8) and torch.all(out.float() == 64))
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(InferenceMatrix):
     """y = x @ (weight * scales[:, None]).T with `weight` int8 [out, in] and float32 `scales`
     [out]; stands in for inference.InferenceLinear (forward for any leading dims, mm for 2-D x).
 
