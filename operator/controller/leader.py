@@ -150,22 +150,21 @@ class LeaseLock:
         now = dt.datetime.now(dt.timezone.utc)   # written for people reading the Lease, never compared
         acquired = spec.acquire_time if mine and spec.acquire_time else now
         lease.spec = self._spec(acquired, now, (spec.lease_transitions or 0) + (0 if mine else 1))
-        try:
-            # The resourceVersion in `lease` makes this a compare-and-swap: two takers, one wins.
-            self.coord.replace_namespaced_lease(self.name, self.namespace, lease, _request_timeout=self.timeout)
-        except ApiException as e:
-            if e.status == 409:
-                return False
-            raise
-        self.tenure.renewed(sent_at)
-        return True
+        # The resourceVersion in `lease` makes this a compare-and-swap: two takers, one wins.
+        return self._claim(sent_at, lambda: self.coord.replace_namespaced_lease(
+            self.name, self.namespace, lease, _request_timeout=self.timeout))
 
     def _create(self, sent_at: float) -> bool:
         now = dt.datetime.now(dt.timezone.utc)
         body = client.V1Lease(metadata=client.V1ObjectMeta(name=self.name, namespace=self.namespace),
                               spec=self._spec(now, now, transitions=0))
+        return self._claim(sent_at, lambda: self.coord.create_namespaced_lease(
+            self.namespace, body, _request_timeout=self.timeout))
+
+    def _claim(self, sent_at: float, write: Callable[[], Any]) -> bool:
+        """One write that takes or renews the Lease; False when another writer got there first (409)."""
         try:
-            self.coord.create_namespaced_lease(self.namespace, body, _request_timeout=self.timeout)
+            write()
         except ApiException as e:
             if e.status == 409:
                 return False

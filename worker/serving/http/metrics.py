@@ -36,20 +36,29 @@ class ExpertLoad:
         return [tokens, ratio]
 
 
-class KVCacheUse:
-    """Prometheus collector of the paged KV cache (engine.py, kv_blocks.py), read at scrape time:
-    shardwise_kv_cache_blocks{state} (used: held by requests; cached: kept for prefix reuse,
-    reclaimable; free), shardwise_kv_cache_block_tokens, and counters of prompt tokens reused
-    from the cache and of preempted requests."""
+class _EngineCollector:
+    """A collector read from the engine at scrape time; `engine` is a weak reference (None before the
+    engine starts and after it stops: nothing to report)."""
 
     def __init__(self, engine):
         self.engine = engine
 
     def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
         engine = self.engine()
-        if engine is None:
-            return []
+        return [] if engine is None else self.families(engine)
+
+    def families(self, engine) -> list:
+        raise NotImplementedError
+
+
+class KVCacheUse(_EngineCollector):
+    """Prometheus collector of the paged KV cache (engine.py, kv_blocks.py), read at scrape time:
+    shardwise_kv_cache_blocks{state} (used: held by requests; cached: kept for prefix reuse,
+    reclaimable; free), shardwise_kv_cache_block_tokens, and counters of prompt tokens reused
+    from the cache and of preempted requests."""
+
+    def families(self, engine) -> list:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
         pool = engine.pool
         blocks = GaugeMetricFamily("shardwise_kv_cache_blocks", "KV-cache blocks by state", labels=["state"])
         blocks.add_metric(["used"], pool.used)
@@ -64,19 +73,13 @@ class KVCacheUse:
         return [blocks, size, reused, preempted]
 
 
-class Admission:
+class Admission(_EngineCollector):
     """Prometheus collector of the engine's waiting queue, read at scrape time: its bound,
     shardwise_max_waiting_requests (choices), and shardwise_rejected_requests_total, the requests
     refused with 429 because it was full."""
 
-    def __init__(self, engine):
-        self.engine = engine
-
-    def collect(self):
+    def families(self, engine) -> list:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-        engine = self.engine()
-        if engine is None:
-            return []
         bound = engine.scheduler.max_waiting
         out = [CounterMetricFamily("shardwise_rejected_requests", "Requests refused (429) because the "
                                    "waiting queue was full", value=engine.stats.rejected)]
