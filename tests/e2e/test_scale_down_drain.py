@@ -12,7 +12,7 @@ import pytest
 
 from .test_operator_worker import CRD, wait
 from ..worker.serving.test_drain import NEW_TOKENS, _stream
-from ..worker.serving.test_server import TEXT
+from ..worker.texts import PANGRAMS
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.slow, pytest.mark.timeout(600)]
 PIPELINE = 2
@@ -22,7 +22,7 @@ def test_streams_finish_while_kubectl_scale_removes_their_replica(cluster, names
                                                                    tmp_path):
     pytest.importorskip("torch")
     from shardwise.worker.weights.tiny import write_tiny_model
-    model = write_tiny_model(tmp_path / "tiny", TEXT, layers=4, hidden=64, heads=4, kv_heads=2)
+    model = write_tiny_model(tmp_path / "tiny", PANGRAMS, layers=4, hidden=64, heads=4, kv_heads=2)
     cluster.install_crd(CRD)
     label = {"shardwise.dev/test": namespace}
     for i in range(2):

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from shardwise.worker.weights.tiny import write_tiny_model
+from tests.worker.texts import PANGRAMS
 
 
 @pytest.fixture(scope="session")
@@ -32,7 +33,7 @@ def corpus() -> str:
 
 @pytest.fixture(scope="session")
 def pangrams() -> str:
-    return "the quick brown fox jumps over the lazy dog. pack my box with five dozen liquor jugs. " * 20
+    return PANGRAMS
 
 
 @pytest.fixture(scope="session")
