@@ -11,6 +11,7 @@ SafeFileSystemReader is DCP's reader with that loader, so `dcp.load` never unpic
 """
 from __future__ import annotations
 
+import enum
 import os
 import pathlib
 import pickle
@@ -46,12 +47,24 @@ class UnsafeCheckpoint(Exception):
     """A `.metadata` that is not plain DCP metadata: one line naming the file."""
 
 
+def _enum_member(cls: Any, name: Any) -> Any:
+    """What `getattr` may build in a `.metadata`: an enum member of one of the allowed classes (some
+    Pythons pickle an enum member as getattr(its class, its name)), nothing else."""
+    if (isinstance(cls, type) and issubclass(cls, enum.Enum) and cls in _ALLOWED.values()
+            and isinstance(name, str) and name in cls.__members__):
+        return cls.__members__[name]
+    raise UnsafeCheckpoint("refused to load, it calls getattr on something other than an enum member "
+                           "(the file may be built to run code)")
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def __init__(self, file, where: str):
         super().__init__(file)
         self.where = where
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("builtins", "getattr"):
+            return self._getattr
         found = _ALLOWED.get((module, name))
         if found is not None:
             return found
@@ -60,6 +73,12 @@ class _MetadataUnpickler(pickle.Unpickler):
             return vars(torch)[name]
         raise UnsafeCheckpoint(f"{self.where}: refused to load, it names {module}.{name}, which checkpoint "
                                f"metadata never holds (the file may be built to run code)")
+
+    def _getattr(self, cls: Any, name: Any) -> Any:
+        try:
+            return _enum_member(cls, name)
+        except UnsafeCheckpoint as e:
+            raise UnsafeCheckpoint(f"{self.where}: {e}") from None
 
     def persistent_load(self, pid: Any) -> Any:
         raise UnsafeCheckpoint(f"{self.where}: refused to load, it holds a persistent reference")

@@ -3,6 +3,8 @@ its DCP `.metadata` is a pickle, and one built to run code is refused with one l
 the code never running; a normal checkpoint still opens and reads."""
 from __future__ import annotations
 
+import enum
+import io
 import json
 import os
 import pickle
@@ -100,4 +102,37 @@ def test_metadata_naming_files_outside_its_folder_is_refused(checkpoint, tmp_pat
     assert name in good
     hostile = _hostile_copy(folder, tmp_path / "downloaded", good.replace(name, b"../../etc/pa"))  # same length
     with pytest.raises(ckpt.CheckpointError, match=r"names '\.\./\.\./etc/pa', not a plain data file"):
+        ckpt.stored_shapes(hostile)
+
+
+class _EnumsByGetattr(pickle.Pickler):
+    """Pickles enum members as getattr(their class, their name), as some Python builds do."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, enum.Enum):
+            return getattr, (type(obj), obj.name)
+        return NotImplemented
+
+
+def _repickled(metadata: bytes) -> bytes:
+    out = io.BytesIO()
+    _EnumsByGetattr(out).dump(pickle.loads(metadata))
+    return out.getvalue()
+
+
+def test_enum_members_stored_by_getattr_load_and_no_other_getattr_does(checkpoint, tmp_path):
+    folder, state = checkpoint
+    as_getattr = _repickled((folder / ".metadata").read_bytes())
+    assert b"getattr" in as_getattr
+    copy = _hostile_copy(folder, tmp_path / "other-python", as_getattr)
+    assert ckpt.stored_shapes(copy)["model/norm.weight"] == tuple(state["norm.weight"].shape)
+    norm = ckpt.Slice.whole(torch.zeros_like(state["norm.weight"]))
+    ckpt.read_slices(copy, {"model/norm.weight": norm})
+    assert torch.equal(norm.tensor, state["norm.weight"])
+    # getattr reaching past an enum member (here to a class's method) is refused
+    class Reach:
+        def __reduce__(self):
+            return getattr, (torch.Size, "__class__")
+    hostile = _hostile_copy(folder, tmp_path / "reach", pickle.dumps(Reach()))
+    with pytest.raises(ckpt.CheckpointError, match="getattr on something other than an enum member"):
         ckpt.stored_shapes(hostile)
