@@ -23,6 +23,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from shardwise.crds.apimodel import (LABEL_KEY_PATTERN, QUANTITY_PATTERN, ApiModel, cel, describe_validation_error,
                                      malformed_pvc, parse_pvc, parse_quantity, pvc_rule)
+from shardwise.crds.capacity import DecodeMode, ServingCapacity
 from shardwise.crds.names import (DEFAULT_API_KEYS_KEY, LOCAL_CHECKPOINT_ROOT, MAX_MODEL_NAME, MAX_PIPELINE,
                                   MAX_REPLICAS, MODEL_NAME_PATTERN, RACK_LABEL, ZONE_LABEL)
 from shardwise.crds.schedules import DEFAULT_SCHEDULE, INTERLEAVED_MICRO_BATCHES, PipelineSchedule, micro_batches_fit
@@ -34,7 +35,7 @@ __all__ = [  # re-exported: the API's names, importable from one module
     "LABEL_KEY_PATTERN", "QUANTITY_PATTERN", "ApiModel", "describe_validation_error", "parse_pvc", "parse_quantity",
     "INTERLEAVED_MICRO_BATCHES", "PipelineSchedule", "PHASES", "Condition", "GroupPhase", "LastCheckpoint",
     "ModelFactsStatus", "ModelPhase", "PlacementSummary", "PlanSummary", "ReplicaGroupStatus",
-    "ShardedModelStatus", "TrainingProgress"]
+    "ShardedModelStatus", "TrainingProgress", "DecodeMode"]
 
 GROUP = "shardwise.dev"
 VERSION = "v1alpha1"
@@ -389,12 +390,11 @@ class NetworkPeer(ApiModel):
         return self
 
 
-class Serving(ApiModel):
+# What a replica takes on at once (kvCacheTokens, maxConcurrentRequests, ...) is the base's, crds/capacity.py.
+class Serving(ServingCapacity):
+    """How the model serves: its API's port and capacity, how the weights are held, who may call it."""
+
     port: int = Field(8000, ge=1, le=65535, description="Port of the OpenAI-compatible HTTP API.")
-    kv_cache_tokens: int = Field(8192, ge=0, description=(
-        "Tokens of KV cache per replica: the planner reserves memory for them and the workers' "
-        "paged cache holds that many, shared in blocks by the requests running (0: a whole "
-        "context per request)."))
     quantization: Quantization = Field(Quantization.NONE, description=(
         "none: weights in spec.dtype; int8: the decoder layers' weight matrices in INT8 (one scale "
         "per output row), half of bf16's memory; gguf: a GGUF model's Q8_0, Q4_0 or Q4_1 blocks "

@@ -1,16 +1,9 @@
-"""The serving defaults, torch-free so that the commands' `--help` states them without importing
-torch: one definition each, used by the scheduler, RankSpec and the flags."""
+"""The serving defaults the engine's modules read, torch-free so that the commands' `--help` states
+them without importing torch. Each has one definition, in crds/capacity.py, which the planner and
+the pod contract read too; this module names them for the worker."""
 
-MAX_BATCH = 8                 # requests decoded together (engine rows)
-KV_BLOCK_SIZE = 16            # tokens per KV-cache block (vLLM's default)
-PREFILL_CHUNK = 512           # prompt tokens per prefill step
-# The queue of sequences waiting for a row (a request of n choices is n of them), bounded so that
-# a flood of requests is refused at once (HTTP 429) rather than kept in memory to run hours later:
-# by default this many per row, and at least one request of the most choices (serve --max-waiting)
-WAITING_PER_ROW = 4
-MIN_WAITING = 16
+from shardwise.crds.capacity import (DEFAULT_CONTEXT, KV_BLOCK_SIZE, MAX_BATCH, MIN_WAITING, PREFILL_CHUNK,
+                                     WAITING_PER_ROW, DecodeMode, max_waiting)
 
-
-def max_waiting(max_batch: int) -> int:
-    """The default bound of the waiting queue, in sequences, of an engine of `max_batch` rows."""
-    return max(MIN_WAITING, WAITING_PER_ROW * max_batch)
+__all__ = ["DEFAULT_CONTEXT", "KV_BLOCK_SIZE", "MAX_BATCH", "MIN_WAITING", "PREFILL_CHUNK", "WAITING_PER_ROW",
+           "DecodeMode", "max_waiting"]
