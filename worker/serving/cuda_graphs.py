@@ -102,11 +102,11 @@ class GraphedDecode:
         ints_in.copy_(padded_ints(positions, tables, n, self.scratch, self.width), non_blocking=True)  # one copy
         x_in[:b].copy_(x, non_blocking=True)
         if graph is None:                       # not captured: the same static-shape step, eagerly
-            return self._run(n, x_in, ints_in)[:b]
+            return self.static_step(n, x_in, ints_in)[:b]
         graph.replay()
         return out[:b]
 
-    def _run(self, n: int, x_in: torch.Tensor, ints_in: torch.Tensor) -> torch.Tensor:
+    def static_step(self, n: int, x_in: torch.Tensor, ints_in: torch.Tensor) -> torch.Tensor:
         """The step on the input buffers: fixed shapes, device ops only."""
         positions, tables = unpack(ints_in, n)
         cache = static_view(self.step, positions, tables)
@@ -119,7 +119,7 @@ class GraphedDecode:
             return None, x_in, ints_in, None
 
         def run():
-            return self._run(n, x_in, ints_in)
+            return self.static_step(n, x_in, ints_in)
 
         # Warm-up on a side stream, as capture requires: it runs torch.compile's compilation and
         # cuBLAS's workspace set-up, which must not happen inside the capture.

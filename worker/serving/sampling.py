@@ -57,12 +57,14 @@ def _truncated(x: torch.Tensor, ks: list[int], ps: list[float], whole: bool = Fa
     scores = scores.masked_fill(torch.arange(width, device=dev)[None, :] >= k[:, None], float("-inf"))
     # Normalized over a row's top-k, or over its whole vocabulary when it has none.
     lse = torch.logsumexp(scores, -1)
+    topped = torch.tensor(has_k, device=dev)
     if not all(has_k):
-        lse = torch.where(torch.tensor(has_k, device=dev), lse, torch.logsumexp(x, -1))
+        lse = torch.where(topped, lse, torch.logsumexp(x, -1))
     probs = torch.exp(scores - lse[:, None])
     p = torch.tensor([p if p < 1.0 else 2.0 for p in ps], dtype=torch.float32, device=dev)
     before = torch.cumsum(probs, -1) - probs            # the mass of the likelier tokens
-    if width < vocab and not all(has_k) and bool((before[:, -1] + probs[:, -1] < p).any()):
+    # A row without top-k whose candidates fall short of its top_p: its nucleus reaches further.
+    if width < vocab and not all(has_k) and bool(((before[:, -1] + probs[:, -1] < p) & ~topped).any()):
         return None
     return probs * (before < p[:, None]), ids
 
@@ -80,11 +82,11 @@ def draw(logits: torch.Tensor, reqs: list[Request], generators: dict[int, random
     out = torch.empty(len(reqs), dtype=torch.int64, device=dev)
     if whole:
         rows = torch.tensor(whole, device=dev)
-        xs = x.index_select(0, rows)
+        xs = x[rows]
         out.index_copy_(0, rows, _inverse_cdf(torch.exp(xs - xs.amax(-1, keepdim=True)), u[rows])[:, 0])
     cut = [i for i in range(len(reqs)) if i not in set(whole)]
     rows = torch.tensor(cut, device=dev)
-    xs = x if not whole else x.index_select(0, rows)
+    xs = x if not whole else x[rows]
     ks, ps = [reqs[i].top_k for i in cut], [reqs[i].top_p for i in cut]
     kept = _truncated(xs, ks, ps)
     if kept is None:                                      # a nucleus wider than the candidates
@@ -106,7 +108,7 @@ def choose(logits: torch.Tensor, reqs: list[Request], generators: dict[int, rand
     if len(sampled) == len(reqs):
         return draw(logits, reqs, generators).tolist()
     rows = torch.tensor(sampled, device=logits.device)
-    drawn = draw(logits.index_select(0, rows), [reqs[i] for i in sampled], generators)
+    drawn = draw(logits[rows], [reqs[i] for i in sampled], generators)
     if logits.is_cuda:          # one copy back: the greedy picks merged on the device
         return logits.argmax(-1).index_copy_(0, rows, drawn).tolist()
     tokens = logits.float().numpy().argmax(-1)
