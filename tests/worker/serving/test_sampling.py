@@ -113,3 +113,12 @@ def test_the_sampler_gives_each_drawn_token_its_logprob():
         (lp, alts), = req.token_logprobs
         assert abs(lp - float(ref[token])) < 1e-5
         assert [i for i, _ in alts] == torch.topk(ref, req.logprobs).indices.tolist()
+
+
+def test_a_nucleus_wider_than_the_first_candidates_is_drawn_from_whole():
+    x = -torch.arange(5000, dtype=torch.float32) * 1e-4         # near-uniform, strictly ordered
+    p = torch.softmax(x, -1)
+    nucleus = int((torch.cumsum(p, 0) - p < 0.5).sum())          # ~2,400 tokens, past the first 1,024
+    reqs = [Request([1], temperature=1.0, top_p=0.5, seed=s) for s in range(200)]
+    got = draw(x.expand(len(reqs), 5000), reqs, {}).tolist()
+    assert nucleus > 1024 and max(got) < nucleus and sum(t >= 1024 for t in got) > 50
