@@ -32,7 +32,10 @@ def _uniform(req: Request, generators: dict[int, random.Random]) -> float:
     """`req`'s next uniform number in [0, 1) from its generator, made on its first draw."""
     rng = generators.get(req.id)
     if rng is None:
-        rng = generators[req.id] = random.Random(req.seed)      # None: seeded from the OS
+        # None: seeded from the OS. Modulo 2**64, as torch takes a seed: Python's generator seeds
+        # with a number's magnitude, so -5 and 5 would draw alike.
+        seed = None if req.seed is None else req.seed % (1 << 64)
+        rng = generators[req.id] = random.Random(seed)
     return rng.getrandbits(_UNIFORM_BITS) / (1 << _UNIFORM_BITS)
 
 

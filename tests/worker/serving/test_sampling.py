@@ -122,3 +122,12 @@ def test_a_nucleus_wider_than_the_first_candidates_is_drawn_from_whole():
     reqs = [Request([1], temperature=1.0, top_p=0.5, seed=s) for s in range(200)]
     got = draw(x.expand(len(reqs), 5000), reqs, {}).tolist()
     assert nucleus > 1024 and max(got) < nucleus and sum(t >= 1024 for t in got) > 50
+
+
+def test_seeds_of_opposite_signs_draw_differently():
+    x = torch.zeros(1, VOCAB)
+
+    def tokens(seed: int) -> list[int]:
+        sampler, req = Sampler(), Request([1], temperature=1.0, seed=seed)
+        return [sampler(x, [req])[0] for _ in range(8)]
+    assert tokens(5) != tokens(-5) and tokens(-5) == tokens(-5)
