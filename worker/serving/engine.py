@@ -28,7 +28,7 @@ __all__ = ["Engine", "EngineStats", "FinishReason", "QueueFull", "Request"]
 class Engine:
     """`kv_tokens`: the cache's size in tokens (0: max_batch whole contexts, the memory of one
     fixed row per request); `block_size`: tokens per block (a block of max_seq or more keeps
-    one fixed row per request, as CUDA graphs need); `prefill_chunk`: prompt tokens per step;
+    one fixed row per request); `prefill_chunk`: prompt tokens per step;
     `max_waiting`: sequences queued at most, beyond which a submission raises QueueFull (None: no
     bound, for a caller that submits a fixed list of its own)."""
 
@@ -38,7 +38,7 @@ class Engine:
         self.stage = stage
         self.max_batch, self.max_seq = max_batch, max_seq
         self.micro_batches = max(1, min(micro_batches or stage.info.pipeline, max_batch))
-        if getattr(stage, "graphed", None) is not None or block_size >= max_seq:
+        if block_size >= max_seq:
             block_size, blocks = max_seq, max_batch      # fixed rows: one block of the whole context each
         else:
             blocks = blocks_for(kv_tokens or max_batch * max_seq, block_size)

@@ -184,8 +184,7 @@ class Stage:
             if t == 1 and self.graphed is not None:
                 return self.graphed(x, positions, blocks).clone()   # the graph reuses its output buffer
             positions = positions.to(self.device)
-            cache = cache_view(self.model, positions, blocks.to(self.device),
-                               static_shapes=self.graphed is not None)    # graphs: fixed shapes throughout
+            cache = cache_view(self.model, positions, blocks.to(self.device))   # prefills: eager, paged
             return self.model(x.to(self.device), positions=positions, cache=cache, last_only=True)
 
     def _forward_next(self, header, ints, out) -> None:
