@@ -59,7 +59,7 @@ def build_stage(source, start: int, end: int, first: bool, last: bool, mesh, opt
     checkpointing, FSDP2), then materialized with only this rank's shards read from the model."""
     with torch.device("meta"):
         model = Transformer(source.config, start, end, first, last)
-    par.apply_tensor_parallel(model, mesh["tp"])
+    par.apply_tensor_parallel(model, mesh["tp"], opts.sequence_parallel)
     if opts.activation_checkpointing:
         par.apply_activation_checkpointing(model)
     compressed = opts.compression != "none" and opts.mesh_shape.replicate > 1
