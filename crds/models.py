@@ -272,8 +272,7 @@ class GradientCompression(ApiModel):
     density: float = Field(0.01, gt=0, le=1, description=(
         "Fraction of gradient elements topk and topk-int4 send, in (0, 1]."))
     warmup_steps: int = Field(0, ge=0, le=1000000, description=(
-        "The first steps dense with plain AdamW; after them the gradients are compressed and AdamW's "
-        "second moment stays as it was (1-bit Adam's frozen variance). 0: compressed from the start."))
+        "Steps uncompressed first; after them AdamW's variance is frozen (1-bit Adam). 0: none."))
 
 
 class Training(ApiModel):
@@ -306,8 +305,7 @@ class Training(ApiModel):
     activation_checkpointing: bool = Field(False, description=(
         "Recompute each decoder block's activations in the backward pass instead of keeping them."))
     sequence_parallel: bool = Field(False, description=(
-        "With tensor parallelism: split the norms and the activations between blocks over the "
-        "sequence too, so each GPU keeps 1/T of them (seqLength must be a multiple of T)."))
+        "Tensor parallelism also splits norms and activations over the sequence (seqLength % T == 0)."))
     gradient_compression: Optional[GradientCompression] = Field(None, description=(
         "Compress the gradients averaged between replicated copies (dataParallel.replicate > 1)."))
     min_replicas: Optional[int] = Field(None, ge=1, le=10000, description=(

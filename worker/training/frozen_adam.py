@@ -44,15 +44,3 @@ def frozen_variance_step_(optimizer: torch.optim.AdamW, warmup: int) -> None:
             denom = v.sqrt().div_(correct2).add_(eps)
             param.addcdiv_(m, denom, value=-lr / correct1)
 
-
-@torch.no_grad()
-def frozen_denominators(optimizer: torch.optim.AdamW, params, warmup: int) -> list[torch.Tensor]:
-    """sqrt(v / (1 - b2^warmup)) + eps of each of `params` (local tensors): what the frozen-variance
-    step divides a parameter's momentum by."""
-    out = []
-    for p in params:
-        group = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
-        (_, b2), eps = group["betas"], group["eps"]
-        v = _local(optimizer.state[p]["exp_avg_sq"])
-        out.append(v.sqrt().div_((1.0 - b2 ** warmup) ** 0.5).add_(eps))
-    return out

@@ -57,7 +57,7 @@ from shardwise.worker.training import compression_state as cstate
 from shardwise.worker.training import parallelize as par
 from shardwise.worker.training import schedules as pipe
 from shardwise.worker.training.compression import GradientCompressor, plain_all_reduce_mean_
-from shardwise.worker.training.frozen_adam import frozen_denominators, frozen_variance_step_
+from shardwise.worker.training.frozen_adam import frozen_variance_step_
 from shardwise.worker.training.data import StepBatches, TokenDataset
 from shardwise.worker.training.model_state import build_stage, init_optimizer_state, model_files, optimizer_slices, param_slices
 from shardwise.worker.training.options import TrainOptions, layout_record, options_from_contract, pod_rank  # noqa: F401
@@ -326,15 +326,7 @@ class Trainer:
         sent = 0
         if self.compressor is not None and self.compressing(self.step + 1):
             before = self.compressor.bytes_sent
-            scales = (frozen_denominators(self.optimizer, self.params, self.opts.compression_warmup)
-                      if self.opts.compression_warmup and os.environ.get("PRECOND", "1") == "1" else None)
-            if scales:
-                for g, d in zip(local, scales):
-                    g.div_(d)
             self.compressor.all_reduce_mean_(local)
-            if scales:
-                for g, d in zip(local, scales):
-                    g.mul_(d)
             sent = self.compressor.bytes_sent - before
         elif self.compressor is not None:   # the dense warm-up
             sent = plain_all_reduce_mean_(local, self.compressor.group)
