@@ -34,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="pipeline schedule when --pipeline-parallel > 1")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each block's activations in backward instead of keeping them")
+    p.add_argument("--prefetch-depth", type=int, default=0, metavar="K",
+                   help="FSDP2: each block all-gathers the parameters of the next K blocks (the previous K in "
+                        "backward) before it computes; 0 (default): FSDP2's own order")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tensor-parallel > 1: split the norms and the activations between blocks over the "
                         "sequence as well (each rank keeps 1/T of them)")
@@ -80,7 +83,7 @@ def options(args):
         model=args.model, data=args.data, checkpoint_dir=args.checkpoint_dir, steps=args.steps,
         tensor=args.tensor_parallel, pipeline=args.pipeline_parallel, data_parallel=args.data_parallel,
         data_shard=args.data_shard, schedule=args.schedule, activation_checkpointing=args.activation_checkpointing,
-        sequence_parallel=args.sequence_parallel,
+        sequence_parallel=args.sequence_parallel, prefetch_depth=args.prefetch_depth,
         compression=args.compression, compression_density=args.compression_density,
         compression_warmup=args.compression_warmup,
         checkpoint_every=args.checkpoint_every, keep=args.keep, local_checkpoint_dir=args.local_checkpoint_dir,

@@ -65,7 +65,8 @@ def build_stage(source, start: int, end: int, first: bool, last: bool, mesh, opt
     compressed = opts.compression != "none" and opts.mesh_shape.replicate > 1
     dp_mesh = mesh["dp_shard"] if compressed else mesh["dp_replicate", "dp_shard"]
     # With several micro-batches per step, keep a stage's parameters gathered between them.
-    par.apply_fsdp(model, dp_mesh, compute_dtype, reshard_after_forward=opts.pipeline == 1)
+    par.apply_fsdp(model, dp_mesh, compute_dtype, reshard_after_forward=opts.pipeline == 1,
+                   prefetch=opts.prefetch_depth)
     model.to_empty(device=device)
     with torch.no_grad():
         for name, p in model.named_parameters():

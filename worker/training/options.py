@@ -23,6 +23,7 @@ class TrainOptions:
     data_shard: int = 0                # ZeRO-3 shard degree; 0: all of data_parallel
     schedule: str = pipe.DEFAULT_SCHEDULE
     activation_checkpointing: bool = False
+    prefetch_depth: int = 0            # FSDP2 blocks all-gathered ahead; 0: FSDP2's own order
     sequence_parallel: bool = False    # with tensor > 1: norms and activations between blocks split over the sequence
     compression: str = "none"          # on the replicate axis: none, int8, int4, topk, topk-int4
     compression_density: float = 0.01  # topk, topk-int4: fraction of gradient elements sent
@@ -76,6 +77,8 @@ class TrainOptions:
             return f"batch size {self.batch_size} does not split evenly into {D} data-parallel replicas"
         if self.compression != "none" and not 0 < self.compression_density <= 1:
             return f"compression density must be in (0, 1], got {self.compression_density}"
+        if not 0 <= self.prefetch_depth <= 8:
+            return f"prefetch depth must be 0 to 8 blocks, got {self.prefetch_depth}"
         if self.compression_warmup < 0:
             return f"compression warm-up must be 0 or more steps, got {self.compression_warmup}"
         if self.sequence_parallel and self.tensor > 1 and self.seq_len % self.tensor:

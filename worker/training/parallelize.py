@@ -146,14 +146,21 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, compute_dtype: torch.dtype,
-               reshard_after_forward: bool = True) -> None:
+               reshard_after_forward: bool = True, prefetch: int = 0) -> None:
     """ZeRO-3 over `dp_mesh` (1-D: FSDP; 2-D replicate × shard: HSDP); fp32 master weights and
-    gradient reduction, compute in `compute_dtype`."""
+    gradient reduction, compute in `compute_dtype`. `prefetch` > 0: each block issues the
+    all-gathers of the next `prefetch` blocks (forward) or previous ones (backward) before it
+    computes, so they overlap its compute; 0 leaves FSDP2's own order (one block ahead in backward)."""
     policy = MixedPrecisionPolicy(param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
                                   reduce_dtype=torch.float32)
-    for block in model.layers.values():
+    blocks = list(model.layers.values())
+    for block in blocks:
         fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    if prefetch > 0:
+        for i, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + prefetch])
+            block.set_modules_to_backward_prefetch(blocks[max(0, i - prefetch):i][::-1])
 
 
 # ------------------------------------------------------------------ full-tensor view of a shard

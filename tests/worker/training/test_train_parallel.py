@@ -41,6 +41,7 @@ LAYOUTS = {
     "PP2-Interleaved1F1B": ["--pipeline-parallel", "2", "--schedule", "Interleaved1F1B"],
     "HSDP2x2": ["--data-parallel", "4", "--data-shard", "2"],
     "FSDP2-recompute": ["--data-parallel", "2", "--activation-checkpointing"],
+    "FSDP2-prefetch2": ["--data-parallel", "2", "--prefetch-depth", "2"],
     "PP2xFSDP2xTP2": ["--pipeline-parallel", "2", "--data-parallel", "2", "--tensor-parallel", "2"],
     # sequence parallelism: norms and the activations between sub-layers split over the sequence
     "TP2-SP": ["--tensor-parallel", "2", "--sequence-parallel"],
@@ -110,6 +111,7 @@ def test_a_compressed_run_resumed_mid_run_gives_the_uninterrupted_losses(train, 
      "compression density must be in (0, 1], got 0.0"),
     (["--data-parallel", "2", "--data-shard", "1", "--compression", "topk", "--compression-density", "1.5"],
      "compression density must be in (0, 1], got 1.5"),
+    (["--data-parallel", "2", "--prefetch-depth", "9"], "prefetch depth must be 0 to 8 blocks, got 9"),
     (["--tensor-parallel", "2", "--sequence-parallel", "--seq-len", "33"],
      "sequence parallelism splits each sequence over the 2 tensor-parallel ranks: sequence length 33 is not "
      "a multiple of 2"),
