@@ -11,16 +11,21 @@ one fp32 buffer; every rank contributes one payload to a single all_gather):
            the n int8 values and ceil(n/chunk) fp32 scales:                  n + 4*ceil(n/chunk) bytes
            (an all-reduce of int8 would overflow and the scales differ per rank, so it is a gather:
            each rank dequantizes every rank's payload and sums)
+    int4   the same with scale = absmax/7, q in [-7, 7], two values per byte (low nibble first,
+           stored as q + 8):                                       ceil(n/2) + 4*ceil(n/chunk) bytes
     topk   k = max(1, ceil(density*n)) elements of largest |x|: k int32 indices (int64 when
            n >= 2**31) and k fp32 values:                                    8k bytes (12k with int64)
+    topk-int4  the same indices, the k values quantized as int4 (chunks of `chunk` values in
+           selection order):                                  4k + ceil(k/2) + 4*ceil(k/chunk) bytes
 The mean is written back into each gradient, cast to its dtype (float32 or bfloat16).
 
-Why error feedback: both compressors are biased; top-k at 1% drops 99% of every gradient, and the
+Why error feedback: every compressor here is biased; top-k at 1% drops 99% of every gradient, and the
 dropped coordinates, each small alone, are most of the descent direction: without memory, SGD stalls
 far above the loss plain SGD reaches. With error feedback (Seide et al. 2014; Stich et al. 2018;
 Karimireddy et al. 2019, "EF-SGD") each rank keeps what compression dropped from its own contribution,
     residual = (grad + residual) - decompress(compress(grad + residual)),
-in fp32, one tensor per gradient keyed by its position in the list, and adds it before compressing
+in fp32, one tensor per gradient keyed by its position in the list (updated in place, so the
+tensors `residuals_for` handed to a checkpoint stay the live ones: compression_state.py), and adds it before compressing
 the next time, so every coordinate is eventually sent in full, late; EF-SGD then converges at the rate
 of SGD. `error_feedback=False` exists to show the difference (tests/worker/training/test_compression.py).
 A residual entry that is not finite (a step whose gradients overflowed) is reset to zero, so one bad

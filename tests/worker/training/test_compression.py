@@ -1,6 +1,6 @@
 """Compressed gradient averaging (worker/training/compression.py) between real gloo ranks on 127.0.0.1:
-int8 within its quantization bound at a quarter of the bytes, top-k sending 1% of the elements
-and their exact mean, error feedback as the difference between top-k SGD that converges and one
+int8 within its quantization bound at a quarter of the bytes, int4 within its bound at an eighth,
+top-k sending 1% of the elements and their exact mean, top-k + int4 the same elements in 4 bits, error feedback as the difference between top-k SGD that converges and one
 that stalls, residuals that survive a checkpoint and an overflowed step, one-line errors for bad
 options.
 

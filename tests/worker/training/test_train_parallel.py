@@ -7,6 +7,7 @@ resume in another with the same losses, and a compressed run resumes its error f
 layouts are refused in one line naming the option."""
 from __future__ import annotations
 
+import math
 import shutil
 
 import pytest
@@ -98,6 +99,23 @@ def test_a_compressed_run_resumed_mid_run_gives_the_uninterrupted_losses(train, 
     for s in range(11, STEPS + 1):
         assert resumed[s]["loss"] == pytest.approx(whole[s]["loss"], rel=1e-6, abs=0), f"step {s}"
         assert resumed[s]["replicate_bytes"] == whole[s]["replicate_bytes"]
+
+
+def test_compression_residuals_reshard_to_another_layout_and_replicate_count(train, tmp_path):
+    """Saved by 2 replicate groups at step 10; resumed sharded over 2 ranks per group (the residual
+    slices read in their new split) and by 4 groups (each starting from the mean of the 2 saved)."""
+    saved = tmp_path / "saved"
+    train.run(saved, "--data-parallel", "2", "--data-shard", "1", "--compression", "int4", "--steps", "10", check=True)
+    for name, layout, news in [
+            ("sharded", ["--data-parallel", "4", "--data-shard", "2"], "compression residuals of 2 replicate groups resumed"),
+            ("four-groups", ["--data-parallel", "4", "--data-shard", "1"],
+             "compression residuals saved by 2 replicate groups, resumed by 4: each starts from their mean")]:
+        ckdir = tmp_path / name
+        ckdir.mkdir()
+        shutil.copytree(saved / ckpt.step_dir_name(10), ckdir / ckpt.step_dir_name(10))
+        _, got, err = train.run(ckdir, *layout, "--compression", "int4", "--steps", "12", check=True)
+        assert news in err, err
+        assert sorted(got) == [11, 12] and all(math.isfinite(r["loss"]) for r in got.values())
 
 
 @pytest.mark.parametrize("extra, message", [
