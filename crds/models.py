@@ -266,11 +266,14 @@ class DataParallel(ApiModel):
 class GradientCompression(ApiModel):
     """Compression of the gradients averaged between replicated copies (the replicate axis only)."""
 
-    method: Literal["none", "int8", "topk"] = Field("none", description=(
-        "none; int8: gradients quantized to 8 bits for the all-reduce; topk: only the largest "
-        "`density` of the gradient elements are sent, the rest carried to the next step (error feedback)."))
+    method: Literal["none", "int8", "int4", "topk", "topk-int4"] = Field("none", description=(
+        "none; int8, int4: gradients quantized to 8 or 4 bits for the average; topk: only the largest "
+        "`density` of the gradient elements are sent; topk-int4: those with 4-bit values. What is not "
+        "sent is carried to the next step (error feedback) and saved in checkpoints."))
     density: float = Field(0.01, gt=0, le=1, description=(
-        "Fraction of gradient elements topk sends, in (0, 1]."))
+        "Fraction of gradient elements topk and topk-int4 send, in (0, 1]."))
+    warmup_steps: int = Field(0, ge=0, le=1000000, description=(
+        "Steps uncompressed first; after them AdamW's variance is frozen (1-bit Adam). 0: none."))
 
 
 class Training(ApiModel):
@@ -302,6 +305,8 @@ class Training(ApiModel):
         "Pipeline schedule: 1F1B, GPipe or Interleaved1F1B."))
     activation_checkpointing: bool = Field(False, description=(
         "Recompute each decoder block's activations in the backward pass instead of keeping them."))
+    sequence_parallel: bool = Field(False, description=(
+        "Tensor parallelism also splits norms and activations over the sequence (seqLength % T == 0)."))
     gradient_compression: Optional[GradientCompression] = Field(None, description=(
         "Compress the gradients averaged between replicated copies (dataParallel.replicate > 1)."))
     min_replicas: Optional[int] = Field(None, ge=1, le=10000, description=(

@@ -273,7 +273,19 @@ def _explain_shard(spec: ShardedModelSpec, layout: Layout, replicas: int) -> lis
     if compression is not None and compression.method != "none" and copies == 1:
         out.append(f"training.gradientCompression {compression.method} has nothing to compress: it acts "
                    f"between replicated copies, and every replica shards (replicate 1)")
+    if spec.training and spec.training.sequence_parallel:
+        out.append(_explain_sequence_parallel(spec.training.seq_length, layout.tensor))
     return out
+
+
+def _explain_sequence_parallel(seq_length: int, tensor: int) -> str:
+    if tensor == 1:
+        return "training.sequenceParallel has no effect: the layout has no tensor parallelism (tensor 1)"
+    if seq_length % tensor:
+        return (f"training.sequenceParallel cannot split seqLength {seq_length} over tensor {tensor}: the "
+                f"training pods will refuse to start (make seqLength a multiple of {tensor})")
+    return (f"sequence parallel: norms and activations between blocks split over the {tensor} tensor ranks "
+            f"({seq_length // tensor} of {seq_length} tokens each)")
 
 
 def _explain(replica: int, stage_nodes: list[NodeInfo], layout: Layout, tree: Tree,
