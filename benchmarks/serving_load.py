@@ -35,6 +35,7 @@ import json
 import math
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -238,6 +239,8 @@ def start(name: str, args, logdir: Path):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # a plain `kill` unwinds like Ctrl-C, so the servers this run started are stopped too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.build_peer:
         print(llama_server_build.build())
         return 0

@@ -94,3 +94,26 @@ def test_a_short_run_against_a_real_server_counts_every_request(load_gen, tiny_s
     assert r["output_tokens"] == sum(o.tokens for o in outcomes) > 0
     assert all(o.prompt_tokens and o.ttft is not None for o in outcomes)
     assert r["ttft_p99"] >= r["ttft_p50"] > 0 and r["output_tokens_per_s"] > 0
+
+
+def test_ratios_compare_only_when_both_servers_generated_the_same_tokens(load_gen):
+    serving_load = importlib.import_module("serving_load")
+    base = {"requests_per_s": 1.0, "ttft_p50": 0.5, "ttft_p99": 1.0, "itl_p50": 0.01, "itl_p99": 0.02}
+    rows = [{"server": "shardwise", "scenario": "closed c=8", "output_tokens": 100, "short": 0,
+             "output_tokens_per_s": 30.0, **base},
+            {"server": "llama.cpp", "scenario": "closed c=8", "output_tokens": 100, "short": 0,
+             "output_tokens_per_s": 20.0, **base, "ttft_p99": 4.0},
+            {"server": "shardwise", "scenario": "burst 64", "output_tokens": 90, "short": 2,
+             "output_tokens_per_s": 10.0, **base},
+            {"server": "llama.cpp", "scenario": "burst 64", "output_tokens": 100, "short": 0,
+             "output_tokens_per_s": 10.0, **base}]
+    (c8, burst) = serving_load.ratios(rows)
+    assert c8["scenario"] == "closed c=8" and c8["same_tokens"] is True
+    assert c8["output_tokens_per_s"] == pytest.approx(1.5) and c8["ttft_p99"] == pytest.approx(0.25)
+    assert burst["same_tokens"] is False
+    text = serving_load.render_ratios([c8, burst])
+    assert "1.50" in text and "NO" in text.splitlines()[-1]
+    args = serving_load.parse_args(["--concurrency", "1,8", "--burst", "64", "--rate", "0.5"])
+    assert [s.name for s in serving_load.scenarios(args)] == ["closed c=1", "closed c=8", "burst 64",
+                                                               "poisson 0.5/s"]
+    assert [s.requests for s in serving_load.scenarios(args)] == [16, 32, 64, 64]
