@@ -112,7 +112,10 @@ def llama_server(binary: Path, model: str, threads: int, slots: int, ctx: int, l
     """llama.cpp's `llama-server` on `model`; yields its base URL."""
     port = _free_port()
     cmd = [str(binary), "-m", model, "-t", str(threads), "-tb", str(threads), "-np", str(slots),
-           "-kvu", "-c", str(slots * ctx), "--host", "127.0.0.1", "--port", str(port), "--no-webui"]
+           "-kvu", "-c", str(slots * ctx), "--host", "127.0.0.1", "--port", str(port), "--no-webui",
+           # weights as stored in the file: on a CPU with AMX, repacking picks ggml's AMX kernels,
+           # which crash this build on the development machine (SIGSEGV in ggml_backend_amx_mul_mat)
+           "--no-repack"]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     try:
