@@ -218,7 +218,9 @@ async def drive(base: str, scenario: Scenario, specs: list[RequestSpec], chat: b
     url = base.rstrip("/") + ("/v1/chat/completions" if chat else "/v1/completions")
     payloads = [body(s, chat, temperature, model) for s in specs[:scenario.requests]]
     outcomes: list[Outcome | None] = [None] * len(payloads)
-    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    # a connection per request: a kept-alive one that the server closed between two requests would
+    # fail the next request for a reason of the client's own
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
 
     async with aiohttp.ClientSession(connector=connector) as session:
         async def send(i: int) -> None:

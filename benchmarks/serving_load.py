@@ -21,7 +21,7 @@ number of requests decoded together (`--slots`, default 8, shardwise's `--max-ba
 the same context per request (`--ctx`):
 - shardwise: `shardwise serve --model FILE --quantize gguf --threads T --max-batch SLOTS
   --max-seq-len CTX` plus `--shardwise-args` (its other settings are its defaults);
-- llama.cpp: `llama-server -m FILE -t T -tb T -np SLOTS -kvu -c SLOTS*CTX`, the binary that
+- llama.cpp: `llama-server -m FILE -t T -tb T -np SLOTS -kvu -c SLOTS*CTX --no-repack`, the binary that
   benchmarks/llama_server_build.py builds (`--build-peer`; `--peer-binary` for another).
 Each server is started, warmed up with two requests, runs every scenario, and is stopped before
 the next starts. With two servers it prints both and the ratios (shardwise / llama.cpp).
