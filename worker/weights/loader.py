@@ -50,6 +50,17 @@ def _read_blocks(source: ModelSource, model: Transformer, shards: dict) -> tuple
             if all(b is not None for b in got) and len({b.qtype for b in got}) == 1:
                 blocks[f"layers.{i}.{fused}"] = Blocks.concat(got)
                 kept.update(names)
+    # The embedding and the LM head (one matrix when tied), where they are plain modules: split
+    # over the vocabulary (tensor parallelism) they stay as read.
+    for name, module in (("tok_embeddings", model.tok_embeddings), ("output", model.output)):
+        weight = getattr(module, "weight", None)
+        if not read or type(module) not in (nn.Embedding, nn.Linear) or name + ".weight" in kept:
+            continue
+        got = read(name + ".weight", None)
+        if got is not None:
+            names = {n for n, p in model.named_parameters(remove_duplicate=False) if p is weight}
+            blocks.update({n.rpartition(".")[0]: got for n in names})    # tied: both keys, one Blocks
+            kept.update(names)
     return blocks, kept
 
 

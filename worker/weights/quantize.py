@@ -138,7 +138,7 @@ def quantize_weights(model: nn.Module, method: str, device: str = "cpu") -> int:
 def _build_block_matrices(model: nn.Module, device: str) -> int:
     from shardwise.worker.weights.gguf_blocks import BlockLinear
     blocks = getattr(model, "gguf_blocks", {})
-    count = len(blocks)
+    count = _build_vocab_blocks(model, blocks, device) + len(blocks)
     for key in list(blocks):        # popped one at a time: each file copy is freed once built
         _, i, fused = key.split(".", 2)
         layer = model.layers[i]
@@ -151,3 +151,23 @@ def _build_block_matrices(model: nn.Module, device: str) -> int:
         setattr(parent, name, BlockLinear(blocks.pop(key), device, bias).to(placed))
     place_in_huge_pages(model)
     return count
+
+
+def _build_vocab_blocks(model: nn.Module, blocks: dict, device: str) -> int:
+    """The embedding and the LM head kept in blocks (loader._read_blocks: plain modules only),
+    popped from `blocks`: the head a BlockLinear, the embedding a BlockEmbedding reading rows of its
+    own BlockLinear or, tied, of the head's (one tensor for both). Returns how many matrices it built."""
+    from shardwise.worker.weights.gguf_blocks import BlockEmbedding, BlockLinear
+    emb, head = blocks.pop("tok_embeddings", None), blocks.pop("output", None)
+    placed = next(p.device for p in model.parameters() if p.device.type != "meta")
+    dtype = next(p.dtype for p in model.parameters() if p.device.type != "meta")
+    table = None
+    if head is not None:
+        model.output = table = BlockLinear(head, device, rows=head is emb).to(placed)
+    if emb is not None:
+        table = table if head is emb else BlockLinear(emb, device, rows=True).to(placed)
+        # registered last: a stage's first parameter stays one of the model's dtype (the
+        # pipeline's buffers and the KV cache take their dtype from it), not a packed table
+        del model.tok_embeddings
+        model.tok_embeddings = BlockEmbedding(table, dtype)
+    return len({id(b) for b in (emb, head) if b is not None})
