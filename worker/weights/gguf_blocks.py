@@ -96,6 +96,33 @@ def int4_planes(blocks: Blocks) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return values, d, m + 8 * d
 
 
+@dataclass
+class Planes:
+    """4-bit values uint8 [rows, inputs'] in 0..15 with a scale and a zero (float32 [rows, inputs' /
+    group]) per group of inputs: w = (v - 8) * scale + zero. twice: two planes of 8-bit values
+    over the same inputs (inputs' = 2 * inputs), as int4_planes makes of Q8_0 and int8_planes of
+    quantize.py's INT8."""
+    qtype: str
+    values: np.ndarray
+    scale: np.ndarray
+    zero: np.ndarray
+    group: int = BLOCK
+
+    @property
+    def twice(self) -> bool:
+        return self.qtype in ("Q8_0", "int8")
+
+
+def int8_planes(q: np.ndarray, scale: np.ndarray, group: int) -> Planes:
+    """int8 q [rows, inputs] with a scale per group of inputs (w = q * scale) as two planes, the
+    way int4_planes splits Q8_0: hi = q >> 4 (+ 8, scale 16d) and lo = q & 15 (scale d, zero 8d)."""
+    hi = (q >> 4).astype(np.uint8) + 8
+    lo = q.view(np.uint8) & 15
+    d = scale.astype(np.float32)
+    return Planes("int8", np.concatenate([hi, lo], axis=1), np.concatenate([16 * d, d], axis=1),
+                  np.concatenate([np.zeros_like(d), 8 * d], axis=1), group)
+
+
 @functools.lru_cache(maxsize=None)
 def cpu_kernel_runs() -> bool:
     """Whether aten._weight_int4pack_mm_for_cpu runs here and computes (v - 8) * scale + zero
@@ -162,16 +189,17 @@ class BlockLinear(InferenceMatrix):
     Its tensors are parameters (requires_grad=False), so parallel.weight_bytes counts them and
     offload.py packs them."""
 
-    def __init__(self, blocks: Blocks, device: str | torch.device = "cpu", bias: torch.Tensor | None = None,
+    def __init__(self, blocks: "Blocks | Planes", device: str | torch.device = "cpu", bias: torch.Tensor | None = None,
                  rows: bool = False):
         """bias: kept beside the blocks in its own dtype (the fused q/k/v of a model with
         attention biases), added after the matmul. rows: the matrix is also read by rows (an
         embedding table: see rows())."""
         super().__init__()
-        self.qtype = blocks.qtype
-        self.out_features, self.in_features = blocks.shape
-        self.twice = blocks.qtype == "Q8_0"          # the input runs once per plane
-        values, scale, zero = int4_planes(blocks)
+        planes = blocks if isinstance(blocks, Planes) else Planes(blocks.qtype, *int4_planes(blocks))
+        self.qtype, self.group = planes.qtype, planes.group
+        self.twice = planes.twice                   # the input runs once per plane
+        values, scale, zero = planes.values, planes.scale, planes.zero
+        self.out_features, self.in_features = values.shape[0], values.shape[1] // (2 if self.twice else 1)
         v = torch.from_numpy(values)
         # [blocks, rows, 2]: the kernel's layout of the scales and zeros
         sz = torch.stack([torch.from_numpy(scale).t(), torch.from_numpy(zero).t()], dim=-1)
@@ -219,7 +247,7 @@ class BlockLinear(InferenceMatrix):
         flat = ids.reshape(-1)
         v = self._values(flat).to(dtype)
         sz = self.scales_and_zeros[:, flat].to(dtype)                     # [blocks, n, 2]
-        w = (v.view(flat.numel(), -1, BLOCK) - 8) * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None]
+        w = (v.view(flat.numel(), -1, self.group) - 8) * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None]
         w = w.view(flat.numel(), -1)
         if self.twice:
             w = w[:, :self.in_features] + w[:, self.in_features:]
@@ -243,7 +271,8 @@ class BlockLinear(InferenceMatrix):
         xb = x.to(torch.bfloat16)
         if self.twice:
             xb = torch.cat([xb, xb], dim=1)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb.contiguous(), self.packed, BLOCK, self.scales_and_zeros)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb.contiguous(), self.packed, self.group,
+                                                       self.scales_and_zeros)
         return y.to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
