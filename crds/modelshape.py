@@ -34,11 +34,13 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 
 # per block): 1 + 8/32 = 1.25 bytes. Both are what torch's int4 weight-only matmul kernel takes.
 GGUF_NATIVE_BYTES = {"Q8_0": 1.25, "Q4_0": 0.625, "Q4_1": 0.625}
 # Weight-only INT8 (spec.serving.quantization int8, the worker's --quantize int8): a scale per group
-# of INT8_GROUP inputs of each row (worker/weights/quantize.py says why 32). On a CPU the worker
-# holds each matrix like Q8_0 above (two 4-bit planes, 1.25 bytes a weight); on CUDA int8 values
-# and a float32 scale per group (1 + 4/32 = 1.125). The planner sizes by the larger.
+# of INT8_GROUP inputs of each row (worker/weights/quantize.py says why 32). On CUDA the worker holds
+# int8 values and a bfloat16 scale per group, 1 + 2/32 = 1.0625 bytes a weight: what the planner
+# sizes GPU pods by. On a CPU it holds each matrix like Q8_0 above (two 4-bit planes for torch's
+# int4 kernel), INT8_CPU_BYTES.
 INT8_GROUP = 32
-INT8_BYTES = GGUF_NATIVE_BYTES["Q8_0"]
+INT8_BYTES = 1 + 2 / INT8_GROUP
+INT8_CPU_BYTES = GGUF_NATIVE_BYTES["Q8_0"]
 # The dtypes the worker computes in (worker/weights/loader.py's DTYPES are these).
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 

@@ -39,12 +39,12 @@ if triton is not None:
             xs = tl.load(x_ptr + row * k + g * GROUP + inner).to(tl.float32)
             w = tl.load(q_ptr + cols[:, None] * k + g * GROUP + inner[None, :], mask=mask[:, None], other=0)
             part = tl.sum(w.to(tl.float32) * xs[None, :], axis=1)
-            acc += part * tl.load(s_ptr + cols * groups + g, mask=mask, other=0.0)
+            acc += part * tl.load(s_ptr + cols * groups + g, mask=mask, other=0.0).to(tl.float32)
         tl.store(y_ptr + row * n + cols, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def int8_matmul_cuda(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [rows, in] (rows <= ROWS_FUSED) times int8 q [out, in] with float32 scales [out, groups]
+    """x [rows, in] (rows <= ROWS_FUSED) times int8 q [out, in] with scales [out, groups] (any float dtype)
     -> [rows, out] in x's dtype."""
     rows, k = x.shape
     n, groups = scales.shape
@@ -63,9 +63,9 @@ def cuda_kernel_runs() -> bool:
     try:
         gen = torch.Generator().manual_seed(0)
         q = torch.randint(-127, 128, (96, 128), generator=gen, dtype=torch.int8).to(device)
-        scales = (torch.rand(96, 2, generator=gen) / 100).to(device)
+        scales = (torch.rand(96, 2, generator=gen) / 100).to(device=device, dtype=torch.bfloat16)
         x = torch.randn(3, 128, generator=gen).to(device)
-        want = x @ (q.float().view(96, 2, 64) * scales[..., None]).view(96, 128).t()
+        want = x @ (q.float().view(96, 2, 64) * scales.float()[..., None]).view(96, 128).t()
         got = int8_matmul_cuda(x, q, scales)
     except Exception:  # noqa: BLE001 - any compiler or driver failure means: use the cast path
         return False

@@ -78,7 +78,7 @@ def quantize_int8(weight: torch.Tensor, group: int = INT8_GROUP) -> tuple[torch.
 def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """The [out, in] matrix that `q` and `scales` (one per group of inputs) stand for, in `dtype`."""
     out, inputs = q.shape
-    return (q.float().view(out, scales.shape[1], -1) * scales[..., None]).view(out, inputs).to(dtype)
+    return (q.float().view(out, scales.shape[1], -1) * scales.float()[..., None]).view(out, inputs).to(dtype)
 
 
 class Int8Linear(InferenceMatrix):
@@ -88,7 +88,7 @@ class Int8Linear(InferenceMatrix):
     Held as one of two forms, by where it runs (see the module docstring):
       * `blocks`: on a CPU where torch's int4 kernel runs, a gguf_blocks.BlockLinear of the int8
         values' two 4-bit planes (exact values; the group scales in bfloat16);
-      * `weight` int8 [out, in] and `scales` float32 [out, groups] otherwise.
+      * `weight` int8 [out, in] and `scales` bfloat16 [out, groups] otherwise.
     All are parameters (requires_grad=False), so parallel.weight_bytes counts their bytes and
     offload.py packs them."""
 
@@ -107,7 +107,8 @@ class Int8Linear(InferenceMatrix):
             self.blocks = BlockLinear(int8_planes(q.numpy(), scales.numpy(), self.group), "cpu", bias)
             return
         self.weight = nn.Parameter(q, requires_grad=False)
-        self.scales = nn.Parameter(scales, requires_grad=False)
+        # bfloat16, as on the CPU form: 2 bytes per 32 weights (crds/modelshape.py INT8_BYTES)
+        self.scales = nn.Parameter(scales.to(torch.bfloat16), requires_grad=False)
         self.bias = bias
         self.fused = weight.is_cuda and cuda_kernel_runs()
 
