@@ -22,6 +22,10 @@ Where the kernel does not run (a CUDA device, a torch build without it) the same
 packed two a byte and each matmul dequantizes its matrix first, in the activation dtype (under
 `--decode compile` inductor fuses that into the matmul's reads).
 
+The embedding and the LM head are kept so too where a rank holds them whole (loader._read_blocks):
+the head is a BlockLinear, the embedding a BlockEmbedding that dequantizes only the rows it looks
+up, read from the kernel's own packing (kernel_row_layout); a tied pair shares one BlockLinear.
+
 Other GGUF types (Q6_K, Q5_K, ...) have no fast path: the loader dequantizes those tensors, and
 runtime.validate says so in one line.
 """

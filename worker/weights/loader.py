@@ -72,7 +72,8 @@ def load_stage(source: ModelSource, layer_start: int, layer_end: int, embedding:
     keep_blocks (`--quantize gguf`): the decoder-layer matrices that a GGUF file stores in a type
     with a fast path are not read as floats: their blocks go to `model.gguf_blocks` by fused name
     (inference.FUSED_MATRICES), the parameters stay on the meta device, and quantize.quantize_weights
-    builds them after inference.install_fused_weights. A fused group is kept only if all its parts are."""
+    builds them after inference.install_fused_weights. A fused group is kept only if all its parts are.
+    The embedding and the LM head are kept likewise where they are plain modules (TP 1)."""
     with torch.device("meta"):
         model = Transformer(source.config, layer_start, layer_end, embedding, head)
     apply_tensor_parallel(model, tp_rank, tp_world, group)
