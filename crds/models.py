@@ -389,6 +389,39 @@ class NetworkPeer(ApiModel):
         return self
 
 
+# Speculative decoding's bounds and defaults (worker/serving/speculative.py): draft tokens per row
+# and step, and the lengths of the n-grams looked up in the sequence, longest first.
+DRAFT_TOKENS, DRAFT_TOKENS_MAX = 4, 16
+NGRAM_MIN, NGRAM_MAX, NGRAM_LIMIT = 1, 3, 8
+
+
+class SpeculativeMethod(str, Enum):
+    NONE = "none"      # one token per row and step
+    NGRAM = "ngram"    # prompt lookup: drafts copied from where the sequence's last tokens occurred before
+
+
+class Speculative(ApiModel):
+    """Speculative decoding: greedy requests take several tokens a step when their text repeats what
+    came before (sampled ones decode as without it)."""
+
+    model_config = ConfigDict(json_schema_extra=cel(
+        ("self.ngramMin <= self.ngramMax", "serving.speculative: ngramMin must not exceed ngramMax")))
+
+    method: SpeculativeMethod = Field(SpeculativeMethod.NONE, description=(
+        "none: off; ngram: prompt lookup, drafts copied from where the sequence's last n tokens "
+        "occurred earlier in its prompt or output, verified in one step (no second model)."))
+    draft_tokens: int = Field(DRAFT_TOKENS, ge=1, le=DRAFT_TOKENS_MAX, description=(
+        "Drafts per request and step: the most tokens a step can add beyond its one."))
+    ngram_max: int = Field(NGRAM_MAX, ge=1, le=NGRAM_LIMIT, description="Longest n-gram looked up.")
+    ngram_min: int = Field(NGRAM_MIN, ge=1, le=NGRAM_LIMIT, description="Shortest n-gram looked up.")
+
+    @model_validator(mode="after")
+    def _ngram_range(self) -> "Speculative":
+        if self.ngram_min > self.ngram_max:
+            raise ValueError("serving.speculative: ngramMin must not exceed ngramMax")
+        return self
+
+
 class Serving(ApiModel):
     port: int = Field(8000, ge=1, le=65535, description="Port of the OpenAI-compatible HTTP API.")
     kv_cache_tokens: int = Field(8192, ge=0, description=(
@@ -410,6 +443,9 @@ class Serving(ApiModel):
     allow_from: list[NetworkPeer] = Field(default_factory=list, max_length=16, description=(
         "Who may reach the serving port through the model's NetworkPolicy (the operator's pods "
         "always may). Empty: anyone."))
+    speculative: Speculative = Field(default_factory=Speculative, json_schema_extra={"default": {}}, description=(
+        "Speculative decoding (prompt lookup): several tokens a step for greedy requests whose text "
+        "repeats its prompt or itself (code edits, summaries, quotes)."))
 
 
 class Resources(ApiModel):
