@@ -1,6 +1,6 @@
 """The API and the contracts, torch-free: the ShardedModel spec (models) and status (status) on their
 base (apimodel), the ShardPlan (plan), the pod contract (contract), the names labels, annotations and
-a pod's environment share (names), the pipeline-schedule rules (schedules), the rank layout and
+a pod's environment share (names), the pipeline-schedule rules (schedules), speculative decoding's settings (speculative), the rank layout and
 layer split (layout), a model's shape and size in memory (modelshape), and the CRD YAML generated
 from the models (schema). The operator image,
 the worker image and the CLI all import it, so it needs only pydantic and pyyaml.

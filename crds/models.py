@@ -25,6 +25,8 @@ from shardwise.crds.apimodel import (LABEL_KEY_PATTERN, QUANTITY_PATTERN, ApiMod
                                      malformed_pvc, parse_pvc, parse_quantity, pvc_rule)
 from shardwise.crds.names import (DEFAULT_API_KEYS_KEY, LOCAL_CHECKPOINT_ROOT, MAX_MODEL_NAME, MAX_PIPELINE,
                                   MAX_REPLICAS, MODEL_NAME_PATTERN, RACK_LABEL, ZONE_LABEL)
+from shardwise.crds.speculative import (DRAFT_TOKENS, DRAFT_TOKENS_MAX, NGRAM_LIMIT, NGRAM_MAX,  # noqa: F401
+                                      NGRAM_MIN, Speculative, SpeculativeMethod)
 from shardwise.crds.schedules import DEFAULT_SCHEDULE, INTERLEAVED_MICRO_BATCHES, PipelineSchedule, micro_batches_fit
 from shardwise.crds.status import (PHASES, Condition, GroupPhase, LastCheckpoint, ModelFactsStatus, ModelPhase,
                                    PlacementSummary, PlanSummary, ReplicaGroupStatus, ShardedModelStatus,
@@ -386,39 +388,6 @@ class NetworkPeer(ApiModel):
     def _some_selector(self) -> "NetworkPeer":
         if self.namespace_selector is None and self.pod_selector is None:
             raise ValueError(PEER_NEEDS_SELECTOR)
-        return self
-
-
-# Speculative decoding's bounds and defaults (worker/serving/speculative.py): draft tokens per row
-# and step, and the lengths of the n-grams looked up in the sequence, longest first.
-DRAFT_TOKENS, DRAFT_TOKENS_MAX = 4, 16
-NGRAM_MIN, NGRAM_MAX, NGRAM_LIMIT = 1, 3, 8
-
-
-class SpeculativeMethod(str, Enum):
-    NONE = "none"      # one token per row and step
-    NGRAM = "ngram"    # prompt lookup: drafts copied from where the sequence's last tokens occurred before
-
-
-class Speculative(ApiModel):
-    """Speculative decoding: greedy requests take several tokens a step when their text repeats what
-    came before (sampled ones decode as without it)."""
-
-    model_config = ConfigDict(json_schema_extra=cel(
-        ("self.ngramMin <= self.ngramMax", "serving.speculative: ngramMin must not exceed ngramMax")))
-
-    method: SpeculativeMethod = Field(SpeculativeMethod.NONE, description=(
-        "none: off; ngram: prompt lookup, drafts copied from where the sequence's last n tokens "
-        "occurred earlier in its prompt or output, verified in one step (no second model)."))
-    draft_tokens: int = Field(DRAFT_TOKENS, ge=1, le=DRAFT_TOKENS_MAX, description=(
-        "Drafts per request and step: the most tokens a step can add beyond its one."))
-    ngram_max: int = Field(NGRAM_MAX, ge=1, le=NGRAM_LIMIT, description="Longest n-gram looked up.")
-    ngram_min: int = Field(NGRAM_MIN, ge=1, le=NGRAM_LIMIT, description="Shortest n-gram looked up.")
-
-    @model_validator(mode="after")
-    def _ngram_range(self) -> "Speculative":
-        if self.ngram_min > self.ngram_max:
-            raise ValueError("serving.speculative: ngramMin must not exceed ngramMax")
         return self
 
 

@@ -97,7 +97,7 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
 def add_speculative_arguments(parser: argparse.ArgumentParser, pod: bool = False) -> None:
     """Speculative decoding's flags (worker/serving/speculative.py): serve, generate and worker; a
     pod's defaults are its ShardedModel's serving.speculative."""
-    from shardwise.crds.models import DRAFT_TOKENS, DRAFT_TOKENS_MAX, NGRAM_LIMIT, NGRAM_MAX, NGRAM_MIN
+    from shardwise.crds.speculative import DRAFT_TOKENS, DRAFT_TOKENS_MAX, NGRAM_LIMIT, NGRAM_MAX, NGRAM_MIN
 
     def of(default) -> str:
         return "spec.serving.speculative" if pod else str(default)
@@ -116,7 +116,7 @@ def add_speculative_arguments(parser: argparse.ArgumentParser, pod: bool = False
 def speculative_setting(args, spec=None):
     """The SpeculativeConfig of the speculative flags given over `spec` (a crds Speculative: a
     pod's serving.speculative; None: the spec's defaults); None when not speculating."""
-    from shardwise.crds.models import Speculative
+    from shardwise.crds.speculative import Speculative
     from shardwise.worker.errors import WorkerError
     from shardwise.worker.serving.speculative import SpeculativeConfig
     spec = spec if spec is not None else Speculative()

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from shardwise.crds.models import (DRAFT_TOKENS_MAX, NGRAM_LIMIT, Speculative, SpeculativeMethod)
+from shardwise.crds.speculative import DRAFT_TOKENS_MAX, NGRAM_LIMIT, Speculative, SpeculativeMethod
 from shardwise.worker.errors import WorkerError
 from shardwise.worker.serving.kv_blocks import blocks_for
 
