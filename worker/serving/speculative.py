@@ -10,7 +10,8 @@ yields 1 to k+1 tokens for about the weight reads of one (decode is memory-bound
 
     propose   the longest recent n-gram (n from ngram_max down to ngram_min) of the sequence's last
               tokens matched earlier in prompt+output; the up to k tokens that followed its most
-              recent earlier occurrence (NgramIndex keeps each request's n-grams, updated as it grows)
+              recent earlier occurrence (NgramIndex keeps each request's n-grams, updated as it grows);
+              k shrinks for a request whose drafts are rejected and grows back as they are accepted
     draft     a decode step's rows get their drafts; every row feeds 1+K tokens, K the most any row
               proposes, capped by what every row can hold: blocks are taken only where free (drafts
               never preempt another request) and positions stay inside the context
@@ -68,6 +69,20 @@ class SpeculativeStats:
         return self.accepted / self.proposed if self.proposed else 0.0
 
 
+@dataclass
+class Drafting:
+    """A request's n-grams and how many drafts it is given next: while its drafts are all accepted
+    the limit grows by 2 (up to k); a rejection sets it to one more than were accepted, so a
+    request whose text stops repeating soon feeds one draft a step, not k, and one whose text
+    repeats again is back at k within a few steps."""
+    index: "NgramIndex"
+    limit: int
+
+    def update(self, fed: int, accepted: int, k: int) -> None:
+        if fed:
+            self.limit = min(k, self.limit + 2) if accepted == fed else max(1, accepted + 1)
+
+
 class NgramIndex:
     """One request's n-grams: for each n, the end of the most recent occurrence of each n-gram
     among the positions indexed so far (every end before the sequence's last token)."""
@@ -120,7 +135,7 @@ class Speculator:
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config
-        self.indexes: dict[int, NgramIndex] = {}        # by request id, while it runs
+        self.indexes: dict[int, Drafting] = {}          # by request id, while it runs
         self.stats = SpeculativeStats()
 
     def forget(self, req) -> None:
@@ -129,14 +144,15 @@ class Speculator:
 
     def _proposal(self, seq) -> list[int]:
         req = seq.req
-        # the bonus token always comes: drafts past max_new_tokens - 1 could never be used
-        k = min(self.config.draft_tokens, req.max_new_tokens - len(req.token_ids) - 1)
-        if not speculates(req) or k < 1:
+        if not speculates(req):
             return []
-        index = self.indexes.get(req.id)
-        if index is None:
-            index = self.indexes[req.id] = NgramIndex(self.config.ngram_min, self.config.ngram_max)
-        return index.propose(req.sequence(), k)
+        drafting = self.indexes.get(req.id)
+        if drafting is None:
+            drafting = self.indexes[req.id] = Drafting(NgramIndex(self.config.ngram_min, self.config.ngram_max),
+                                                       self.config.draft_tokens)
+        # the bonus token always comes: drafts past max_new_tokens - 1 could never be used
+        k = min(drafting.limit, req.max_new_tokens - len(req.token_ids) - 1)
+        return drafting.index.propose(req.sequence(), k)
 
     def draft(self, step, scheduler) -> None:
         """Give a decode `step` (scheduler.Step of one token per row) its rows' drafts, in place:
@@ -184,6 +200,9 @@ class Speculator:
             a = accepted_drafts(drafts, [first[i]] + greedy[i])
             stats.proposed += n
             stats.accepted += a
+            drafting = self.indexes.get(s.req.id)
+            if drafting is not None:
+                drafting.update(n, a, self.config.draft_tokens)
             s.fed -= step.fed - 1 - a           # the last token and the accepted drafts stay cached
             tokens.append(drafts[:a] + [first[i] if a == 0 else greedy[i][a - 1]])
             _give_back(scheduler.pool, s, s.fed + 1, scheduler.block_size)

@@ -20,7 +20,8 @@ from shardwise.worker.errors import WorkerError
 from shardwise.worker.serving.engine import Engine
 from shardwise.worker.serving.rank import LocalRuntime, RankSpec
 from shardwise.worker.serving.request import Request
-from shardwise.worker.serving.speculative import (NgramIndex, SpeculativeConfig, accepted_drafts, propose)
+from shardwise.worker.serving.speculative import (Drafting, NgramIndex, SpeculativeConfig, accepted_drafts,
+                                                  propose)
 
 from .serve_process import serve_process
 
@@ -67,6 +68,19 @@ def test_drafts_are_accepted_while_they_equal_the_greedy_token_at_their_position
     assert accepted_drafts([5, 6, 7], [5, 6, 7, 9]) == 3
     assert accepted_drafts([5, 6, 7], [4, 6, 7, 9]) == 0
     assert accepted_drafts([], [4]) == 0
+
+
+def test_a_request_whose_drafts_are_rejected_gets_fewer_and_grows_back_while_they_are_accepted():
+    d = Drafting(NgramIndex(1, 3), limit=6)
+    d.update(fed=6, accepted=1, k=6)
+    assert d.limit == 2                       # one more than were accepted
+    d.update(fed=2, accepted=0, k=6)
+    assert d.limit == 1
+    d.update(fed=0, accepted=0, k=6)          # nothing proposed: nothing learnt
+    assert d.limit == 1
+    for want in (3, 5, 6, 6):
+        d.update(fed=d.limit, accepted=d.limit, k=6)
+        assert d.limit == want
 
 
 def test_bounds_and_flags_are_checked_and_a_pods_spec_is_the_default():
