@@ -1,7 +1,7 @@
 """Speculative decoding (prompt lookup) against plain decoding on repetitive-text work, in one run.
 
     python benchmarks/speculative_bench.py [--model smollm2] [--quantize none] [--rounds 3]
-        [--concurrent 1] [--new-tokens 160] [--draft-tokens 4] [--ngram 1:3] [--json]
+        [--concurrent 1] [--new-tokens 160] [--draft-tokens 4] [--ngram 2:3] [--threads 0] [--json]
 
 Both sides run on the same loaded model (one rank) through the same engine, the only difference
 being `speculative` (worker/serving/speculative.py), in alternating rounds so that both see the
@@ -91,14 +91,15 @@ def decode(ctx, prompt: list[int], eos: list[int], concurrent: int, new_tokens: 
 
 
 def main() -> int:
+    from shardwise.crds.speculative import DRAFT_TOKENS, NGRAM_MAX, NGRAM_MIN
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--quantize", default="none", choices=["none", "int8", "gguf"])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrent", type=int, default=1)
     ap.add_argument("--new-tokens", type=int, default=160)
-    ap.add_argument("--draft-tokens", type=int, default=4)
-    ap.add_argument("--ngram", default="1:3", metavar="MIN:MAX")
+    ap.add_argument("--draft-tokens", type=int, default=DRAFT_TOKENS)
+    ap.add_argument("--ngram", default=f"{NGRAM_MIN}:{NGRAM_MAX}", metavar="MIN:MAX")
     ap.add_argument("--max-seq-len", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--json", action="store_true")

@@ -9,9 +9,10 @@ from pydantic import ConfigDict, Field, model_validator
 from shardwise.crds.apimodel import ApiModel, cel
 
 # Speculative decoding's bounds and defaults (worker/serving/speculative.py): draft tokens per row
-# and step, and the lengths of the n-grams looked up in the sequence, longest first.
+# and step, and the lengths of the n-grams looked up in the sequence, longest first (one-token
+# matches are left out by default: on CPU a rejected draft costs more than a one-token match wins).
 DRAFT_TOKENS, DRAFT_TOKENS_MAX = 4, 16
-NGRAM_MIN, NGRAM_MAX, NGRAM_LIMIT = 1, 3, 8
+NGRAM_MIN, NGRAM_MAX, NGRAM_LIMIT = 2, 3, 8
 
 
 class SpeculativeMethod(str, Enum):

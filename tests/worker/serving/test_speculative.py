@@ -91,7 +91,7 @@ def test_bounds_and_flags_are_checked_and_a_pods_spec_is_the_default():
     flags = argparse.Namespace(speculative=None, draft_tokens=None, ngram=None)
     assert speculative_setting(flags) is None                                       # off by default
     pod = Speculative.model_validate({"method": "ngram", "draftTokens": 6, "ngramMax": 5})
-    assert speculative_setting(flags, pod) == SpeculativeConfig(6, 1, 5)
+    assert speculative_setting(flags, pod) == SpeculativeConfig(6, 2, 5)
     flags = argparse.Namespace(speculative=None, draft_tokens=2, ngram="2:2")
     assert speculative_setting(flags, pod) == SpeculativeConfig(2, 2, 2)            # a flag overrides it
     with pytest.raises(WorkerError, match=r"^--ngram must be MIN:MAX \(two integers\), not '3'$"):
