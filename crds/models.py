@@ -24,8 +24,12 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 from shardwise.crds.apimodel import (LABEL_KEY_PATTERN, QUANTITY_PATTERN, ApiModel, cel, describe_validation_error,
                                      malformed_pvc, parse_pvc, parse_quantity, pvc_rule)
 from shardwise.crds.capacity import DecodeMode, ServingCapacity
-from shardwise.crds.names import (DEFAULT_API_KEYS_KEY, LOCAL_CHECKPOINT_ROOT, MAX_MODEL_NAME, MAX_PIPELINE,
+from shardwise.crds.access import (DNS_SUBDOMAIN_PATTERN, LABEL_VALUE_PATTERN, PEER_NEEDS_SELECTOR,  # noqa: F401
+                                   LabelSelector, NetworkPeer, SecretKeyRef, ServingAuth)
+from shardwise.crds.names import (LOCAL_CHECKPOINT_ROOT, MAX_MODEL_NAME, MAX_PIPELINE,
                                   MAX_REPLICAS, MODEL_NAME_PATTERN, RACK_LABEL, ZONE_LABEL)
+from shardwise.crds.speculative import (DRAFT_TOKENS, DRAFT_TOKENS_MAX, NGRAM_LIMIT, NGRAM_MAX,  # noqa: F401
+                                      NGRAM_MIN, Speculative, SpeculativeMethod)
 from shardwise.crds.schedules import DEFAULT_SCHEDULE, INTERLEAVED_MICRO_BATCHES, PipelineSchedule, micro_batches_fit
 from shardwise.crds.status import (PHASES, Condition, GroupPhase, LastCheckpoint, ModelFactsStatus, ModelPhase,
                                    PlacementSummary, PlanSummary, ReplicaGroupStatus, ShardedModelStatus,
@@ -343,58 +347,6 @@ class Quantization(str, Enum):
     AUTO = "auto"      # gguf (a Q8_0/Q4_0/Q4_1 GGUF), then int8, only when the GPUs cannot hold the model otherwise
 
 
-LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
-DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
-PEER_NEEDS_SELECTOR = "serving.allowFrom: each peer needs namespaceSelector or podSelector"
-
-
-class SecretKeyRef(ApiModel):
-    name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN,
-                      description="A Secret in the model's namespace.")
-    key: str = Field(DEFAULT_API_KEYS_KEY, min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$",
-                     description="Its key holding the accepted API keys, one per line.")
-
-
-class ServingAuth(ApiModel):
-    secret_ref: SecretKeyRef = Field(description=(
-        "The Secret holding the bearer tokens /v1/* accepts (one per line); /healthz and /metrics "
-        "stay open. The pods mount it read-only; the operator never reads it."))
-
-
-class LabelSelector(ApiModel):
-    """Labels only (no expressions): what a NetworkPolicy peer is chosen by. Empty: every one."""
-
-    match_labels: dict[str, str] = Field(default_factory=dict, max_length=16, json_schema_extra={
-        "additionalProperties": {"type": "string", "maxLength": 63, "pattern": LABEL_VALUE_PATTERN}})
-
-    @field_validator("match_labels")
-    @classmethod
-    def _label_keys(cls, labels: dict[str, str]) -> dict[str, str]:
-        for key, value in labels.items():
-            if len(key) > 316 or not re.match(LABEL_KEY_PATTERN, key):
-                raise ValueError(f"{key!r} is not a label key")
-            if len(value) > 63 or not re.match(LABEL_VALUE_PATTERN, value):
-                raise ValueError(f"{value!r} is not a label value")
-        return labels
-
-
-class NetworkPeer(ApiModel):
-    """Who may reach the serving port, as a NetworkPolicy peer: pods of podSelector in the model's
-    namespace, every pod of the namespaces of namespaceSelector, or with both, those pods there."""
-
-    model_config = ConfigDict(json_schema_extra=cel(
-        ("has(self.namespaceSelector) || has(self.podSelector)", PEER_NEEDS_SELECTOR)))
-
-    namespace_selector: Optional[LabelSelector] = None
-    pod_selector: Optional[LabelSelector] = None
-
-    @model_validator(mode="after")
-    def _some_selector(self) -> "NetworkPeer":
-        if self.namespace_selector is None and self.pod_selector is None:
-            raise ValueError(PEER_NEEDS_SELECTOR)
-        return self
-
-
 # What a replica takes on at once (kvCacheTokens, maxConcurrentRequests, ...) is the base's, crds/capacity.py.
 class Serving(ServingCapacity):
     """How the model serves: its API's port and capacity, how the weights are held, who may call it."""
@@ -415,6 +367,9 @@ class Serving(ServingCapacity):
     allow_from: list[NetworkPeer] = Field(default_factory=list, max_length=16, description=(
         "Who may reach the serving port through the model's NetworkPolicy (the operator's pods "
         "always may). Empty: anyone."))
+    speculative: Speculative = Field(default_factory=Speculative, json_schema_extra={"default": {}}, description=(
+        "Speculative decoding (prompt lookup): several tokens a step for greedy requests whose text "
+        "repeats its prompt or itself (code edits, summaries, quotes)."))
 
 
 class Resources(ApiModel):

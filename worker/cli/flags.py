@@ -64,6 +64,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "activations stay in --dtype; gguf: a GGUF file's Q8_0, Q4_0 and Q4_1 "
                              "layer matrices stay in their blocks, not dequantized (default none)")
     add_cache_arguments(parser)
+    add_speculative_arguments(parser)
     parser.add_argument("--offload-budget", default="0", metavar="SIZE",
                         help="bytes of weights each rank keeps on its device (e.g. 6GiB); the decoder "
                              "layers beyond it stay in host memory and stream in ahead of their turn, "
@@ -117,10 +118,50 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                              f"a long prompt's chunks (default {defaults.PREFILL_CHUNK}{IN_A_POD})")
 
 
-def serving_settings(args, planned: dict | None = None) -> dict:
-    """RankSpec fields of the batch, thread, cache and decode flags given, checked, over `planned`
-    (a pod: the settings of its contract, as RankSpec fields): a flag given wins; a field neither
-    gives is left out, so RankSpec's default applies."""
+def add_speculative_arguments(parser: argparse.ArgumentParser, pod: bool = False) -> None:
+    """Speculative decoding's flags (worker/serving/speculative.py): serve, generate and worker; a
+    pod's defaults are its ShardedModel's serving.speculative."""
+    from shardwise.crds.speculative import DRAFT_TOKENS, DRAFT_TOKENS_MAX, NGRAM_LIMIT, NGRAM_MAX, NGRAM_MIN
+
+    def of(default) -> str:
+        return "spec.serving.speculative" if pod else str(default)
+
+    parser.add_argument("--speculative", choices=["none", "ngram"], default=None,
+                        help="ngram: greedy requests take drafts copied from where their last tokens "
+                             "occurred earlier in prompt or output, several verified per step "
+                             f"(prompt lookup, no second model; default {of('none')})")
+    parser.add_argument("--draft-tokens", type=int, default=None, metavar="K",
+                        help=f"drafts per request and step, 1 to {DRAFT_TOKENS_MAX} (default {of(DRAFT_TOKENS)})")
+    parser.add_argument("--ngram", default=None, metavar="MIN:MAX",
+                        help=f"n-gram lengths looked up, longest first, within 1..{NGRAM_LIMIT} "
+                             f"(default {of(f'{NGRAM_MIN}:{NGRAM_MAX}')})")
+
+
+def speculative_setting(args, spec=None):
+    """The SpeculativeConfig of the speculative flags given over `spec` (a crds Speculative: a
+    pod's serving.speculative; None: the spec's defaults); None when not speculating."""
+    from shardwise.crds.speculative import Speculative
+    from shardwise.worker.errors import WorkerError
+    from shardwise.worker.serving.speculative import SpeculativeConfig
+    spec = spec if spec is not None else Speculative()
+    method = getattr(args, "speculative", None) or spec.method.value
+    if method == "none":
+        return None
+    low, high = spec.ngram_min, spec.ngram_max
+    if getattr(args, "ngram", None) is not None:
+        try:
+            low, high = (int(v) for v in args.ngram.split(":"))
+        except ValueError:
+            raise WorkerError(f"--ngram must be MIN:MAX (two integers), not {args.ngram!r}") from None
+    tokens = getattr(args, "draft_tokens", None)
+    return SpeculativeConfig(spec.draft_tokens if tokens is None else tokens, low, high)
+
+
+def serving_settings(args, planned: dict | None = None, speculative=None) -> dict:
+    """RankSpec fields of the batch, thread, cache, decode and speculative flags given, checked, over
+    `planned` (a pod: the settings of its contract, as RankSpec fields): a flag given wins; a field
+    neither gives is left out, so RankSpec's default applies. `speculative`: a pod's
+    serving.speculative, under the speculative flags."""
     from shardwise.worker.errors import WorkerError
     for flag, value in (("--kv-cache-tokens", args.kv_cache_tokens), ("--kv-block-size", args.kv_block_size),
                         ("--prefill-chunk", args.prefill_chunk), ("--max-batch", args.max_batch)):
@@ -128,7 +169,8 @@ def serving_settings(args, planned: dict | None = None) -> dict:
             raise WorkerError(f"{flag} must be {'>= 0' if flag == '--kv-cache-tokens' else 'at least 1'}, not {value}")
     given = {field: getattr(args, flag) for flag, field in SPEC_FIELDS.items()
              if getattr(args, flag, None) is not None}
-    return {**(planned or {}), **given}
+    drafts = speculative_setting(args, speculative)
+    return {**(planned or {}), **given, **({"speculative": drafts} if drafts is not None else {})}
 
 
 def spec_from_args(args):

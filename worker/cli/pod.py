@@ -42,7 +42,8 @@ from dataclasses import dataclass
 from shardwise.crds import names
 from shardwise.crds.models import Workload
 from shardwise.worker.cli.flags import (QUANTIZATIONS, add_batch_arguments, add_cache_arguments,
-                                        add_decode_argument, add_device_argument, add_waiting_argument)
+                                        add_decode_argument, add_device_argument, add_speculative_arguments,
+                                        add_waiting_argument)
 from shardwise.worker.cli.pod_health import StageHealth
 from shardwise.worker.distributed.launch import Ending, Exit, Policy, stop_on_signals, supervise
 
@@ -57,6 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_device_argument(parser, auto=True)
     add_batch_arguments(parser)
     add_cache_arguments(parser)
+    add_speculative_arguments(parser, pod=True)
     add_decode_argument(parser)
     add_waiting_argument(parser)
     parser.add_argument("--quantize", choices=QUANTIZATIONS, default=None,
@@ -147,7 +149,7 @@ def _run(args) -> int:
                     device=device, dtype=contract.model.dtype,   # validate() resolves auto
                     quantize=args.quantize or plan.quantization,
                     offload_budget=plan.offload_budget if args.offload_budget is None else parse_bytes(args.offload_budget),
-                    **serving_settings(args, contract_settings(contract.serving)))
+                    **serving_settings(args, contract_settings(contract.serving), contract.serving.speculative))
     source = validate(spec)
     if source.config.num_layers != plan.num_layers:
         raise WorkerError(f"plan splits {plan.num_layers} layers but model {contract.model.path} has "

@@ -21,6 +21,7 @@ from shardwise.worker.serving.runner import Runner
 from shardwise.worker.serving.sampling import Sampler
 from shardwise.worker.serving.defaults import KV_BLOCK_SIZE, PREFILL_CHUNK
 from shardwise.worker.serving.scheduler import EngineStats, QueueFull, Scheduler
+from shardwise.worker.serving.speculative import SpeculativeConfig, Speculator
 
 __all__ = ["Engine", "EngineStats", "FinishReason", "QueueFull", "Request"]
 
@@ -30,11 +31,13 @@ class Engine:
     fixed row per request); `block_size`: tokens per block (a block of max_seq or more keeps
     one fixed row per request); `prefill_chunk`: prompt tokens per step;
     `max_waiting`: sequences queued at most, beyond which a submission raises QueueFull (None: no
-    bound, for a caller that submits a fixed list of its own)."""
+    bound, for a caller that submits a fixed list of its own); `speculative`: prompt-lookup drafts
+    verified in decode steps (speculative.py; None: none)."""
 
     def __init__(self, stage, max_batch: int, max_seq: int, eos_ids: list[int], micro_batches: int = 0,
                  kv_tokens: int = 0, block_size: int = KV_BLOCK_SIZE,
-                 prefill_chunk: int = PREFILL_CHUNK, prefix_cache: bool = True, max_waiting: int | None = None):
+                 prefill_chunk: int = PREFILL_CHUNK, prefix_cache: bool = True, max_waiting: int | None = None,
+                 speculative: SpeculativeConfig | None = None):
         self.stage = stage
         self.max_batch, self.max_seq = max_batch, max_seq
         self.micro_batches = max(1, min(micro_batches or stage.info.pipeline, max_batch))
@@ -46,9 +49,10 @@ class Engine:
         self.pool = BlockPool(blocks, block_size, lanes=max_batch, prefix_cache=prefix_cache)
         self.stats = EngineStats()
         self.sampler = Sampler()
+        self.speculator = Speculator(speculative) if speculative is not None else None
         self.scheduler = Scheduler(self.pool, max_batch, max_seq, self.micro_batches, prefill_chunk,
-                                   tuple(eos_ids), self.stats, on_finish=self.sampler.forget,
-                                   max_waiting=max_waiting)
+                                   tuple(eos_ids), self.stats, on_finish=self._forget,
+                                   max_waiting=max_waiting, speculator=self.speculator)
         self.runner = Runner(stage, blocks, max_seq, block_size)
 
     @classmethod
@@ -58,7 +62,14 @@ class Engine:
         requests at once, if not its max_batch)."""
         spec = ctx.spec
         return cls(ctx.stage, rows or spec.max_batch, ctx.max_seq, eos_ids, micro_batches, kv_tokens=spec.kv_tokens,
-                   block_size=spec.kv_block, prefill_chunk=spec.prefill_chunk, max_waiting=max_waiting)
+                   block_size=spec.kv_block, prefill_chunk=spec.prefill_chunk, max_waiting=max_waiting,
+                   speculative=spec.speculative)
+
+    def _forget(self, req: Request) -> None:
+        """`req` ended: what the sampler and the speculator kept for it goes."""
+        self.sampler.forget(req)
+        if self.speculator is not None:
+            self.speculator.forget(req)
 
     # ---- requests ----------------------------------------------------------------------------
     def check(self, req: Request, sequences: int = 1) -> None:
@@ -107,7 +118,11 @@ class Engine:
         if not runner.inflight:
             return False
         step, logits = runner.collect()
-        if scheduler.complete(step):
+        if not scheduler.complete(step):
+            return True
+        if step.drafts is not None:
+            self.speculator.verify(step, logits, self.sampler, scheduler)
+        else:
             scheduler.append_tokens(step, self.sampler(logits, step.requests))
         return True
 

@@ -2,10 +2,11 @@
 
 Ranks: crds/layout.py RankLayout (a replica is its own world). Rank 0 (stage 0, TP rank 0) drives:
 it decides every step (which requests, which tokens, positions, cache blocks), runs stage 0 and
-sends the step down the pipeline; the last stage returns last-position logits to rank 0.
+sends the step down the pipeline; the last stage returns last-position logits to rank 0 (every
+position's for a VERIFY step, speculative.py's drafts checked).
 
 Every message between consecutive stages is
-    header  int64[4]  STEP: (op, batch, tokens per row, blocks per row)
+    header  int64[4]  STEP, VERIFY: (op, batch, tokens per row, blocks per row)
                       SETUP: (op, cache blocks, context length, block size)
     ints    int64[B*T + B*NB]  positions then each row's block table
     hidden  [B, T, H] in the model dtype                     (op == STEP only)
@@ -35,7 +36,9 @@ from shardwise.worker.serving.fastpath import compile_decode
 from shardwise.worker.errors import WorkerError
 from shardwise.worker.distributed.tensor_parallel import COMM
 
-OP_STEP, OP_SETUP, OP_STOP = 1, 2, 3
+OP_STEP, OP_SETUP, OP_STOP, OP_VERIFY = 1, 2, 3, 4
+# A step's ops: OP_VERIFY is a step whose logits come back at every position (speculative.py)
+STEP_OPS = (OP_STEP, OP_VERIFY)
 
 DECODE_MODES = ("auto", "eager", "graphs", "compile")
 
@@ -106,6 +109,12 @@ class StageInfo:
     @cached_property
     def last_stage_rank0(self) -> int:
         return self.layout.rank(0, self.pipeline - 1, 0)
+
+
+def _logits(op: int, out: torch.Tensor) -> torch.Tensor:
+    """What a step's last stage returns: the last position's logits [B, V], or every position's
+    [B, T, V] for OP_VERIFY; float32."""
+    return (out if op == OP_VERIFY else out[:, -1]).float()
 
 
 def _recv(t: torch.Tensor, src: int) -> torch.Tensor:
@@ -185,7 +194,7 @@ class Stage:
                 return self.graphed(x, positions, blocks).clone()   # the graph reuses its output buffer
             positions = positions.to(self.device)
             cache = cache_view(self.model, positions, blocks.to(self.device))   # prefills: eager, paged
-            return self.model(x.to(self.device), positions=positions, cache=cache, last_only=True)
+            return self.model(x.to(self.device), positions=positions, cache=cache, last_only=op != OP_VERIFY)
 
     def _forward_next(self, header, ints, out) -> None:
         msgs = [header, ints] + ([out] if out is not None else [])
@@ -199,7 +208,7 @@ class Stage:
         STEP: tokens and positions [B, T], block tables [B, NB]. SETUP: a cache of `cache_blocks`
         blocks of `block_size` positions (0: one context, `seq`, each) for contexts of `seq`."""
         info = self.info
-        if op == OP_STEP:
+        if op in STEP_OPS:
             blocks = blocks.view(len(blocks), -1)
             (b, t), nb = tokens.shape, blocks.shape[1]
         else:
@@ -212,14 +221,14 @@ class Stage:
                 out = self._compute(op, b, t, None, tokens, positions, blocks, nb)
         else:
             out = self._send_and_compute(op, b, t, nb, tokens, positions, blocks)
-        if op == OP_STEP:
-            self.pending.append(out[:, -1].float() if info.pipeline == 1 else b)
+        if op in STEP_OPS:
+            self.pending.append(_logits(op, out) if info.pipeline == 1 else (b, t) if op == OP_VERIFY else b)
 
     def _send_and_compute(self, op: int, b: int, t: int, nb: int, tokens, positions, blocks) -> torch.Tensor | None:
         """launch with other ranks: the step packed as messages, broadcast to this stage's TP
         ranks, computed here, then sent on to the next stage."""
         info = self.info
-        if op == OP_STEP:
+        if op in STEP_OPS:
             ints = torch.cat([positions.reshape(-1), blocks.reshape(-1)]).to(torch.int64).cpu()
             tok_flat = tokens.reshape(-1).to(torch.int64).cpu()
         else:
@@ -228,22 +237,23 @@ class Stage:
         header = self._c(torch.tensor([op, b, t, nb], dtype=torch.int64))
         ints = self._c(ints)
         if info.tensor > 1:
-            self._broadcast_step(header, self._c(torch.cat([tok_flat, ints.cpu()])) if op == OP_STEP else None)
+            self._broadcast_step(header, self._c(torch.cat([tok_flat, ints.cpu()])) if op in STEP_OPS else None)
         out = None
         if op != OP_STOP:
-            x = tok_flat.view(b, t) if op == OP_STEP else None
+            x = tok_flat.view(b, t) if op in STEP_OPS else None
             out = self._compute(op, b, t, ints, x, nb=nb)
         if info.pipeline > 1:
-            self._forward_next(header, ints, self._c(out) if op == OP_STEP else None)
+            self._forward_next(header, ints, self._c(out) if op in STEP_OPS else None)
         return out
 
     def collect(self) -> torch.Tensor:
-        """Logits [B, V] (float32) of the oldest launched step, on the device they were made or
+        """Logits [B, V] ([B, T, V] for OP_VERIFY; float32) of the oldest launched step, on the device they were made or
         received on (sampling.choose brings back only what it needs)."""
         item = self.pending.popleft()
         if self.info.pipeline == 1:
             return item
-        logits = torch.empty(item, self.vocab_size, dtype=torch.float32, device=self.comm_device)
+        shape = item if isinstance(item, tuple) else (item,)
+        logits = torch.empty(*shape, self.vocab_size, dtype=torch.float32, device=self.comm_device)
         return _recv(logits, self.info.last_stage_rank0)
 
     @property
@@ -272,20 +282,20 @@ class Stage:
                 t0 = time.perf_counter()
                 dist.broadcast(header, src=0, group=info.tp_group)
                 op, b, t, nb = (int(v) for v in header.tolist())
-                n = b * t * 2 + b * nb if op == OP_STEP else 0
+                n = b * t * 2 + b * nb if op in STEP_OPS else 0
                 both = torch.empty(n, dtype=torch.int64, device=cd)
                 if n:
                     dist.broadcast(both, src=0, group=info.tp_group)
                 COMM.add(t0, both)
-                x = both[:b * t].view(b, t).to(self.device) if op == OP_STEP else None
-                ints = both[b * t:] if op == OP_STEP else torch.zeros(1, dtype=torch.int64, device=cd)
+                x = both[:b * t].view(b, t).to(self.device) if op in STEP_OPS else None
+                ints = both[b * t:] if op in STEP_OPS else torch.zeros(1, dtype=torch.int64, device=cd)
             else:
                 _recv(header, info.prev_rank)
                 op, b, t, nb = (int(v) for v in header.tolist())
-                ints = _recv(torch.empty(b * t + b * nb if op == OP_STEP else 1, dtype=torch.int64, device=cd),
+                ints = _recv(torch.empty(b * t + b * nb if op in STEP_OPS else 1, dtype=torch.int64, device=cd),
                              info.prev_rank)
                 x = None
-                if op == OP_STEP:
+                if op in STEP_OPS:
                     x = _recv(torch.empty(b, t, self.hidden_size, dtype=self.dtype, device=cd),
                               info.prev_rank).to(self.device)
             if op == OP_STOP:
@@ -296,5 +306,5 @@ class Stage:
             out = self._compute(op, b, t, ints, x, nb=nb)
             if not info.is_last:
                 self._forward_next(header, ints, None if out is None else self._c(out))
-            elif op == OP_STEP and info.tp_rank == 0:
-                self.sender.send([self._c(out[:, -1].float())], 0)
+            elif op in STEP_OPS and info.tp_rank == 0:
+                self.sender.send([self._c(_logits(op, out))], 0)

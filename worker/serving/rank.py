@@ -60,6 +60,7 @@ class RankSpec:
     kv_tokens: int = 0
     kv_block: int = defaults.KV_BLOCK_SIZE
     prefill_chunk: int = defaults.PREFILL_CHUNK
+    speculative: object = None    # speculative.SpeculativeConfig: prompt-lookup drafts; None: none
 
 
 @dataclass

@@ -11,7 +11,7 @@ from collections import deque
 
 import torch
 
-from shardwise.worker.serving.pipeline import OP_SETUP, OP_STEP
+from shardwise.worker.serving.pipeline import OP_SETUP, OP_STEP, OP_VERIFY
 from shardwise.worker.serving.scheduler import Step
 
 
@@ -24,15 +24,18 @@ class Runner:
         stage.launch(OP_SETUP, cache_blocks=cache_blocks, seq=max_seq, block_size=block_size)
 
     def launch(self, step: Step) -> None:
-        if step.prefill:
+        op = OP_STEP
+        if step.drafts is not None:      # each row's token and drafts; logits at every position
+            op, positions = OP_VERIFY, torch.tensor(step.starts)[:, None] + torch.arange(step.fed)
+        elif step.prefill:
             start = step.starts[0]
             positions = torch.arange(start, start + step.fed)[None]
         else:
             positions = torch.tensor([[p] for p in step.starts])
-        self.stage.launch(OP_STEP, torch.tensor(step.tokens), positions, torch.tensor(step.tables))
+        self.stage.launch(op, torch.tensor(step.tokens), positions, torch.tensor(step.tables))
         self.inflight.append(step)
 
     def collect(self) -> tuple[Step, torch.Tensor]:
-        """The oldest step in flight and its logits [rows, vocabulary] (float32, on the device the
-        last stage made or sent them on)."""
+        """The oldest step in flight and its logits [rows, vocabulary] ([rows, tokens, vocabulary]
+        for a verification step; float32, on the device the last stage made or sent them on)."""
         return self.inflight.popleft(), self.stage.collect()

@@ -83,6 +83,9 @@ class Step:
     tokens: list[list[int]]      # [rows][fed]
     starts: list[int]            # each row's first position
     tables: list[list[int]]      # [rows][blocks], padded with block 0
+    # A decode step that verifies drafts (speculative.py): per row, how many of its tokens after
+    # the first are drafts; logits come back at every position. None: one token's logits per row.
+    drafts: list[int] | None = None
 
     @property
     def requests(self) -> list[Request]:
@@ -96,8 +99,9 @@ class Scheduler:
     def __init__(self, pool: BlockPool, max_batch: int, max_seq: int, micro_batches: int = 1,
                  prefill_chunk: int = PREFILL_CHUNK, eos_ids: tuple[int, ...] = (),
                  stats: EngineStats | None = None, on_finish: Callable[[Request], None] | None = None,
-                 max_waiting: int | None = None):
+                 max_waiting: int | None = None, speculator=None):
         self.pool, self.block_size = pool, pool.block_size
+        self.speculator = speculator                       # speculative.Speculator: drafts for decode steps
         self.max_batch, self.max_seq = max_batch, max_seq
         self.micro_batches, self.prefill_chunk = micro_batches, max(1, prefill_chunk)
         self.eos_ids = tuple(eos_ids)
@@ -309,6 +313,8 @@ class Scheduler:
                 return None
             step = Step(mb, decoding, 1, False, [[s.req.token_at(s.fed)] for s in decoding],
                         [s.fed for s in decoding], self._tables(decoding, max(s.fed for s in decoding) + 1))
+            if self.speculator is not None:
+                self.speculator.draft(step, self)
             self.decoded_last[mb] = True
         self.busy[mb] = True
         return step
@@ -335,13 +341,13 @@ class Scheduler:
         first = seqs[0]
         stats = self.stats
         stats.steps += 1
-        if n > 1 or len(first.req.token_ids) == 0:
+        if step.prefill or len(first.req.token_ids) == 0:
             stats.prefill_tokens += n
         else:
             stats.decode_tokens += len(seqs)
         for s in seqs:
             s.fed += n
-        if n > 1:                  # a prefill chunk: its full blocks are shareable at once
+        if step.prefill:           # a prefill chunk: its full blocks are shareable at once
             self.pool.register(first.req.sequence()[:first.fed], first.blocks)
         return first.fed >= first.req.length          # short of the prompt's end: no token yet
 
