@@ -21,7 +21,8 @@ QUANTIZATIONS = ["none", "int8", "gguf"]
 
 # flag's attribute -> RankSpec field, for the flags whose default is RankSpec's
 SPEC_FIELDS = {"max_batch": "max_batch", "max_seq_len": "max_seq", "threads": "threads",
-               "kv_block_size": "kv_block", "prefill_chunk": "prefill_chunk"}
+               "kv_block_size": "kv_block", "prefill_chunk": "prefill_chunk",
+               "max_step_tokens": "max_step_tokens"}
 
 
 def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
@@ -89,8 +90,12 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per KV-cache block: requests take blocks as they grow and share "
                              f"the blocks of a common prompt prefix (default {defaults.KV_BLOCK_SIZE})")
     parser.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
-                        help="prompt tokens per prefill step; the running requests decode between "
-                             f"a long prompt's chunks (default {defaults.PREFILL_CHUNK})")
+                        help="prompt tokens of one request per step; the running requests decode "
+                             f"in every step, a long prompt's chunks included (default {defaults.PREFILL_CHUNK})")
+    parser.add_argument("--max-step-tokens", type=int, default=None, metavar="N",
+                        help="tokens per step: every running request's next token, then prompt chunks of "
+                             "as many waiting requests as fit, in one forward (default "
+                             f"{defaults.MAX_STEP_TOKENS}; every running request decodes even past it)")
 
 
 def serving_settings(args, kv_tokens: int = 0) -> dict:
@@ -99,7 +104,8 @@ def serving_settings(args, kv_tokens: int = 0) -> dict:
     planner sized it for). A flag not given is left out: RankSpec's default applies."""
     from shardwise.worker.errors import WorkerError
     for flag, value in (("--kv-cache-tokens", args.kv_cache_tokens), ("--kv-block-size", args.kv_block_size),
-                        ("--prefill-chunk", args.prefill_chunk)):
+                        ("--prefill-chunk", args.prefill_chunk),
+                        ("--max-step-tokens", getattr(args, "max_step_tokens", None))):
         if value is not None and value < (0 if flag == "--kv-cache-tokens" else 1):
             raise WorkerError(f"{flag} must be {'>= 0' if flag == '--kv-cache-tokens' else 'at least 1'}, not {value}")
     settings = {field: getattr(args, flag) for flag, field in SPEC_FIELDS.items()
