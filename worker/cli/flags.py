@@ -94,8 +94,8 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                              f"in every step, a long prompt's chunks included (default {defaults.PREFILL_CHUNK})")
     parser.add_argument("--max-step-tokens", type=int, default=None, metavar="N",
                         help="tokens per step: every running request's next token, then prompt chunks of "
-                             "as many waiting requests as fit, in one forward (default "
-                             f"{defaults.MAX_STEP_TOKENS}; every running request decodes even past it)")
+                             "as many waiting requests as fit, in one forward; at least --max-batch + 1 "
+                             f"is used (default {defaults.MAX_STEP_TOKENS})")
 
 
 def serving_settings(args, kv_tokens: int = 0) -> dict:

@@ -113,8 +113,8 @@ class Engine:
         step, logits = runner.collect()
         if scheduler.complete(step):
             ready = step.ready
-            if len(ready) != len(logits):        # some row asked for more than its last position
-                logits = logits[step.last_logits()]
+            if len(ready) != len(logits):        # a row fed a draft, which nothing here verifies
+                logits = logits[step.next_logits()]
             scheduler.append_tokens(step, self.sampler(logits, [step.seqs[i].req for i in ready]))
         return True
 

@@ -35,7 +35,8 @@ class Runner:
     def collect(self) -> tuple[Step, torch.Tensor]:
         """The oldest step in flight and the logits it asked for: [sum(step.logits), vocabulary]
         (float32, on the device the last stage made or sent them on), row by row, row r's last
-        step.logits[r] positions in order; Step.last_logits indexes each ready row's last one.
+        step.logits[r] positions in order; Step.next_logits indexes what gives each ready row its
+        next token when no draft is verified.
         A row that fed a draft of k tokens has 1 + k of them: position j's logits give the token
         after its j-th fed token (j = 0: after the decode token), to check the draft against."""
         return self.inflight.popleft(), self.stage.collect()

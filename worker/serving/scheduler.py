@@ -114,13 +114,15 @@ class Step:
         """The rows that give tokens (their logits come back), in order."""
         return [i for i, n in enumerate(self.logits) if n]
 
-    def last_logits(self) -> list[int]:
-        """For each ready row, the index of its last position's logits among the step's."""
+    def next_logits(self) -> list[int]:
+        """For each ready row, the index among the step's logits of those that give its next
+        token with no draft kept: a decode row's first position (after the token it feeds),
+        a prompt row's last."""
         out, at = [], 0
-        for n in self.logits:
-            at += n
+        for i, n in enumerate(self.logits):
             if n:
-                out.append(at - 1)
+                out.append(at if i < self.decodes else at + n - 1)
+            at += n
         return out
 
 
