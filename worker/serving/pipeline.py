@@ -202,11 +202,14 @@ class Stage:
         every_last = all(k == 1 for k in logits)
         if x.shape[1] == 1 and self.graphed is not None:
             out = self.graphed(x, positions, blocks).clone()   # the graph reuses its output buffer
-        else:
-            cache = cache_view(self.model, positions, blocks,
-                               static_shapes=self.graphed is not None)    # graphs: fixed shapes throughout
-            out = self.model(x, positions=positions, cache=cache, last_only=every_last,
-                             return_hidden=not every_last)
+            if not self.info.is_last:
+                return out
+            # the graph's logits [R, 1, V]; a row of a prompt's middle (1 token, 0 logits) is dropped
+            out = out[:, -1].float()
+            return out if every_last else out[[i for i, k in enumerate(logits) if k]]
+        cache = cache_view(self.model, positions, blocks,
+                           static_shapes=self.graphed is not None)    # graphs: fixed shapes throughout
+        out = self.model(x, positions=positions, cache=cache, last_only=every_last, return_hidden=not every_last)
         if not self.info.is_last:
             return out
         if every_last:
