@@ -42,7 +42,8 @@ import torch
 
 from shardwise.worker.distributed.tensor_parallel import weight_bytes   # bytes of a model's parameters, a tied pair once
 from shardwise.worker.model.inference import install_fused_weights
-from shardwise.worker.serving.cache_view import cache_view, static_view
+from shardwise.worker.serving.cache_view import cache_view
+from shardwise.worker.serving.cuda_graphs import unpack
 
 SHAPES = {
     # Llama-3.2-1B and Llama-3.1-8B (their config.json values), random weights
@@ -419,13 +420,11 @@ def profile_decode(shape: str, folder: str, device: str, ceil: dict, prompt: lis
             w.engine(1).generate([Request(list(prompt), max_new_tokens=8)])
             graphed = w.ctx.stage.graphed
             graph, x_in, ints_in, _ = graphed.graphs[1]
-            ints_in[0].fill_(len(prompt) + 8)
+            unpack(ints_in, 1)[0].fill_(len(prompt) + 8)       # the position; its blocks stay as last replayed
             replay_s = timer.median(graph.replay, repeats=50)
             with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(10):
-                    positions = ints_in[0].view(1, 1)
-                    graphed.step(x_in, positions=positions, last_only=True,
-                                 cache=static_view(graphed.step, positions, ints_in[1].view(1, 1)))
+                    graphed.static_step(1, x_in, ints_in)       # the step the graph replays, uncaptured
                 torch.cuda.synchronize()
             table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60)
             kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]

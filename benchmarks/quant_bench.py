@@ -1,6 +1,7 @@
 """Weight formats side by side: bytes, decode and prefill speed, and perplexity, in one run.
 
     python benchmarks/quant_bench.py [--model smollm2] [--new-tokens 48] [--rounds 3] [--json]
+                                     [--formats fp32,int8,"gguf (file)"] [--skip-perplexity]
 
 For one GGUF model (default: the built-in SmolLM2, a Q4_1 file) this makes its Q8_0 and Q4_0
 variants (worker/weights/gguf_index.py write_requantized, cached under ~/.cache/shardwise/bench) and runs
@@ -83,6 +84,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
     ap.add_argument("--cache", default=os.path.expanduser("~/.cache/shardwise/bench"))
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--formats", default="", help="comma-separated names of the table below (default: all); "
+                                                  "fp32 is always run (the reference)")
+    ap.add_argument("--skip-perplexity", action="store_true")
     args = ap.parse_args(argv)
     import torch
 
@@ -91,18 +95,22 @@ def main(argv=None) -> int:
     tok = load_tokenizer(open_model(args.model))
     prompt, text = tok.encode(PROMPT), tok.encode(TEXT)
     fmts = formats(args.model, args.cache)
+    if args.formats:
+        wanted = {"fp32", *(f.strip() for f in args.formats.split(","))}
+        fmts = {name: f for name, f in fmts.items() if name in wanted}
     print(f"{args.model}: {len(prompt)}-token prompt, {args.new_tokens} new tokens, perplexity over "
           f"{len(text)} tokens; torch {torch.__version__}, {os.cpu_count()} cores", flush=True)
     best: dict[str, dict] = {}
     for r in range(args.rounds):
         for name, (path, dtype, quantize) in fmts.items():
-            got = measure(path, dtype, quantize, prompt, text, args.new_tokens, args.threads, with_ppl=r == 0)
+            got = measure(path, dtype, quantize, prompt, text, args.new_tokens, args.threads, with_ppl=r == 0 and not args.skip_perplexity)
             b = best.setdefault(name, got)
             for key in ("decode_s", "prefill_s"):
                 b[key] = min(b[key], got[key])
         print(f"  round {r + 1}/{args.rounds} done", flush=True)
     ref = best["fp32"]
     own_ref = {"gguf Q8_0": "Q8_0 as fp32", "gguf Q4_0": "Q4_0 as fp32"}
+    own_ref = {k: v for k, v in own_ref.items() if v in best}
     print(f"\n{'format':14} {'weight MiB':>10} {'x fp32':>7} {'decode tok/s':>13} {'x fp32':>7} "
           f"{'prefill tok/s':>14} {'perplexity':>11} {'x ref':>7}")
     rows = {}
@@ -111,11 +119,11 @@ def main(argv=None) -> int:
         row = {"weight_bytes": b["weight_bytes"], "bytes_vs_fp32": b["weight_bytes"] / ref["weight_bytes"],
                "decode_tps": 1 / b["decode_s"], "decode_vs_fp32": ref["decode_s"] / b["decode_s"],
                "prefill_tps": len(prompt) / b["prefill_s"], "perplexity": b["perplexity"],
-               "perplexity_vs_ref": b["perplexity"] / base["perplexity"]}
+               "perplexity_vs_ref": b["perplexity"] / base["perplexity"] if b["perplexity"] else None}
         rows[name] = row
         print(f"{name:14} {row['weight_bytes'] / 2**20:10.1f} {row['bytes_vs_fp32']:7.2f} {row['decode_tps']:13.1f} "
-              f"{row['decode_vs_fp32']:7.2f} {row['prefill_tps']:14.0f} {row['perplexity']:11.4f} "
-              f"{row['perplexity_vs_ref']:7.4f}")
+              f"{row['decode_vs_fp32']:7.2f} {row['prefill_tps']:14.0f} {row['perplexity'] or 0:11.4f} "
+              f"{row['perplexity_vs_ref'] or 0:7.4f}")
     if args.json:
         print(json.dumps(rows))
     return 0

@@ -1,8 +1,10 @@
 """The API and the contracts, torch-free: the ShardedModel spec (models) and status (status) on their
 base (apimodel), the ShardPlan (plan), the pod contract (contract), the names labels, annotations and
-a pod's environment share (names), the pipeline-schedule rules (schedules), the rank layout and
-layer split (layout), a model's shape and size in memory (modelshape), and the CRD YAML generated
-from the models (schema). The operator image,
+a pod's environment share (names), the pipeline-schedule rules (schedules), serving capacity
+(capacity), speculative decoding's settings (speculative), who may call a served model (access),
+the rank layout and layer split (layout), a model's shape and size in memory (modelshape),
+untrusted JSON parsed with a bound on its nesting (boundedjson), and the CRD YAML generated from the
+models (schema). The operator image,
 the worker image and the CLI all import it, so it needs only pydantic and pyyaml.
 
 May import: nothing outside shardwise.crds

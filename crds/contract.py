@@ -56,7 +56,9 @@ class ModelContract(_Contract):
 
 
 class ServingContract(Serving):
-    """spec.serving, and the name the OpenAI-compatible API reports."""
+    """spec.serving, and the name the OpenAI-compatible API reports. PodContract resolves its
+    capacity (crds/capacity.py ServingCapacity.resolved): every setting the engine runs with is in
+    the file, the plan's concurrency included, whatever the spec left out."""
 
     model_name: str = Field(min_length=1, description="the ShardedModel's name")
     # The pod's own arguments and the NetworkPolicy's, not the worker's: never in the file, so that a
@@ -79,6 +81,12 @@ class PodContract(_Contract):
     def _training_has_its_options(self) -> "PodContract":
         if self.workload == Workload.TRAINING and (self.training is None or self.checkpoint is None):
             raise ValueError("a training contract needs training and checkpoint")
+        return self
+
+    @model_validator(mode="after")
+    def _serving_settings_resolved(self) -> "PodContract":
+        for field, value in self.serving.resolved(self.plan.max_sequences).items():
+            setattr(self.serving, field, value)
         return self
 
     def to_json(self) -> str:

@@ -23,8 +23,13 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from shardwise.crds.apimodel import (LABEL_KEY_PATTERN, QUANTITY_PATTERN, ApiModel, cel, describe_validation_error,
                                      malformed_pvc, parse_pvc, parse_quantity, pvc_rule)
-from shardwise.crds.names import (DEFAULT_API_KEYS_KEY, LOCAL_CHECKPOINT_ROOT, MAX_MODEL_NAME, MAX_PIPELINE,
+from shardwise.crds.capacity import DecodeMode, ServingCapacity
+from shardwise.crds.access import (DNS_SUBDOMAIN_PATTERN, LABEL_VALUE_PATTERN, PEER_NEEDS_SELECTOR,  # noqa: F401
+                                   LabelSelector, NetworkPeer, SecretKeyRef, ServingAuth)
+from shardwise.crds.names import (LOCAL_CHECKPOINT_ROOT, MAX_MODEL_NAME, MAX_PIPELINE,
                                   MAX_REPLICAS, MODEL_NAME_PATTERN, RACK_LABEL, ZONE_LABEL)
+from shardwise.crds.speculative import (DRAFT_TOKENS, DRAFT_TOKENS_MAX, NGRAM_LIMIT, NGRAM_MAX,  # noqa: F401
+                                      NGRAM_MIN, Speculative, SpeculativeMethod)
 from shardwise.crds.schedules import DEFAULT_SCHEDULE, INTERLEAVED_MICRO_BATCHES, PipelineSchedule, micro_batches_fit
 from shardwise.crds.status import (PHASES, Condition, GroupPhase, LastCheckpoint, ModelFactsStatus, ModelPhase,
                                    PlacementSummary, PlanSummary, ReplicaGroupStatus, ShardedModelStatus,
@@ -34,7 +39,7 @@ __all__ = [  # re-exported: the API's names, importable from one module
     "LABEL_KEY_PATTERN", "QUANTITY_PATTERN", "ApiModel", "describe_validation_error", "parse_pvc", "parse_quantity",
     "INTERLEAVED_MICRO_BATCHES", "PipelineSchedule", "PHASES", "Condition", "GroupPhase", "LastCheckpoint",
     "ModelFactsStatus", "ModelPhase", "PlacementSummary", "PlanSummary", "ReplicaGroupStatus",
-    "ShardedModelStatus", "TrainingProgress"]
+    "ShardedModelStatus", "TrainingProgress", "DecodeMode"]
 
 GROUP = "shardwise.dev"
 VERSION = "v1alpha1"
@@ -265,11 +270,14 @@ class DataParallel(ApiModel):
 class GradientCompression(ApiModel):
     """Compression of the gradients averaged between replicated copies (the replicate axis only)."""
 
-    method: Literal["none", "int8", "topk"] = Field("none", description=(
-        "none; int8: gradients quantized to 8 bits for the all-reduce; topk: only the largest "
-        "`density` of the gradient elements are sent, the rest carried to the next step (error feedback)."))
+    method: Literal["none", "int8", "int4", "topk", "topk-int4"] = Field("none", description=(
+        "none; int8, int4: gradients quantized to 8 or 4 bits for the average; topk: only the largest "
+        "`density` of the gradient elements are sent; topk-int4: those with 4-bit values. What is not "
+        "sent is carried to the next step (error feedback) and saved in checkpoints."))
     density: float = Field(0.01, gt=0, le=1, description=(
-        "Fraction of gradient elements topk sends, in (0, 1]."))
+        "Fraction of gradient elements topk and topk-int4 send, in (0, 1]."))
+    warmup_steps: int = Field(0, ge=0, le=1000000, description=(
+        "Steps uncompressed first; after them AdamW's variance is frozen (1-bit Adam). 0: none."))
 
 
 class Training(ApiModel):
@@ -301,6 +309,8 @@ class Training(ApiModel):
         "Pipeline schedule: 1F1B, GPipe or Interleaved1F1B."))
     activation_checkpointing: bool = Field(False, description=(
         "Recompute each decoder block's activations in the backward pass instead of keeping them."))
+    sequence_parallel: bool = Field(False, description=(
+        "Tensor parallelism also splits norms and activations over the sequence (seqLength % T == 0)."))
     gradient_compression: Optional[GradientCompression] = Field(None, description=(
         "Compress the gradients averaged between replicated copies (dataParallel.replicate > 1)."))
     min_replicas: Optional[int] = Field(None, ge=1, le=10000, description=(
@@ -337,64 +347,11 @@ class Quantization(str, Enum):
     AUTO = "auto"      # gguf (a Q8_0/Q4_0/Q4_1 GGUF), then int8, only when the GPUs cannot hold the model otherwise
 
 
-LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
-DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
-PEER_NEEDS_SELECTOR = "serving.allowFrom: each peer needs namespaceSelector or podSelector"
+# What a replica takes on at once (kvCacheTokens, maxConcurrentRequests, ...) is the base's, crds/capacity.py.
+class Serving(ServingCapacity):
+    """How the model serves: its API's port and capacity, how the weights are held, who may call it."""
 
-
-class SecretKeyRef(ApiModel):
-    name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN,
-                      description="A Secret in the model's namespace.")
-    key: str = Field(DEFAULT_API_KEYS_KEY, min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$",
-                     description="Its key holding the accepted API keys, one per line.")
-
-
-class ServingAuth(ApiModel):
-    secret_ref: SecretKeyRef = Field(description=(
-        "The Secret holding the bearer tokens /v1/* accepts (one per line); /healthz and /metrics "
-        "stay open. The pods mount it read-only; the operator never reads it."))
-
-
-class LabelSelector(ApiModel):
-    """Labels only (no expressions): what a NetworkPolicy peer is chosen by. Empty: every one."""
-
-    match_labels: dict[str, str] = Field(default_factory=dict, max_length=16, json_schema_extra={
-        "additionalProperties": {"type": "string", "maxLength": 63, "pattern": LABEL_VALUE_PATTERN}})
-
-    @field_validator("match_labels")
-    @classmethod
-    def _label_keys(cls, labels: dict[str, str]) -> dict[str, str]:
-        for key, value in labels.items():
-            if len(key) > 316 or not re.match(LABEL_KEY_PATTERN, key):
-                raise ValueError(f"{key!r} is not a label key")
-            if len(value) > 63 or not re.match(LABEL_VALUE_PATTERN, value):
-                raise ValueError(f"{value!r} is not a label value")
-        return labels
-
-
-class NetworkPeer(ApiModel):
-    """Who may reach the serving port, as a NetworkPolicy peer: pods of podSelector in the model's
-    namespace, every pod of the namespaces of namespaceSelector, or with both, those pods there."""
-
-    model_config = ConfigDict(json_schema_extra=cel(
-        ("has(self.namespaceSelector) || has(self.podSelector)", PEER_NEEDS_SELECTOR)))
-
-    namespace_selector: Optional[LabelSelector] = None
-    pod_selector: Optional[LabelSelector] = None
-
-    @model_validator(mode="after")
-    def _some_selector(self) -> "NetworkPeer":
-        if self.namespace_selector is None and self.pod_selector is None:
-            raise ValueError(PEER_NEEDS_SELECTOR)
-        return self
-
-
-class Serving(ApiModel):
     port: int = Field(8000, ge=1, le=65535, description="Port of the OpenAI-compatible HTTP API.")
-    kv_cache_tokens: int = Field(8192, ge=0, description=(
-        "Tokens of KV cache per replica: the planner reserves memory for them and the workers' "
-        "paged cache holds that many, shared in blocks by the requests running (0: a whole "
-        "context per request)."))
     quantization: Quantization = Field(Quantization.NONE, description=(
         "none: weights in spec.dtype; int8: the decoder layers' weight matrices in INT8 (one scale "
         "per output row), half of bf16's memory; gguf: a GGUF model's Q8_0, Q4_0 or Q4_1 blocks "
@@ -410,6 +367,9 @@ class Serving(ApiModel):
     allow_from: list[NetworkPeer] = Field(default_factory=list, max_length=16, description=(
         "Who may reach the serving port through the model's NetworkPolicy (the operator's pods "
         "always may). Empty: anyone."))
+    speculative: Speculative = Field(default_factory=Speculative, json_schema_extra={"default": {}}, description=(
+        "Speculative decoding (prompt lookup): several tokens a step for greedy requests whose text "
+        "repeats its prompt or itself (code edits, summaries, quotes)."))
 
 
 class Resources(ApiModel):

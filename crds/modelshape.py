@@ -33,6 +33,14 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 
 # Q4_1. Q8_0 is held as two such 4-bit planes (its high and low nibbles, each with a scale and zero
 # per block): 1 + 8/32 = 1.25 bytes. Both are what torch's int4 weight-only matmul kernel takes.
 GGUF_NATIVE_BYTES = {"Q8_0": 1.25, "Q4_0": 0.625, "Q4_1": 0.625}
+# Weight-only INT8 (spec.serving.quantization int8, the worker's --quantize int8): a scale per group
+# of INT8_GROUP inputs of each row (worker/weights/quantize.py says why 32). On CUDA the worker holds
+# int8 values and a bfloat16 scale per group, 1 + 2/32 = 1.0625 bytes a weight: what the planner
+# sizes GPU pods by. On a CPU it holds each matrix like Q8_0 above (two 4-bit planes for torch's
+# int4 kernel), INT8_CPU_BYTES.
+INT8_GROUP = 32
+INT8_BYTES = 1 + 2 / INT8_GROUP
+INT8_CPU_BYTES = GGUF_NATIVE_BYTES["Q8_0"]
 # The dtypes the worker computes in (worker/weights/loader.py's DTYPES are these).
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -127,13 +135,14 @@ class ModelFacts:
         gguf: those matrices kept in the GGUF file's own blocks, GGUF_NATIVE_BYTES[dtype] a
         parameter (scales and zeros included), for a file stored as Q8_0, Q4_0 or Q4_1. Either way
         the embedding, the LM head and the norms stay at bytes_per_param (what the worker keeps in
-        the compute dtype). bytes_per_param becomes the average over the whole model."""
+        the compute dtype; a GGUF file's embedding and head it keeps in blocks where one rank holds
+        them whole: this is then an upper bound). bytes_per_param becomes the average over the whole model."""
         if method in ("", "none"):
             return self
         if self.experts and method in ("int8", "gguf"):   # the worker quantizes dense layers only
             raise ModelFactsError(f"quantization {method} does not cover mixture-of-experts layers yet; use none")
         if method == "int8":
-            return self._layer_matrices_at(1, row_bytes=4)
+            return self._layer_matrices_at(INT8_BYTES, row_bytes=0)
         if method == "gguf":
             if self.dtype not in GGUF_NATIVE_BYTES:
                 raise ModelFactsError(f"quantization gguf keeps a GGUF file's Q8_0, Q4_0 or Q4_1 blocks; "

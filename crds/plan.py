@@ -67,6 +67,10 @@ class ShardPlan(_Model):
     offload_budget: int = Field(0, ge=0, description=(
         "serving with spec.serving.offload: bytes of weights each GPU keeps resident, the other "
         "decoder layers streamed from host memory (worker/weights/offload.py); 0: every weight resident"))
+    max_sequences: int = Field(0, ge=0, description=(
+        "serving: sequences each replica runs at once, spec.serving.maxConcurrentRequests or derived "
+        "from the KV cache the plan sized (crds/capacity.py derived_sequences); 0 in a plan made "
+        "before it was planned (the contract then derives it the same way)"))
     data_shard: int = Field(1, ge=1, description=(
         "training: the ZeRO-3 shard degree - data-parallel replicas that shard parameters, gradients "
         "and optimizer state among themselves (replicas = data_shard x data_replicate); 1 for serving"))

@@ -70,6 +70,7 @@ class PlanSummary(ApiModel):
     replicas: int = Field(ge=0)
     cost: int = Field(0, ge=0, description="topology boundaries crossed between consecutive stages")
     shrunk: bool = False
+    max_sequences: int = Field(0, ge=0, description="serving: sequences each replica runs at once")
     placements: list[PlacementSummary] = Field(default_factory=list)
 
     @classmethod
@@ -79,7 +80,7 @@ class PlanSummary(ApiModel):
         listed = sorted({p.replica for p in plan.placements})[:max(1, STATUS_MAX_PLACEMENTS // plan.pipeline)]
         shown = set(listed)
         return cls(tensor=plan.tensor, pipeline=plan.pipeline, replicas=plan.replicas, cost=plan.cost,
-                   shrunk=plan.shrunk, placements=[
+                   shrunk=plan.shrunk, max_sequences=plan.max_sequences, placements=[
                        PlacementSummary(replica=p.replica, stage=p.stage, node=p.node, gpus=p.gpus,
                                         layers=f"{p.layer_start}-{p.layer_end - 1}")
                        for p in sorted(plan.placements, key=lambda p: (p.replica, p.stage)) if p.replica in shown])

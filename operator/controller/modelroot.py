@@ -20,6 +20,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from shardwise.crds import boundedjson
 from shardwise.crds.modelshape import (ModelFacts, ModelFactsError, from_gguf, from_hf_config, from_hints,
                                        model_file)
 
@@ -96,7 +97,7 @@ def _read_json(path: Path) -> dict:
     if len(data) > CONFIG_MAX_BYTES:
         raise ModelFactsError(f"{path}: larger than {CONFIG_MAX_BYTES} bytes; not a model config")
     try:
-        config = json.loads(data)
+        config = boundedjson.loads(data, boundedjson.MODEL_JSON_DEPTH)
     except ValueError as e:
         raise ModelFactsError(f"{path}: cannot read the model config ({e})") from None
     if not isinstance(config, dict):

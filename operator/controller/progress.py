@@ -10,7 +10,6 @@ mount it), so it asks a pod of the job; an unreachable pod just leaves the last 
 from __future__ import annotations
 
 import http.client
-import json
 import logging
 import socket
 import threading
@@ -21,7 +20,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from shardwise.crds import names
+from shardwise.crds import boundedjson, names
 from shardwise.crds.models import Checkpoint
 from shardwise.operator.decide import recovery
 from shardwise.operator.render.renderer import DEFAULT_PORT
@@ -30,6 +29,7 @@ log = logging.getLogger("shardwise.operator")
 PROGRESS_TIMEOUT = 2.0   # seconds for the whole read; a busy pod answers later, at the next pass
 PROGRESS_MAX_BYTES = 64 << 10   # a progress report is a few hundred bytes
 POLL_SECONDS = 10.0      # how often a running job's progress is read (operator run --progress-seconds)
+PROGRESS_DEPTH = 8      # a progress report nests two or three deep
 
 Fetch = Callable[[Mapping[str, Any]], "dict | None"]
 
@@ -80,7 +80,8 @@ def fetch_progress(pod: Mapping[str, Any]) -> dict | None:
             if p.get("name") == "http":
                 port = int(p["containerPort"])
     try:
-        return json.loads(_get(str(ip), port, "/progress", time.monotonic() + PROGRESS_TIMEOUT))
+        return boundedjson.loads(_get(str(ip), port, "/progress", time.monotonic() + PROGRESS_TIMEOUT),
+                                PROGRESS_DEPTH)
     except (OSError, ValueError, http.client.HTTPException):
         return None
 
@@ -135,7 +136,7 @@ def job_progress(pods: Iterable[Mapping[str, Any]], fetch: Fetch = fetch_progres
     for pod in pods:
         if (pod.get("status") or {}).get("phase") == "Succeeded":
             try:
-                found = json.loads(recovery.termination_message(pod) or "null")
+                found = boundedjson.loads(recovery.termination_message(pod) or "null", PROGRESS_DEPTH)
             except ValueError:
                 found = None
             found = checked(found, pod) if isinstance(found, dict) else None

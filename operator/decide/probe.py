@@ -13,10 +13,9 @@ deletes the pod. A model that cannot be read fails the spec with the probe's one
 from __future__ import annotations
 
 import hashlib
-import json
 from typing import Any, Mapping
 
-from shardwise.crds import names
+from shardwise.crds import boundedjson, names
 from shardwise.crds.models import MODEL_FACT_LIMITS, ShardedModel
 from shardwise.crds.modelshape import ModelFacts, ModelFactsError
 from shardwise.operator.decide import recovery
@@ -24,6 +23,7 @@ from shardwise.operator.render import renderer
 
 ROLE = "model-probe"
 DEADLINE_SECONDS = 300      # a probe that hangs (a stuck volume) fails instead of waiting forever
+FACTS_DEPTH = 4         # the probe reports one flat object of numbers
 
 
 def is_probe(pod: Mapping[str, Any]) -> bool:
@@ -75,7 +75,7 @@ def result(pod: Mapping[str, Any]) -> ModelFacts | str | None:
         why = last or status.get("message") or status.get("reason") or "the probe pod failed"
         return f"cannot read the model: {why.strip()}"
     try:
-        facts = ModelFacts.from_dict(json.loads(message))
+        facts = ModelFacts.from_dict(boundedjson.loads(message, FACTS_DEPTH))
     except (ValueError, TypeError, ModelFactsError) as e:
         return f"cannot read the model: the probe reported {message[:200]!r} ({e})"
     problem = out_of_bounds(facts)

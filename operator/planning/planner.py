@@ -28,6 +28,10 @@ How it decides
 4. Layers. Split contiguously so stages hold equal parameters, counting the embedding on the
    first stage and the final norm + LM head on the last (crds/layout.py: the worker splits a
    local run the same way).
+5. Concurrency (serving). The sequences a replica runs at once: spec.serving.maxConcurrentRequests,
+   else derived from the KV cache sized in 1 (crds/capacity.py derived_sequences):
+       clamp(kvCacheTokens // min(512, maxModelLength), 1, 256)     (8 when kvCacheTokens is 0)
+   The pods run that many rows; more sequences than the cache holds are preempted and resumed.
 Weights are sized in the dtype the worker will hold them in on a GPU (crds/modelshape.py
 in_memory_dtype: a quantized GGUF is dequantized, so it takes bfloat16's room, not its file's),
 or as spec.serving.quantization holds them (ModelFacts.quantized: int8, or gguf - a Q8_0, Q4_0 or
@@ -38,6 +42,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from shardwise.crds import names
+from shardwise.crds.capacity import MAX_DERIVED_SEQUENCES, typical_tokens
 from shardwise.crds.models import ShardedModelSpec, Workload
 from shardwise.crds.modelshape import GGUF_NATIVE_BYTES, ModelFacts, ModelFactsError
 from shardwise.crds.plan import ReplicaPlan, ShardPlan, StagePlacement
@@ -174,7 +179,7 @@ def _plan(spec: ShardedModelSpec, facts: ModelFacts, nodes: Sequence[NodeInfo],
         notes.append(f"tensor {chosen.layout.tensor} × pipeline {chosen.layout.pipeline} instead of "
                      f"tensor {layouts[0].tensor} × pipeline {layouts[0].pipeline}: {attempts[0].reason}")
     result = _assemble(spec, facts, chosen, kept, wanted, shrunk, notes, by_name, keys, nodes)
-    update = {"quantization": quantization}
+    update = {"quantization": quantization, **_concurrency(spec, result.notes)}
     gpus = [by_name[p.node] for p in result.placements]
     if offload and any(n.gpu_memory for n in gpus):
         layout = sharded(spec, facts, chosen.layout, result.replicas)
@@ -235,6 +240,27 @@ def _assemble(spec: ShardedModelSpec, facts: ModelFacts, attempt: Attempt,
                      memory_per_gpu=layout.memory, topology_keys=list(keys), data_shard=layout.shard)
 
 
+def _concurrency(spec: ShardedModelSpec, notes: list[str]) -> dict:
+    """A serving plan's max_sequences (step 5), its reason added to `notes`."""
+    if spec.workload == Workload.TRAINING:
+        return {}
+    sequences = spec.serving.planned_sequences()
+    notes.append(_explain_concurrency(spec, sequences))
+    return {"max_sequences": sequences}
+
+
+def _explain_concurrency(spec: ShardedModelSpec, sequences: int) -> str:
+    serving = spec.serving
+    if serving.max_concurrent_requests:
+        return f"{sequences} sequences at once per replica (serving.maxConcurrentRequests)"
+    if not serving.kv_cache_tokens:
+        return (f"{sequences} sequences at once per replica (the default; serving.kvCacheTokens 0 gives each "
+                f"a whole context)")
+    return (f"{sequences} sequences at once per replica: {serving.kv_cache_tokens} KV-cache tokens / "
+            f"{typical_tokens(serving.max_model_length)} "
+            f"tokens a sequence, between 1 and {MAX_DERIVED_SEQUENCES} (serving.maxConcurrentRequests overrides)")
+
+
 def _explain_shard(spec: ShardedModelSpec, layout: Layout, replicas: int) -> list[str]:
     if spec.workload != Workload.TRAINING or replicas == 0:
         return []
@@ -247,7 +273,19 @@ def _explain_shard(spec: ShardedModelSpec, layout: Layout, replicas: int) -> lis
     if compression is not None and compression.method != "none" and copies == 1:
         out.append(f"training.gradientCompression {compression.method} has nothing to compress: it acts "
                    f"between replicated copies, and every replica shards (replicate 1)")
+    if spec.training and spec.training.sequence_parallel:
+        out.append(_explain_sequence_parallel(spec.training.seq_length, layout.tensor))
     return out
+
+
+def _explain_sequence_parallel(seq_length: int, tensor: int) -> str:
+    if tensor == 1:
+        return "training.sequenceParallel has no effect: the layout has no tensor parallelism (tensor 1)"
+    if seq_length % tensor:
+        return (f"training.sequenceParallel cannot split seqLength {seq_length} over tensor {tensor}: the "
+                f"training pods will refuse to start (make seqLength a multiple of {tensor})")
+    return (f"sequence parallel: norms and activations between blocks split over the {tensor} tensor ranks "
+            f"({seq_length // tensor} of {seq_length} tokens each)")
 
 
 def _explain(replica: int, stage_nodes: list[NodeInfo], layout: Layout, tree: Tree,

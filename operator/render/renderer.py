@@ -25,6 +25,7 @@ import json
 from typing import Any, Mapping
 
 from shardwise.crds import names
+from shardwise.crds.capacity import DecodeMode, ServingCapacity
 from shardwise.crds.contract import (SERVING_GRACE_SECONDS, ContractError, ModelContract, PodContract,
                                      ServingContract, contract_json)
 from shardwise.crds.models import API_VERSION, KIND, Serving, ShardedModel, ShardedModelSpec, Workload, parse_pvc
@@ -93,14 +94,20 @@ def spec_hash(spec: ShardedModelSpec, default_image: str = DEFAULT_IMAGE) -> str
     Replicas (training.minReplicas too), recovery and placement preferences are left out: changing
     them rolls nothing. The
     typed spec has its defaults filled in, so writing a default out changes nothing either."""
-    # serving.allowFrom is the NetworkPolicy's alone; serving.auth, when unset, is left out so that
-    # models made before it existed keep their hash (and their pods).
-    serving_out = {"allow_from"} | ({"auth"} if spec.serving.auth is None else set())
+    # serving.allowFrom is the NetworkPolicy's alone; serving.auth and the capacity settings, when
+    # unset, are left out so that models made before they existed keep their hash (and their pods).
+    serving_out = {"allow_from"} | {f for f in ("auth", *CAPACITY_OPTIONAL) if getattr(spec.serving, f) is None}
+    if spec.serving.decode == DecodeMode.AUTO:
+        serving_out.add("decode")
     keep = spec.model_dump(mode="json", by_alias=True,
                            exclude={"recovery": True, "placement": True, "parallelism": {"replicas"},
                                     "training": {"min_replicas"}, "serving": serving_out})
     keep["image"] = spec.image or default_image
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:10]
+
+
+# spec.serving's capacity settings that are None when omitted (crds/capacity.py)
+CAPACITY_OPTIONAL = tuple(n for n, f in ServingCapacity.model_fields.items() if f.default is None)
 
 
 # --- common metadata -----------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import pytest
 import yaml
 
+from shardwise.crds.capacity import CONTEXT_OVER_CACHE
 from shardwise.crds.models import (DP_DIVIDES, DP_PRODUCT, INTERLEAVED_MICRO_BATCHES, LOCAL_NEEDS_CLAIM,
                                    LOCAL_PATH_DIFFERS, MIN_REPLICAS, NAME_NOT_DNS_LABEL, NAME_TOO_LONG,
                                    load_manifest)
@@ -145,6 +146,15 @@ BAD = {
     "name-starting-with-a-digit": (manifest("8b-chat"), "metadata.name", NAME_NOT_DNS_LABEL),
     "local-tier-relative-host-path": (manifest("a", checkpoint={"claim": "ckpt", "local": {"hostPath": "var/x"}}),
                                       "spec.checkpoint.local.hostPath", "should match"),
+    # a serving replica's capacity (crds/capacity.py)
+    "context-over-cache": (manifest("a", serving={"maxModelLength": 9000}), "spec.serving.maxModelLength",
+                           CONTEXT_OVER_CACHE),
+    "concurrency-zero": (manifest("a", serving={"maxConcurrentRequests": 0}), "spec.serving.maxConcurrentRequests",
+                         "greater than or equal to 1"),
+    "waiting-unbounded": (manifest("a", serving={"maxWaiting": 10 ** 6}), "spec.serving.maxWaiting",
+                          "less than or equal to 16384"),
+    "decode-enum": (manifest("a", serving={"decode": "fast"}), "spec.serving.decode",
+                    'supported values: "auto", "eager", "graphs", "compile"'),
 }
 
 

@@ -410,6 +410,18 @@ def test_a_pvc_model_the_probe_cannot_read_fails_with_the_probes_reason():
     assert c.reconcile().actions == [], "not probed again until the spec changes"
 
 
+def test_a_probe_that_reports_deeply_nested_json_fails_with_one_line():
+    # a probe pod writes its own termination message: 4,000 "[" made the parser raise RecursionError
+    c = Cluster(serving(model={"uri": "pvc://weights/deep"}), rack("n0", "a"))
+    c.reconcile()
+    [pod] = [p for p in c.pods.values() if probe.is_probe(p)]
+    pod["status"] = {"phase": "Succeeded", "containerStatuses": [{"state": {"terminated": {
+        "exitCode": 0, "message": "[" * 4000}}}]}
+    c.reconcile()
+    message = c.condition("Planned")["message"]
+    assert c.status["phase"] == "Failed" and "nests deeper than" in message and "\n" not in message
+
+
 def test_hints_override_the_probe():
     c = Cluster(serving(model={**LLAMA_8B, "uri": "pvc://weights/llama"}), rack("n0 n1", "a"))
     c.reconcile()

@@ -28,12 +28,12 @@ def serving(quantization: str, offload: bool = False, **parallelism) -> ShardedM
 
 def brute_force_int8_bytes(cfg: dict, tied: bool) -> int:
     """Every tensor of a Llama with these shapes, one by one: the layers' matrices at one byte an
-    element and a float32 scale per output row, everything else in bf16."""
+    element and a bfloat16 scale per 32 inputs of each row, everything else in bf16."""
     h, i, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     d = h // cfg["num_attention_heads"]
     q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
     matrices = [(q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i)]          # [out, in]
-    per_layer = sum(o * n + 4 * o for o, n in matrices) + 2 * h * 2                  # + two norms
+    per_layer = sum(o * n + 2 * o * (n // 32) for o, n in matrices) + 2 * h * 2                  # + two norms
     outside = cfg["vocab_size"] * h * (1 if tied else 2) + h                        # embedding(s), final norm
     return layers * per_layer + outside * 2
 
@@ -113,7 +113,7 @@ def test_int8_is_preferred_to_streaming():
     small = [node("n1", 1, memory_gib=48)]        # one GPU: int8 and streaming both
     both = plan(serving("auto", offload=True), LLAMA_70B, small)
     assert both.quantization == "int8" and both.offload_budget > 0
-    assert both.notes[0].startswith("int8 weights (serving.quantization auto; 2 -> 1.03 bytes a parameter) and ")
+    assert both.notes[0].startswith("int8 weights (serving.quantization auto; 2 -> 1.09 bytes a parameter) and ")
 
 
 def test_training_never_streams():

@@ -167,6 +167,16 @@ def test_compression_with_nothing_replicated_is_noted():
     assert any("training.gradientCompression int8 has nothing to compress" in n for n in result.notes)
 
 
+@pytest.mark.parametrize("tensor, seq, note", [
+    (2, 64, "sequence parallel: norms and activations between blocks split over the 2 tensor ranks (32 of 64 tokens each)"),
+    (2, 63, "training.sequenceParallel cannot split seqLength 63 over tensor 2: the training pods will refuse to start"),
+    (1, 64, "training.sequenceParallel has no effect: the layout has no tensor parallelism (tensor 1)"),
+])
+def test_sequence_parallelism_is_explained_against_the_tensor_degree(tensor, seq, note):
+    result = plan(training_spec(2, tensor=tensor, sequenceParallel=True, seqLength=seq), LLAMA_8B, nodes(1, 80))
+    assert any(note in n for n in result.notes), result.notes
+
+
 # ------------------------------------------------------------------ refusals the spec cannot judge
 
 

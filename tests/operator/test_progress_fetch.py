@@ -43,7 +43,7 @@ class _Pod(http.server.BaseHTTPRequestHandler):
                 pass
             return
         body = {"ok": b'{"step": 3, "steps": 10, "loss": 1.5}', "flood": b'{"pad": "' + b"x" * (10 << 20) + b'"}',
-                "bad-step": b'{"step": "x", "steps": 10}', "elsewhere": b'{"step": 9, "steps": 10}'}[mode]
+                "bad-step": b'{"step": "x", "steps": 10}', "deep": b"[" * 50_000, "elsewhere": b'{"step": 9, "steps": 10}'}[mode]
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -101,4 +101,14 @@ def test_a_step_that_is_not_a_number_is_ignored_with_a_log_line(pod, caplog):
     # a finished pod's termination message goes through the same schema
     done = {"metadata": {"name": "p"}, "status": {"phase": "Succeeded", "containerStatuses": [
         {"state": {"terminated": {"exitCode": 0, "message": json.dumps({"step": "x"})}}}]}}
+    assert progress.job_progress([done], lambda p: None) is None
+
+
+def test_json_nested_past_the_interpreters_recursion_limit_is_ignored_not_raised(pod):
+    # Python's parser raises RecursionError (not a ValueError) on deep nesting: from a pod's answer
+    # or its termination message, it would escape the handler as a traceback.
+    found, _ = fetched(pod, "deep")
+    assert found is None
+    done = {"metadata": {"name": "p"}, "status": {"phase": "Succeeded", "containerStatuses": [
+        {"state": {"terminated": {"exitCode": 0, "message": "[" * 4000}}}]}}
     assert progress.job_progress([done], lambda p: None) is None

@@ -7,7 +7,9 @@
 
 The contract (crds/contract.py, written by the operator into the model's ConfigMap) is everything
 the pods of a model share: the plan, the model's path and dtype, the workload, the serving port and
-name, the training and checkpoint options, the termination-log path. The environment says which pod
+name, the serving settings (sequences at once, context, KV cache and block, prefill chunk, decode
+mode, waiting queue: what the planner sized; a flag given here wins), the training and checkpoint
+options, the termination-log path. The environment says which pod
 this is. The file is plain JSON or gzip-compressed JSON (the operator's; told apart by gzip's magic
 bytes), inflated to at most 64 MiB. A missing, invalid or oversized contract is one line on stderr
 and exit status 2.
@@ -35,11 +37,13 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 
 from shardwise.crds import names
 from shardwise.crds.models import Workload
 from shardwise.worker.cli.flags import (QUANTIZATIONS, add_batch_arguments, add_cache_arguments,
-                                        add_decode_argument, add_device_argument)
+                                        add_decode_argument, add_device_argument, add_speculative_arguments,
+                                        add_waiting_argument)
 from shardwise.worker.cli.pod_health import StageHealth
 from shardwise.worker.distributed.launch import Ending, Exit, Policy, stop_on_signals, supervise
 
@@ -54,7 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_device_argument(parser, auto=True)
     add_batch_arguments(parser)
     add_cache_arguments(parser)
+    add_speculative_arguments(parser, pod=True)
     add_decode_argument(parser)
+    add_waiting_argument(parser)
     parser.add_argument("--quantize", choices=QUANTIZATIONS, default=None,
                         help="weights as for serve; default: the plan's quantization (what the planner "
                              "sized the pods for, spec.serving.quantization)")
@@ -141,10 +147,9 @@ def _run(args) -> int:
     spec = RankSpec(model=contract.model.path, tensor=plan.tensor, pipeline=plan.pipeline,
                     layers=[(p.layer_start, p.layer_end) for p in plan.stages_of(replica)],
                     device=device, dtype=contract.model.dtype,   # validate() resolves auto
-                    decode=args.decode,
                     quantize=args.quantize or plan.quantization,
                     offload_budget=plan.offload_budget if args.offload_budget is None else parse_bytes(args.offload_budget),
-                    **serving_settings(args, contract.serving.kv_cache_tokens))
+                    **serving_settings(args, contract_settings(contract.serving), contract.serving.speculative))
     source = validate(spec)
     if source.config.num_layers != plan.num_layers:
         raise WorkerError(f"plan splits {plan.num_layers} layers but model {contract.model.path} has "
@@ -159,10 +164,9 @@ def _run(args) -> int:
     world, ranks = layout.world_size, layout.stage_ranks(stage)
     _say(f"replica {replica} stage {stage}: layers [{placement.layer_start}, {placement.layer_end}), "
          f"ranks {ranks[0]}..{ranks[-1]} of {world}, {device} {spec.dtype}")
-    _check_api_key_file(args.api_key_file)
+    api = _api_options(args, contract, spec)
     start, loaded_q = _rank_starter(plan.tensor, _rank_main, lambda local, q: (
-        spec, ranks[local], world, local, host, contract.serving.port, contract.serving.model_name, q,
-        dict(os.environ), args.api_key_file))
+        spec, ranks[local], world, local, host, api, q, dict(os.environ)))
     health = None
     if stage != 0:
         health = StageHealth(plan.tensor, host, contract.serving.port)
@@ -171,6 +175,35 @@ def _run(args) -> int:
     # for them all (its grace period bounds the wait).
     return _supervise(start, loaded_q, health,
                       stopping="stopping: rank 0 finishes its requests, then stops the pipeline")
+
+
+def contract_settings(serving) -> dict:
+    """The RankSpec fields of a contract's serving settings (crds/capacity.py, resolved by the
+    contract): what the planner sized the pod for, which the pod's flags may override."""
+    return {"max_batch": serving.max_concurrent_requests, "max_seq": serving.max_model_length or 0,
+            "kv_tokens": serving.kv_cache_tokens, "kv_block": serving.kv_block_size,
+            "prefill_chunk": serving.prefill_chunk, "decode": serving.decode.value}
+
+
+@dataclass(frozen=True)
+class ApiOptions:
+    """What rank 0 of stage 0 serves the API with: the contract's port, the model's name, the
+    waiting queue's bound, and the API keys' file (None: the API is open)."""
+    port: int
+    model_name: str
+    max_waiting: int
+    api_key_file: str | None = None
+
+
+def _api_options(args, contract, spec) -> ApiOptions:
+    """The API's options from the contract and the flags, the API key file checked; says what the
+    pod serves with."""
+    _check_api_key_file(args.api_key_file)
+    waiting = args.max_waiting or contract.serving.max_waiting
+    cache = f"{spec.kv_tokens} tokens" if spec.kv_tokens else "a whole context per sequence"
+    _say(f"serving {spec.max_batch} sequences at once, {waiting} waiting at most; KV cache {cache} in blocks "
+         f"of {spec.kv_block}; decode {spec.decode}")
+    return ApiOptions(contract.serving.port, contract.serving.model_name, waiting, args.api_key_file)
 
 
 def _check_api_key_file(path: str | None) -> None:
@@ -284,7 +317,7 @@ def _train_rank_main(opts, plan, replica, stage, local_rank, env, started_q) -> 
         raise SystemExit(Exit.BAD_INPUT)
 
 
-def _rank_main(spec, rank, world, local_rank, host, port, model_name, loaded_q, env, api_key_file=None) -> None:
+def _rank_main(spec, rank, world, local_rank, host, api: ApiOptions, loaded_q, env) -> None:
     os.environ.update({k: v for k, v in env.items() if k in ("MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME")})
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local_rank)})
     from shardwise.worker.errors import WorkerError
@@ -299,12 +332,12 @@ def _rank_main(spec, rank, world, local_rank, host, port, model_name, loaded_q, 
             return
         from shardwise.worker.weights.loader import open_model
         from shardwise.worker.serving.http.auth import ApiKeys
-        from shardwise.worker.serving.http.server import App, Server, run_engine
+        from shardwise.worker.serving.http.server import App, Server, run_engine, workers_for
         from shardwise.worker.weights.tokenizer import load_tokenizer
         # The API reports the ShardedModel's name (the contract's serving.model_name).
-        keys = ApiKeys.from_file(api_key_file) if api_key_file else None
-        app = App(model_name, load_tokenizer(open_model(spec.model)), api_keys=keys)
-        server = Server(app, host, port).start()
+        keys = ApiKeys.from_file(api.api_key_file) if api.api_key_file else None
+        app = App(api.model_name, load_tokenizer(open_model(spec.model)), api_keys=keys, max_waiting=api.max_waiting)
+        server = Server(app, host, api.port, workers=workers_for(spec.max_batch + api.max_waiting)).start()
         stop = stop_on_signals()
         ctx = setup_rank(spec, 0, world, local_rank, "env://", spec.tensor)
         loaded_q.put(ctx.loaded[0])

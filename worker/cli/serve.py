@@ -4,22 +4,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shardwise.worker.cli.flags import add_model_arguments, spec_from_args
+from shardwise.worker.cli.flags import add_model_arguments, add_waiting_argument, spec_from_args
 from shardwise.worker.distributed.launch import Exit, stop_on_signals
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text!r}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from shardwise.worker.serving import defaults
     from shardwise.worker.serving.http.protocol import MAX_REQUEST_TOKENS
     add_model_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -29,10 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key-file", default=None, metavar="FILE",
                         help="accepted API keys, one per line: /v1/* then needs 'Authorization: Bearer <key>' "
                              "(/healthz and /metrics stay open)")
-    parser.add_argument("--max-waiting", type=_positive, default=None, metavar="N",
-                        help="choices queued for a free row at most (a request of n choices counts n); a "
-                             "request beyond it is refused at once with 429 and Retry-After (default "
-                             f"{defaults.WAITING_PER_ROW} x --max-batch, at least {defaults.MIN_WAITING})")
+    add_waiting_argument(parser)
     parser.add_argument("--max-request-tokens", type=int, default=MAX_REQUEST_TOKENS, metavar="N",
                         help="completion tokens one request of several choices may ask for, n x max_tokens "
                              f"(default {MAX_REQUEST_TOKENS}; one choice may always fill the context)")
@@ -46,7 +32,8 @@ def run(args) -> int:
     from shardwise.worker.errors import WorkerError
     from shardwise.worker.serving.rank import LocalRuntime, validate
     from shardwise.worker.serving.http.auth import ApiKeys
-    from shardwise.worker.serving.http.server import App, Server, run_engine
+    from shardwise.worker.serving import defaults
+    from shardwise.worker.serving.http.server import App, Server, run_engine, workers_for
     from shardwise.worker.weights.tokenizer import load_tokenizer
 
     runtime = server = None
@@ -54,10 +41,11 @@ def run(args) -> int:
         spec = spec_from_args(args)
         source = validate(spec)
         keys = ApiKeys.from_file(args.api_key_file) if args.api_key_file else None
+        waiting = args.max_waiting or defaults.max_waiting(spec.max_batch)
         app = App(args.model, load_tokenizer(source), max_request_tokens=args.max_request_tokens, api_keys=keys,
-                  max_waiting=args.max_waiting)
+                  max_waiting=waiting)
         try:
-            server = Server(app, args.host, args.port).start()
+            server = Server(app, args.host, args.port, workers=workers_for(spec.max_batch + waiting)).start()
         except OSError as e:
             raise WorkerError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
         _say(f"listening on http://{args.host}:{server.port} (loading {args.model} on "

@@ -34,11 +34,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="pipeline schedule when --pipeline-parallel > 1")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each block's activations in backward instead of keeping them")
-    p.add_argument("--compression", default="none", choices=["none", "int8", "topk"],
+    p.add_argument("--prefetch-depth", type=int, default=0, metavar="K",
+                   help="FSDP2: each block all-gathers the parameters of the next K blocks (the previous K in "
+                        "backward) before it computes; 0 (default): FSDP2's own order")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tensor-parallel > 1: split the norms and the activations between blocks over the "
+                        "sequence as well (each rank keeps 1/T of them)")
+    p.add_argument("--compression", default="none", choices=["none", "int8", "int4", "topk", "topk-int4"],
                    help="compress gradients averaged across the D/S replicate groups (error feedback keeps "
                         "convergence)")
     p.add_argument("--compression-density", type=float, default=0.01, metavar="F",
-                   help="topk: fraction of gradient elements sent, in (0, 1]")
+                   help="topk, topk-int4: fraction of gradient elements sent, in (0, 1]")
+    p.add_argument("--compression-warmup", type=int, default=0, metavar="N",
+                   help="the first N steps dense with plain AdamW, then compressed with AdamW's variance "
+                        "frozen (what keeps top-k's loss; 0: compressed from the first step, plain AdamW)")
     p.add_argument("--steps", type=int, required=True, help="train until this many steps are done")
     p.add_argument("--checkpoint-dir", required=True, help="where checkpoints go; a run resumes from here")
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
@@ -74,7 +83,9 @@ def options(args):
         model=args.model, data=args.data, checkpoint_dir=args.checkpoint_dir, steps=args.steps,
         tensor=args.tensor_parallel, pipeline=args.pipeline_parallel, data_parallel=args.data_parallel,
         data_shard=args.data_shard, schedule=args.schedule, activation_checkpointing=args.activation_checkpointing,
+        sequence_parallel=args.sequence_parallel, prefetch_depth=args.prefetch_depth,
         compression=args.compression, compression_density=args.compression_density,
+        compression_warmup=args.compression_warmup,
         checkpoint_every=args.checkpoint_every, keep=args.keep, local_checkpoint_dir=args.local_checkpoint_dir,
         local_every=args.local_checkpoint_every, local_keep=args.local_keep, seed=args.seed, lr=args.lr,
         warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip,

@@ -22,6 +22,7 @@ from shardwise.worker.serving.runner import Runner
 from shardwise.worker.serving.sampling import Sampler
 from shardwise.worker.serving.defaults import KV_BLOCK_SIZE, MAX_STEP_TOKENS, PREFILL_CHUNK
 from shardwise.worker.serving.scheduler import EngineStats, QueueFull, Scheduler
+from shardwise.worker.serving.speculative import SpeculativeConfig, Speculator
 
 __all__ = ["Engine", "EngineStats", "FinishReason", "QueueFull", "Request"]
 
@@ -29,19 +30,20 @@ __all__ = ["Engine", "EngineStats", "FinishReason", "QueueFull", "Request"]
 class Engine:
     """`kv_tokens`: the cache's size in tokens (0: max_batch whole contexts, the memory of one
     fixed row per request); `block_size`: tokens per block (a block of max_seq or more keeps
-    one fixed row per request, as CUDA graphs need); `prefill_chunk`: prompt tokens of one request
-    per step; `max_step_tokens`: tokens per step, every running decode and prompt chunks;
+    one fixed row per request); `prefill_chunk`: prompt tokens of one request per step;
+    `max_step_tokens`: tokens per step, every running decode (and its drafts) and prompt chunks;
     `max_waiting`: sequences queued at most, beyond which a submission raises QueueFull (None: no
-    bound, for a caller that submits a fixed list of its own)."""
+    bound, for a caller that submits a fixed list of its own); `speculative`: prompt-lookup drafts
+    verified in decode steps (speculative.py; None: none)."""
 
     def __init__(self, stage, max_batch: int, max_seq: int, eos_ids: list[int], micro_batches: int = 0,
                  kv_tokens: int = 0, block_size: int = KV_BLOCK_SIZE,
                  prefill_chunk: int = PREFILL_CHUNK, prefix_cache: bool = True, max_waiting: int | None = None,
-                 max_step_tokens: int = MAX_STEP_TOKENS):
+                 max_step_tokens: int = MAX_STEP_TOKENS, speculative: SpeculativeConfig | None = None):
         self.stage = stage
         self.max_batch, self.max_seq = max_batch, max_seq
         self.micro_batches = max(1, min(micro_batches or stage.info.pipeline, max_batch))
-        if getattr(stage, "graphed", None) is not None or block_size >= max_seq:
+        if block_size >= max_seq:
             block_size, blocks = max_seq, max_batch      # fixed rows: one block of the whole context each
         else:
             blocks = blocks_for(kv_tokens or max_batch * max_seq, block_size)
@@ -49,9 +51,10 @@ class Engine:
         self.pool = BlockPool(blocks, block_size, lanes=max_batch, prefix_cache=prefix_cache)
         self.stats = EngineStats()
         self.sampler = Sampler()
+        self.speculator = Speculator(speculative) if speculative is not None else None
         self.scheduler = Scheduler(self.pool, max_batch, max_seq, self.micro_batches, prefill_chunk,
-                                   tuple(eos_ids), self.stats, on_finish=self.sampler.forget,
-                                   max_waiting=max_waiting, max_step_tokens=max_step_tokens)
+                                   tuple(eos_ids), self.stats, on_finish=self._forget, max_waiting=max_waiting,
+                                   max_step_tokens=max_step_tokens, speculator=self.speculator)
         self.runner = Runner(stage, blocks, max_seq, block_size)
 
     @classmethod
@@ -62,7 +65,13 @@ class Engine:
         spec = ctx.spec
         return cls(ctx.stage, rows or spec.max_batch, ctx.max_seq, eos_ids, micro_batches, kv_tokens=spec.kv_tokens,
                    block_size=spec.kv_block, prefill_chunk=spec.prefill_chunk, max_waiting=max_waiting,
-                   max_step_tokens=spec.max_step_tokens)
+                   max_step_tokens=spec.max_step_tokens, speculative=spec.speculative)
+
+    def _forget(self, req: Request) -> None:
+        """`req` ended: what the sampler and the speculator kept for it goes."""
+        self.sampler.forget(req)
+        if self.speculator is not None:
+            self.speculator.forget(req)
 
     # ---- requests ----------------------------------------------------------------------------
     def check(self, req: Request, sequences: int = 1) -> None:
@@ -111,11 +120,16 @@ class Engine:
         if not runner.inflight:
             return False
         step, logits = runner.collect()
-        if scheduler.complete(step):
-            ready = step.ready
-            if len(ready) != len(logits):        # a row fed a draft, which nothing here verifies
-                logits = logits[step.next_logits()]
+        if not scheduler.complete(step):
+            return True
+        ready = step.ready
+        if len(ready) == len(logits):            # one token's logits per ready row: no draft fed
             scheduler.append_tokens(step, self.sampler(logits, [step.seqs[i].req for i in ready]))
+        elif self.speculator is not None:
+            self.speculator.verify(step, logits, self.sampler, scheduler)
+        else:                                    # drafts a caller set, which nothing here verifies
+            scheduler.append_tokens(step, self.sampler(logits[step.next_logits()],
+                                                       [step.seqs[i].req for i in ready]))
         return True
 
     def run_forever(self, stop: threading.Event) -> None:

@@ -15,7 +15,7 @@ and the last stage sends rank 0 the logits [sum(logits), V] (float32; nothing wh
 Rows that all feed the same number of tokens run as a dense batch [R, T] (a decode step: the
 fast decode path, CUDA graphs or the compiled one); rows of different lengths run flattened into
 one row of N tokens, each attending to its own cached positions (cache_view.ragged_view).
-and TP rank r of stage s talks to TP rank r of stage s+1 (after the row-parallel all-reduce,
+TP rank r of stage s talks to TP rank r of stage s+1 (after the row-parallel all-reduce,
 hidden states are identical on every TP rank of a stage). The TP peers of rank 0 get the step by
 a broadcast inside stage 0's TP group.
 
@@ -207,8 +207,7 @@ class Stage:
             # the graph's logits [R, 1, V]; a row of a prompt's middle (1 token, 0 logits) is dropped
             out = out[:, -1].float()
             return out if every_last else out[[i for i, k in enumerate(logits) if k]]
-        cache = cache_view(self.model, positions, blocks,
-                           static_shapes=self.graphed is not None)    # graphs: fixed shapes throughout
+        cache = cache_view(self.model, positions, blocks)     # prefills and drafts: eager, paged
         out = self.model(x, positions=positions, cache=cache, last_only=every_last, return_hidden=not every_last)
         if not self.info.is_last:
             return out

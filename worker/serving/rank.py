@@ -50,7 +50,7 @@ class RankSpec:
     device: str = "cpu"
     dtype: str = "auto"           # validate() resolves auto (crds/modelshape.py in_memory_dtype)
     max_batch: int = defaults.MAX_BATCH
-    max_seq: int = 0              # 0: min(model context, 4096)
+    max_seq: int = 0              # 0: min(model context, defaults.DEFAULT_CONTEXT)
     threads: int = 0              # torch intra-op threads per rank; 0: cores / local ranks
     decode: str = "auto"          # pipeline.py decode_mode: auto, eager, graphs, compile
     quantize: str = "none"        # quantize.py: none, int8 (weight-only, decoder layers), gguf (the file's blocks)
@@ -61,6 +61,7 @@ class RankSpec:
     kv_block: int = defaults.KV_BLOCK_SIZE
     prefill_chunk: int = defaults.PREFILL_CHUNK
     max_step_tokens: int = defaults.MAX_STEP_TOKENS      # tokens per step (scheduler.py)
+    speculative: object = None    # speculative.SpeculativeConfig: prompt-lookup drafts; None: none
 
 
 @dataclass
@@ -150,7 +151,7 @@ def teacher_forced_nll(ctx: RankContext, ids: list[int]) -> float:
 def context_length(spec: RankSpec, config) -> int:
     """Tokens per request the KV cache holds: --max-seq-len, capped by the model's context."""
     ctx_len = config.max_position_embeddings
-    return min(spec.max_seq or min(ctx_len, 4096), ctx_len)
+    return min(spec.max_seq or min(ctx_len, defaults.DEFAULT_CONTEXT), ctx_len)
 
 
 def finish_rank(ctx: RankContext) -> list[dict] | None:

@@ -16,9 +16,9 @@ running decodes, and a long prompt delays the streams by one chunk per step, not
 
 Each row also says how many of its last positions return logits (`Step.logits`): 0 for a chunk
 short of its prompt's end, 1 for a decode or a prompt's last chunk, and 1 + k for a decode row
-that feeds k draft tokens after its next one (`SequenceState.draft`, set by a caller that proposes
-them before `schedule`): speculative decoding verifies them with the logits of each position and
-hands `append_tokens` the tokens it keeps for that row (see there).
+that feeds k draft tokens after its next one (`SequenceState.draft`: the speculator's proposal,
+asked for as the step is built, or set by a caller before `schedule`); speculative.py verifies them
+with the logits of each position and hands `append_tokens` the tokens it keeps for that row.
 
 The cache is a pool of blocks (kv_blocks.py): a request is admitted when the blocks for its prompt
 are free (less the blocks of a prefix another request left in the cache, which it shares), takes a
@@ -133,8 +133,10 @@ class Scheduler:
     def __init__(self, pool: BlockPool, max_batch: int, max_seq: int, micro_batches: int = 1,
                  prefill_chunk: int = PREFILL_CHUNK, eos_ids: tuple[int, ...] = (),
                  stats: EngineStats | None = None, on_finish: Callable[[Request], None] | None = None,
-                 max_waiting: int | None = None, max_step_tokens: int = MAX_STEP_TOKENS):
+                 max_waiting: int | None = None, max_step_tokens: int = MAX_STEP_TOKENS, speculator=None):
         self.pool, self.block_size = pool, pool.block_size
+        # speculative.Speculator (None: none): proposes each decoding row's draft as a step is built
+        self.speculator = speculator
         self.max_batch, self.max_seq = max_batch, max_seq
         self.micro_batches, self.prefill_chunk = micro_batches, max(1, prefill_chunk)
         self.eos_ids = tuple(eos_ids)
@@ -344,6 +346,8 @@ class Scheduler:
         budget = self.max_step_tokens - len(decoding)
         rows: list[tuple[SequenceState, list[int], int]] = []
         for s in decoding:
+            if self.speculator is not None:
+                s.draft = self.speculator.proposal(s)
             draft = self._draft(s, budget)
             budget -= len(draft)
             rows.append((s, [s.req.token_at(s.fed)] + draft, 1 + len(draft)))

@@ -11,16 +11,21 @@ one fp32 buffer; every rank contributes one payload to a single all_gather):
            the n int8 values and ceil(n/chunk) fp32 scales:                  n + 4*ceil(n/chunk) bytes
            (an all-reduce of int8 would overflow and the scales differ per rank, so it is a gather:
            each rank dequantizes every rank's payload and sums)
+    int4   the same with scale = absmax/7, q in [-7, 7], two values per byte (low nibble first,
+           stored as q + 8):                                       ceil(n/2) + 4*ceil(n/chunk) bytes
     topk   k = max(1, ceil(density*n)) elements of largest |x|: k int32 indices (int64 when
            n >= 2**31) and k fp32 values:                                    8k bytes (12k with int64)
+    topk-int4  the same indices, the k values quantized as int4 (chunks of `chunk` values in
+           selection order):                                  4k + ceil(k/2) + 4*ceil(k/chunk) bytes
 The mean is written back into each gradient, cast to its dtype (float32 or bfloat16).
 
-Why error feedback: both compressors are biased; top-k at 1% drops 99% of every gradient, and the
+Why error feedback: every compressor here is biased; top-k at 1% drops 99% of every gradient, and the
 dropped coordinates, each small alone, are most of the descent direction: without memory, SGD stalls
 far above the loss plain SGD reaches. With error feedback (Seide et al. 2014; Stich et al. 2018;
 Karimireddy et al. 2019, "EF-SGD") each rank keeps what compression dropped from its own contribution,
     residual = (grad + residual) - decompress(compress(grad + residual)),
-in fp32, one tensor per gradient keyed by its position in the list, and adds it before compressing
+in fp32, one tensor per gradient keyed by its position in the list (updated in place, so the
+tensors `residuals_for` handed to a checkpoint stay the live ones: compression_state.py), and adds it before compressing
 the next time, so every coordinate is eventually sent in full, late; EF-SGD then converges at the rate
 of SGD. `error_feedback=False` exists to show the difference (tests/worker/training/test_compression.py).
 A residual entry that is not finite (a step whose gradients overflowed) is reset to zero, so one bad
@@ -47,7 +52,9 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-METHODS = ("none", "int8", "topk")
+METHODS = ("none", "int8", "int4", "topk", "topk-int4")
+# the methods that send a fixed fraction of the elements (density applies to them)
+SPARSE = ("topk", "topk-int4")
 
 
 def _flat_fp32(grads: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -88,6 +95,61 @@ def _gather(payload: torch.Tensor, group) -> list[torch.Tensor]:
     out = torch.empty(world * payload.numel(), dtype=payload.dtype, device=payload.device)
     dist.all_gather_into_tensor(out, payload, group=group)
     return list(out.view(world, -1))
+
+
+# -- chunked integer quantization (int8 and int4 share it) ----------------------------------------
+
+def _quantize(x: torch.Tensor, chunk: int, qmax: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q as int8 in [-qmax, qmax], one fp32 scale = absmax/qmax per chunk, the dequantized x)."""
+    n = x.numel()
+    chunks = -(-n // chunk)
+    padded = torch.zeros(chunks * chunk, dtype=x.dtype, device=x.device)
+    padded[:n] = x
+    rows = padded.view(chunks, chunk)
+    scale = rows.abs().amax(dim=1) / qmax  # NaN/inf stay in the scale: the mean shows them
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(rows / safe[:, None]).clamp_(-qmax, qmax).to(torch.int8)
+    own = (q.to(x.dtype) * scale[:, None]).view(-1)[:n]
+    return q.view(-1)[:n], scale, own
+
+
+def _dequantize(q: torch.Tensor, scale: torch.Tensor, chunk: int) -> torch.Tensor:
+    n = q.numel()
+    padded = torch.zeros(scale.numel() * chunk, dtype=torch.float32, device=q.device)
+    padded[:n] = q
+    return (padded.view(-1, chunk) * scale[:, None]).view(-1)[:n]
+
+
+def _pack4(q: torch.Tensor) -> torch.Tensor:
+    """int8 values in [-7, 7] two per byte (low nibble first), as int8 bytes."""
+    u = (q.to(torch.int16) + 8).to(torch.uint8)
+    if u.numel() % 2:
+        u = torch.cat([u, u.new_full((1,), 8)])
+    return (u[0::2] | (u[1::2] << 4)).view(torch.int8)
+
+
+def _unpack4(packed: torch.Tensor, n: int) -> torch.Tensor:
+    u = packed.view(torch.uint8)
+    both = torch.stack([u & 15, u >> 4], dim=1).view(-1)[:n]
+    return both.to(torch.int16).sub_(8).to(torch.int8)
+
+
+def _quant_bytes(n: int, chunk: int, bits: int) -> int:
+    """Bytes of n values quantized to `bits` with one fp32 scale per chunk."""
+    return (n if bits == 8 else -(-n // 2)) + 4 * -(-n // chunk)
+
+
+def _encode_q(x: torch.Tensor, chunk: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(payload bytes: the quantized values then the scales, the dequantized x)."""
+    q, scale, own = _quantize(x, chunk, 127 if bits == 8 else 7)
+    body = q if bits == 8 else _pack4(q)
+    return torch.cat([body, scale.view(torch.int8)]), own
+
+
+def _decode_q(part: torch.Tensor, n: int, chunk: int, bits: int) -> torch.Tensor:
+    size = n if bits == 8 else -(-n // 2)
+    q = part[:size] if bits == 8 else _unpack4(part[:size], n)
+    return _dequantize(q, _bytes_as(part[size:], torch.float32), chunk)
 
 
 class GradientCompressor:
@@ -134,7 +196,12 @@ class GradientCompressor:
         offset = 0
         for i, g in enumerate(grads):
             n = g.numel()
-            self._residuals[i] = residual[offset:offset + n].view(g.shape)
+            part = residual[offset:offset + n].view(g.shape)
+            kept = self._residuals.get(i)
+            if kept is not None and kept.shape == g.shape:
+                kept.copy_(part)  # in place: a checkpoint's slices hold these tensors
+            else:
+                self._residuals[i] = part.clone()
             offset += n
         for i in [i for i in self._residuals if i >= len(grads)]:
             del self._residuals[i]
@@ -152,52 +219,60 @@ class GradientCompressor:
             return
         flat = _flat_fp32(grads)
         self._add_residuals(grads, flat)
-        compress = self._int8 if self.method == "int8" else self._topk
-        mean, own, sent = compress(flat)
+        if self.method in SPARSE:
+            mean, own, sent = self._topk(flat, 4 if self.method == "topk-int4" else 32)
+        else:
+            mean, own, sent = self._quantized(flat, 4 if self.method == "int4" else 8)
         self._keep_residuals(grads, flat.sub_(own))
         self.bytes_sent += sent
         self.bytes_uncompressed += flat.numel() * 4
         _write_back(grads, mean)
 
-    def _int8(self, flat: torch.Tensor):
-        n, chunk = flat.numel(), self.chunk
-        chunks = -(-n // chunk)
-        padded = torch.zeros(chunks * chunk, dtype=flat.dtype, device=flat.device)
-        padded[:n] = flat
-        rows = padded.view(chunks, chunk)
-        scale = rows.abs().amax(dim=1) / 127.0  # NaN/inf stay in the scale: the mean shows them
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = torch.round(rows / safe[:, None]).clamp_(-127, 127).to(torch.int8)
-        own = (q.to(flat.dtype) * scale[:, None]).view(-1)[:n]
-        payload = torch.cat([q.view(-1)[:n], scale.view(torch.int8)])
-        mean = torch.zeros(chunks * chunk, dtype=flat.dtype, device=flat.device)
-        q_r = torch.zeros(chunks * chunk, dtype=flat.dtype, device=flat.device)
+    def _quantized(self, flat: torch.Tensor, bits: int):
+        n = flat.numel()
+        payload, own = _encode_q(flat, self.chunk, bits)
+        mean = torch.zeros_like(flat)
         for part in _gather(payload, self.group):  # rank order: the same bits on every rank
-            q_r[:n] = part[:n]
-            scale_r = _bytes_as(part[n:], torch.float32)
-            mean.view(chunks, chunk).addcmul_(q_r.view(chunks, chunk), scale_r[:, None])
-        mean = mean[:n] / dist.get_world_size(self.group)
-        return mean, own, payload.numel()
+            mean += _decode_q(part, n, self.chunk, bits)
+        return mean / dist.get_world_size(self.group), own, payload.numel()
 
-    def _topk(self, flat: torch.Tensor):
+    def _topk(self, flat: torch.Tensor, bits: int):
+        """Top-k by magnitude; its values sent as fp32 (bits 32) or quantized to int4 per chunk."""
         n = flat.numel()
         k = min(n, max(1, math.ceil(self.density * n)))
         index_dtype = torch.int32 if n < 2**31 else torch.int64
         _, idx = flat.abs().topk(k, sorted=False)  # NaN counts as the largest: it is sent
         values = flat[idx]
+        if bits == 32:
+            body, sent_values = values.view(torch.int8), values
+        else:
+            body, sent_values = _encode_q(values, self.chunk, bits)
         own = torch.zeros_like(flat)
-        own[idx] = values
-        payload = torch.cat([idx.to(index_dtype).view(torch.int8), values.view(torch.int8)])
+        own[idx] = sent_values
+        payload = torch.cat([idx.to(index_dtype).view(torch.int8), body])
         split = k * torch.empty((), dtype=index_dtype).element_size()
         mean = torch.zeros_like(flat)
         parts = _gather(payload, self.group)
         for part in parts:  # one rank's indices are distinct: each element gets one add per rank
             idx_r = _bytes_as(part[:split], index_dtype).long()
-            mean.index_add_(0, idx_r, _bytes_as(part[split:], torch.float32))
+            values_r = (_bytes_as(part[split:], torch.float32) if bits == 32
+                        else _decode_q(part[split:], k, self.chunk, bits))
+            mean.index_add_(0, idx_r, values_r)
         mean /= len(parts)
         return mean, own, payload.numel()
 
     # -- checkpoint -----------------------------------------------------------------------------
+
+    def residuals_for(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The residual of each gradient position, created as fp32 zeros (shape of `tensors[i]`)
+        where there is none yet: the tensors a checkpoint saves and loads in place."""
+        out = []
+        for i, t in enumerate(tensors):
+            r = self._residuals.get(i)
+            if r is None or r.shape != t.shape:
+                r = self._residuals[i] = torch.zeros(t.shape, dtype=torch.float32, device=t.device)
+            out.append(r)
+        return out
 
     def state_dict(self) -> dict:
         """The residuals (fp32, by position in the gradient list), for a checkpoint."""

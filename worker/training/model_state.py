@@ -59,13 +59,14 @@ def build_stage(source, start: int, end: int, first: bool, last: bool, mesh, opt
     checkpointing, FSDP2), then materialized with only this rank's shards read from the model."""
     with torch.device("meta"):
         model = Transformer(source.config, start, end, first, last)
-    par.apply_tensor_parallel(model, mesh["tp"])
+    par.apply_tensor_parallel(model, mesh["tp"], opts.sequence_parallel)
     if opts.activation_checkpointing:
         par.apply_activation_checkpointing(model)
     compressed = opts.compression != "none" and opts.mesh_shape.replicate > 1
     dp_mesh = mesh["dp_shard"] if compressed else mesh["dp_replicate", "dp_shard"]
     # With several micro-batches per step, keep a stage's parameters gathered between them.
-    par.apply_fsdp(model, dp_mesh, compute_dtype, reshard_after_forward=opts.pipeline == 1)
+    par.apply_fsdp(model, dp_mesh, compute_dtype, reshard_after_forward=opts.pipeline == 1,
+                   prefetch=opts.prefetch_depth)
     model.to_empty(device=device)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -23,8 +23,11 @@ class TrainOptions:
     data_shard: int = 0                # ZeRO-3 shard degree; 0: all of data_parallel
     schedule: str = pipe.DEFAULT_SCHEDULE
     activation_checkpointing: bool = False
-    compression: str = "none"          # on the replicate axis: none, int8, topk
-    compression_density: float = 0.01  # topk: fraction of gradient elements sent
+    prefetch_depth: int = 0            # FSDP2 blocks all-gathered ahead; 0: FSDP2's own order
+    sequence_parallel: bool = False    # with tensor > 1: norms and activations between blocks split over the sequence
+    compression: str = "none"          # on the replicate axis: none, int8, int4, topk, topk-int4
+    compression_density: float = 0.01  # topk, topk-int4: fraction of gradient elements sent
+    compression_warmup: int = 0        # dense AdamW steps first, then the variance frozen (frozen_adam.py)
     checkpoint_every: int = 0          # 0: only at the end
     keep: int = 3
     local_checkpoint_dir: str | None = None   # node-local tier: each rank's own state, no collective
@@ -74,6 +77,13 @@ class TrainOptions:
             return f"batch size {self.batch_size} does not split evenly into {D} data-parallel replicas"
         if self.compression != "none" and not 0 < self.compression_density <= 1:
             return f"compression density must be in (0, 1], got {self.compression_density}"
+        if not 0 <= self.prefetch_depth <= 8:
+            return f"prefetch depth must be 0 to 8 blocks, got {self.prefetch_depth}"
+        if self.compression_warmup < 0:
+            return f"compression warm-up must be 0 or more steps, got {self.compression_warmup}"
+        if self.sequence_parallel and self.tensor > 1 and self.seq_len % self.tensor:
+            return (f"sequence parallelism splits each sequence over the {self.tensor} tensor-parallel ranks: "
+                    f"sequence length {self.seq_len} is not a multiple of {self.tensor}")
         micro = self.micro_batches_per_replica()
         if self.pipeline > 1:
             problem = pipe.check_schedule(self.schedule, self.pipeline, micro, layers)
@@ -121,8 +131,9 @@ def options_from_contract(contract, *, device: str, dtype: str) -> TrainOptions:
         checkpoint_every=c.interval_steps, keep=c.keep, seed=t.seed, lr=t.learning_rate,
         warmup=t.warmup_steps, weight_decay=t.weight_decay, batch_size=t.batch_size, seq_len=t.seq_length,
         micro_batches=t.micro_batches or 0, schedule=t.schedule.value,
-        activation_checkpointing=t.activation_checkpointing,
+        activation_checkpointing=t.activation_checkpointing, sequence_parallel=t.sequence_parallel,
         compression=t.gradient_compression.method if t.gradient_compression else "none",
         compression_density=t.gradient_compression.density if t.gradient_compression else 0.01,
+        compression_warmup=t.gradient_compression.warmup_steps if t.gradient_compression else 0,
         local_checkpoint_dir=local.path if local else None, local_every=local.interval_steps if local else 0,
         local_keep=local.keep if local else 2, device=device, dtype=dtype, json=True)

@@ -36,8 +36,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                               RowwiseParallel, SequenceParallel, parallelize_module)
 from torch.utils.checkpoint import checkpoint
 
 from shardwise.crds.layout import RankLayout
@@ -78,27 +79,64 @@ BLOCK_TP_PLAN = {name: ColwiseParallel() if split is Split.COLUMN else RowwisePa
                  for name, split in BLOCK_SPLITS.items()}
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Split `model` (a stage of model.Transformer) over `tp_mesh` with DTensor plans."""
+# Sequence parallelism (Korthikanti et al. 2022; torchtitan's plan): between the sub-layers the
+# residual stream and the norms are split over the sequence (dim 1) instead of replicated, so each
+# rank keeps 1/T of those activations and norms 1/T of the tokens. A sub-layer all-gathers its normed
+# input (PrepareModuleInput) and its last matmul reduce-scatters its output to the sequence split
+# instead of all-reducing it: the same bytes on the wire as Megatron's all-reduce.
+BLOCK_SP_PLAN = {
+    "attention_norm": SequenceParallel(),
+    "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
+                                    desired_input_layouts=(Replicate(), None, None, None)),
+    "ffn_norm": SequenceParallel(),
+    "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+    **{name: ColwiseParallel() if split is Split.COLUMN else RowwiseParallel(output_layouts=Shard(1))
+       for name, split in BLOCK_SPLITS.items()},
+}
+
+
+def _sequence_parallel_ends(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Where a stage's sequence split begins and ends: a stage receives and sends the full sequence
+    (the rotary positions are computed from it, and a pipeline's stages exchange whole activations),
+    its first block takes its rank's part of the sequence (a local slice: no communication), its
+    last gathers it again, or on the last stage the final norm runs split and the head gathers."""
+    blocks = list(model.layers.values())
+    parallelize_module(blocks[0], tp_mesh, PrepareModuleInput(
+        input_layouts=(Replicate(), None, None, None), desired_input_layouts=(Shard(1), None, None, None),
+        use_local_output=True))
+    if model.norm is None:
+        parallelize_module(blocks[-1], tp_mesh, PrepareModuleOutput(
+            output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True))
+        return
+    parallelize_module(model, tp_mesh, {"norm": SequenceParallel()})
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
+    """Split `model` (a stage of model.Transformer) over `tp_mesh` with DTensor plans; with
+    `sequence_parallel`, the activations between sub-layers and the norms over the sequence too."""
     tp = tp_mesh.size()
     if tp == 1:
         return
+    sp = sequence_parallel and len(model.layers) > 0
     tied = model.config.tie_word_embeddings and model.tok_embeddings is not None and model.output is not None
     # The vocabulary split (splits.VOCAB_SPLITS) of each end: the embedding's vocabulary rows,
     # the partial lookups summed; the head's vocabulary columns of the logits, gathered.
     vocab_styles = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-                    "output": ColwiseParallel(output_layouts=Replicate())}
+                    "output": ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(),
+                                              output_layouts=Replicate())}
     plan = {name: vocab_styles[name] for name, split in VOCAB_SPLITS.items()
             if split is Split.VOCAB and getattr(model, name) is not None}
     if tied:
         model.output.weight = nn.Parameter(model.output.weight.detach())   # untie: each split once
     parallelize_module(model, tp_mesh, plan)
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, BLOCK_TP_PLAN)
+        parallelize_module(block, tp_mesh, BLOCK_SP_PLAN if sp else BLOCK_TP_PLAN)
         block.attention.n_heads //= tp       # this rank's heads: the model reshapes by these
         block.attention.n_kv_heads //= tp
     if tied:   # the same vocabulary split on both sides: one parameter again
         model.output.weight = model.tok_embeddings.weight
+    if sp:
+        _sequence_parallel_ends(model, tp_mesh)
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
@@ -108,14 +146,21 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, compute_dtype: torch.dtype,
-               reshard_after_forward: bool = True) -> None:
+               reshard_after_forward: bool = True, prefetch: int = 0) -> None:
     """ZeRO-3 over `dp_mesh` (1-D: FSDP; 2-D replicate × shard: HSDP); fp32 master weights and
-    gradient reduction, compute in `compute_dtype`."""
+    gradient reduction, compute in `compute_dtype`. `prefetch` > 0: each block issues the
+    all-gathers of the next `prefetch` blocks (forward) or previous ones (backward) before it
+    computes, so they overlap its compute; 0 leaves FSDP2's own order (one block ahead in backward)."""
     policy = MixedPrecisionPolicy(param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
                                   reduce_dtype=torch.float32)
-    for block in model.layers.values():
+    blocks = list(model.layers.values())
+    for block in blocks:
         fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    if prefetch > 0:
+        for i, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + prefetch])
+            block.set_modules_to_backward_prefetch(blocks[max(0, i - prefetch):i][::-1])
 
 
 # ------------------------------------------------------------------ full-tensor view of a shard

@@ -53,8 +53,11 @@ from shardwise.crds.modelshape import in_memory_dtype
 from shardwise.worker.errors import WorkerError
 from shardwise.worker.training import checkpoint as ckpt
 from shardwise.worker.training import checkpoint_tiers as tiers
+from shardwise.worker.training import compression_state as cstate
 from shardwise.worker.training import parallelize as par
 from shardwise.worker.training import schedules as pipe
+from shardwise.worker.training.compression import GradientCompressor, plain_all_reduce_mean_
+from shardwise.worker.training.frozen_adam import frozen_variance_step_
 from shardwise.worker.training.data import StepBatches, TokenDataset
 from shardwise.worker.training.model_state import build_stage, init_optimizer_state, model_files, optimizer_slices, param_slices
 from shardwise.worker.training.options import TrainOptions, layout_record, options_from_contract, pod_rank  # noqa: F401
@@ -105,7 +108,6 @@ class Trainer:
         self._setup_groups()
         self.compressor = None
         if opts.compression != "none" and opts.mesh_shape.replicate > 1:
-            from shardwise.worker.training.compression import GradientCompressor
             self.compressor = GradientCompressor(opts.compression, self.mesh.get_group("dp_replicate"),
                                                  density=opts.compression_density)
 
@@ -170,12 +172,18 @@ class Trainer:
                             if not (tied and name == "output.weight")]   # the tied copy counted once
 
     # -- state
-    def state_slices(self) -> dict[str, ckpt.Slice]:
+    def state_slices(self, residuals: bool = True) -> dict[str, ckpt.Slice]:
         out = {}
         for m in self.modules:
             out.update(param_slices(m))
             out.update(optimizer_slices(m, self.optimizer))
+        if residuals and self.compressor is not None:
+            out.update(self.residual_slices())
         return out
+
+    def residual_slices(self) -> dict[str, ckpt.Slice]:
+        names = {id(p): name for m in self.modules for name, p in m.named_parameters()}
+        return cstate.residual_slices(self.compressor, self.params, names, self.mesh["dp_replicate"].get_local_rank())
 
     def local_fingerprint(self) -> dict:
         """What a local checkpoint must have been saved by to be loaded by this rank: the same
@@ -193,8 +201,15 @@ class Trainer:
             if shared is not None:   # progress.json's last_checkpoint stays the shared tier's
                 self.manager.last_committed = (shared[0], shared[1].get("time", 0.0))
             return self._resumed(meta, "local")
-        meta = self.manager.load_latest(slices, agree=self._agree)
-        return None if meta is None else self._resumed(meta, "shared")
+        meta = self.manager.load_latest(self.state_slices(residuals=False), agree=self._agree)
+        if meta is None:
+            return None
+        if self.compressor is not None:
+            path = Path(self.opts.checkpoint_dir) / ckpt.step_dir_name(int(meta["step"]))
+            how = cstate.load_residuals(path, self.residual_slices(), self.mesh["dp_replicate"].get_local_rank(),
+                                        self.opts.mesh_shape.replicate)
+            self.emit({"event": "log", "message": how})
+        return self._resumed(meta, "shared")
 
     def _resume_local(self, slices: dict[str, ckpt.Slice], shared: tuple[int, dict] | None) -> dict | None:
         """Every rank lists its matching local steps; they take the newest step all of them have,
@@ -270,7 +285,10 @@ class Trainer:
         sent = self._sync_grads()
         self.replicate_bytes += sent
         norm = par.clip_grad_norm_(self.norm_params, opts.grad_clip, self.device)
-        self.optimizer.step()
+        if self.compressing(step) and opts.compression_warmup:
+            frozen_variance_step_(self.optimizer, opts.compression_warmup)
+        else:
+            self.optimizer.step()
         self.step = step
         # Mean loss over the global batch: the last stage's TP rank 0 of each replica contributes.
         report = local_loss if (self.holds_last and self.pos.tp_rank == 0) else torch.zeros_like(local_loss)
@@ -292,16 +310,26 @@ class Trainer:
         self.schedule.step(*args)
         return torch.zeros((), dtype=torch.float32, device=self.device)
 
+    def compressing(self, step: int) -> bool:
+        """Whether step `step` averages the replicate axis compressed (after the dense warm-up)."""
+        return self.compressor is not None and step > self.opts.compression_warmup
+
     def _sync_grads(self) -> int:
         """What FSDP does not: the replicate axis when compressed, the tied pair across stages.
         Returns the bytes this rank sent on the replicate axis this step."""
+        if self.compressor is not None:   # one gradient per parameter: a residual's position is its parameter's
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
         grads = [p.grad for p in self.params if p.grad is not None]
         local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
         sent = 0
-        if self.compressor is not None:
+        if self.compressor is not None and self.compressing(self.step + 1):
             before = self.compressor.bytes_sent
             self.compressor.all_reduce_mean_(local)
             sent = self.compressor.bytes_sent - before
+        elif self.compressor is not None:   # the dense warm-up
+            sent = plain_all_reduce_mean_(local, self.compressor.group)
         elif self.opts.mesh_shape.replicate > 1:   # HSDP's all-reduce of fp32 gradient shards
             sent = sum(t.numel() * 4 for t in local)
         if self.tie_group is not None and self.config.tie_word_embeddings:

@@ -22,6 +22,10 @@ Where the kernel does not run (a CUDA device, a torch build without it) the same
 packed two a byte and each matmul dequantizes its matrix first, in the activation dtype (under
 `--decode compile` inductor fuses that into the matmul's reads).
 
+The embedding and the LM head are kept so too where a rank holds them whole (loader._read_blocks):
+the head is a BlockLinear, the embedding a BlockEmbedding that dequantizes only the rows it looks
+up, read from the kernel's own packing (kernel_row_layout); a tied pair shares one BlockLinear.
+
 Other GGUF types (Q6_K, Q5_K, ...) have no fast path: the loader dequantizes those tensors, and
 runtime.validate says so in one line.
 """
@@ -96,6 +100,33 @@ def int4_planes(blocks: Blocks) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return values, d, m + 8 * d
 
 
+@dataclass
+class Planes:
+    """4-bit values uint8 [rows, inputs'] in 0..15 with a scale and a zero (float32 [rows, inputs' /
+    group]) per group of inputs: w = (v - 8) * scale + zero. twice: two planes of 8-bit values
+    over the same inputs (inputs' = 2 * inputs), as int4_planes makes of Q8_0 and int8_planes of
+    quantize.py's INT8."""
+    qtype: str
+    values: np.ndarray
+    scale: np.ndarray
+    zero: np.ndarray
+    group: int = BLOCK
+
+    @property
+    def twice(self) -> bool:
+        return self.qtype in ("Q8_0", "int8")
+
+
+def int8_planes(q: np.ndarray, scale: np.ndarray, group: int) -> Planes:
+    """int8 q [rows, inputs] with a scale per group of inputs (w = q * scale) as two planes, the
+    way int4_planes splits Q8_0: hi = q >> 4 (+ 8, scale 16d) and lo = q & 15 (scale d, zero 8d)."""
+    hi = (q >> 4).astype(np.uint8) + 8
+    lo = q.view(np.uint8) & 15
+    d = scale.astype(np.float32)
+    return Planes("int8", np.concatenate([hi, lo], axis=1), np.concatenate([16 * d, d], axis=1),
+                  np.concatenate([np.zeros_like(d), 8 * d], axis=1), group)
+
+
 @functools.lru_cache(maxsize=None)
 def cpu_kernel_runs() -> bool:
     """Whether aten._weight_int4pack_mm_for_cpu runs here and computes (v - 8) * scale + zero
@@ -116,6 +147,43 @@ def cpu_kernel_runs() -> bool:
 
 
 KERNEL_ROWS = 16     # the kernel packs output rows in groups of 16; other slices take the fallback
+_PROBE_ROWS = 128    # rows packed to learn the kernel's layout: two or more of its row groups
+
+
+@functools.lru_cache(maxsize=8)
+def kernel_row_layout(inputs: int) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+    """Where the kernel's packing puts each 4-bit value of a row with `inputs` values, learned by
+    packing matrices of known values (the layout is the private op's and varies with the CPU's
+    vector width): (period, byte [period, inputs] int64, shift [period, inputs] uint8) such that
+    value k of row r sits in the low (shift 0) or high (shift 4) nibble of byte
+    (r // period) * period * inputs / 2 + byte[r % period, k] of the packed tensor; None where the
+    packing is not periodic in rows that way (then rows are read from a copy; see BlockLinear.rows)."""
+    n = _PROBE_ROWS * inputs
+    index = torch.arange(n, dtype=torch.int64).view(_PROBE_ROWS, inputs)
+    source = torch.zeros(n // 2, 2, dtype=torch.int64)      # per (byte, nibble): the flat index it holds
+    digits = max(1, (n - 1).bit_length() + 3) // 4
+    try:
+        for d in range(digits):
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(((index >> 4 * d) & 15).to(torch.int32), 1)
+            flat = packed.reshape(-1).to(torch.int64)
+            if flat.numel() * 2 != n:
+                return None
+            source[:, 0] |= (flat & 15) << 4 * d
+            source[:, 1] |= (flat >> 4) << 4 * d
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return None
+    if not torch.equal(torch.sort(source.view(-1)).values, torch.arange(n)):
+        return None                                          # not a permutation of the values
+    where = torch.empty(n, dtype=torch.int64)                # per value: its (byte, nibble) position
+    where[source.view(-1)] = torch.arange(n)
+    byte, shift = (where // 2).view(_PROBE_ROWS, inputs), (where % 2 * 4).view(_PROBE_ROWS, inputs)
+    for period in (KERNEL_ROWS, 2 * KERNEL_ROWS, 4 * KERNEL_ROWS):
+        step = period * inputs // 2
+        offsets = torch.arange(_PROBE_ROWS // period).repeat_interleave(period)[:, None] * step
+        base = byte[:period].repeat(_PROBE_ROWS // period, 1) + offsets
+        if torch.equal(base, byte) and torch.equal(shift[:period].repeat(_PROBE_ROWS // period, 1), shift):
+            return period, byte[:period].contiguous(), shift[:period].to(torch.uint8).contiguous()
+    return None
 
 
 class BlockLinear(InferenceMatrix):
@@ -125,14 +193,17 @@ class BlockLinear(InferenceMatrix):
     Its tensors are parameters (requires_grad=False), so parallel.weight_bytes counts them and
     offload.py packs them."""
 
-    def __init__(self, blocks: Blocks, device: str | torch.device = "cpu", bias: torch.Tensor | None = None):
+    def __init__(self, blocks: "Blocks | Planes", device: str | torch.device = "cpu", bias: torch.Tensor | None = None,
+                 rows: bool = False):
         """bias: kept beside the blocks in its own dtype (the fused q/k/v of a model with
-        attention biases), added after the matmul."""
+        attention biases), added after the matmul. rows: the matrix is also read by rows (an
+        embedding table: see rows())."""
         super().__init__()
-        self.qtype = blocks.qtype
-        self.out_features, self.in_features = blocks.shape
-        self.twice = blocks.qtype == "Q8_0"          # the input runs once per plane
-        values, scale, zero = int4_planes(blocks)
+        planes = blocks if isinstance(blocks, Planes) else Planes(blocks.qtype, *int4_planes(blocks))
+        self.qtype, self.group = planes.qtype, planes.group
+        self.twice = planes.twice                   # the input runs once per plane
+        values, scale, zero = planes.values, planes.scale, planes.zero
+        self.out_features, self.in_features = values.shape[0], values.shape[1] // (2 if self.twice else 1)
         v = torch.from_numpy(values)
         # [blocks, rows, 2]: the kernel's layout of the scales and zeros
         sz = torch.stack([torch.from_numpy(scale).t(), torch.from_numpy(zero).t()], dim=-1)
@@ -146,19 +217,52 @@ class BlockLinear(InferenceMatrix):
         self.scales_and_zeros = nn.Parameter(sz.to(device=device, dtype=torch.bfloat16).contiguous(),
                                              requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(device), requires_grad=False)
+        # rows=True (an embedding table, tied to the head or not): where its rows cannot be read
+        # from the kernel's packing, a copy in our own layout serves the lookups
+        self.layout = self._row_layout(values) if self.kernel and rows else None
+        self.row_copy = None
+        if rows and self.kernel and self.layout is None:
+            self.row_copy = nn.Parameter((v[:, 0::2] | (v[:, 1::2] << 4)).to(device), requires_grad=False)
+
+    def _row_layout(self, values: np.ndarray):
+        """kernel_row_layout for this matrix, checked against its own values on a few rows."""
+        layout = kernel_row_layout(values.shape[1])
+        if layout is None or self.out_features % layout[0]:
+            return None
+        self.layout = layout
+        probe = torch.tensor(sorted({0, self.out_features // 2 + 1, self.out_features - 1}))
+        return layout if torch.equal(self._values(probe), torch.from_numpy(values[probe.numpy()])) else None
+
+    def _values(self, ids: torch.Tensor) -> torch.Tensor:
+        """The 4-bit values (uint8 [len(ids), inputs']) of rows `ids`, read from the packing."""
+        if not self.kernel:
+            p = self.packed[ids]
+        elif self.layout is None:
+            p = self.row_copy[ids]
+        else:
+            period, byte, shift = self.layout
+            at = byte[ids % period] + (ids // period * (period * byte.shape[1] // 2))[:, None]
+            return (self.packed.view(-1)[at] >> shift[ids % period]) & 15
+        return torch.stack([p & 15, p >> 4], dim=-1).view(p.shape[0], -1)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows `ids` (int64, any shape) of the matrix, dequantized: [*ids.shape, in] in `dtype`.
+        An embedding lookup reads only these rows' blocks (needs rows=True where the kernel runs)."""
+        flat = ids.reshape(-1)
+        v = self._values(flat).to(dtype)
+        sz = self.scales_and_zeros[:, flat].to(dtype)                     # [blocks, n, 2]
+        w = (v.view(flat.numel(), -1, self.group) - 8) * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None]
+        w = w.view(flat.numel(), -1)
+        if self.twice:
+            w = w[:, :self.in_features] + w[:, self.in_features:]
+        return w.view(*ids.shape, self.in_features)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The [out, in] matrix these blocks stand for (the fallback path; tests)."""
         if self.kernel:
             eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.packed.device)
             return self._matmul(eye).t().to(dtype)
-        p = self.packed
-        v = torch.stack([p & 15, p >> 4], dim=-1).view(p.shape[0], -1).to(dtype)
-        sz = self.scales_and_zeros.to(dtype)
-        rows, blocks = v.shape[0], v.shape[1] // BLOCK
-        w = (v.view(rows, blocks, BLOCK) - 8) * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None]
-        w = w.view(rows, -1)
-        return w[:, :self.in_features] + w[:, self.in_features:] if self.twice else w
+        return self.rows(torch.arange(self.out_features, device=self.packed.device), dtype)
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] -> [rows, out] in x's dtype."""
@@ -171,8 +275,21 @@ class BlockLinear(InferenceMatrix):
         xb = x.to(torch.bfloat16)
         if self.twice:
             xb = torch.cat([xb, xb], dim=1)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb.contiguous(), self.packed, BLOCK, self.scales_and_zeros)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb.contiguous(), self.packed, self.group,
+                                                       self.scales_and_zeros)
         return y.to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mm(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+
+
+class BlockEmbedding(nn.Module):
+    """Token embeddings read from a BlockLinear's rows (rows=True): only the looked-up rows are
+    dequantized, into the model's dtype. A tied model's embedding and LM head are one BlockLinear."""
+
+    def __init__(self, table: BlockLinear, dtype: torch.dtype):
+        super().__init__()
+        self.table, self.dtype = table, dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table.rows(ids, self.dtype)

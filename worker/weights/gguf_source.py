@@ -161,7 +161,8 @@ class GGUFSource(ModelSource):
         column slice would cut a block (the caller then reads it with `read`)."""
         from gguf import GGMLQuantizationType
         from shardwise.worker.weights.gguf_blocks import NATIVE, Blocks
-        t = self.tensors.get(_gguf_name(name))
+        g = _gguf_name(name)
+        t = self.tensors.get("token_embd.weight" if g == "output.weight" and g not in self.tensors else g)
         qtype = GGMLQuantizationType(t.qtype).name if t is not None else ""
         if qtype not in NATIVE or len(t.shape) != 2:
             return None

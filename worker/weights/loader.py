@@ -50,6 +50,17 @@ def _read_blocks(source: ModelSource, model: Transformer, shards: dict) -> tuple
             if all(b is not None for b in got) and len({b.qtype for b in got}) == 1:
                 blocks[f"layers.{i}.{fused}"] = Blocks.concat(got)
                 kept.update(names)
+    # The embedding and the LM head (one matrix when tied), where they are plain modules: split
+    # over the vocabulary (tensor parallelism) they stay as read.
+    for name, module in (("tok_embeddings", model.tok_embeddings), ("output", model.output)):
+        weight = getattr(module, "weight", None)
+        if not read or type(module) not in (nn.Embedding, nn.Linear) or name + ".weight" in kept:
+            continue
+        got = read(name + ".weight", None)
+        if got is not None:
+            names = {n for n, p in model.named_parameters(remove_duplicate=False) if p is weight}
+            blocks.update({n.rpartition(".")[0]: got for n in names})    # tied: both keys, one Blocks
+            kept.update(names)
     return blocks, kept
 
 
@@ -61,7 +72,8 @@ def load_stage(source: ModelSource, layer_start: int, layer_end: int, embedding:
     keep_blocks (`--quantize gguf`): the decoder-layer matrices that a GGUF file stores in a type
     with a fast path are not read as floats: their blocks go to `model.gguf_blocks` by fused name
     (inference.FUSED_MATRICES), the parameters stay on the meta device, and quantize.quantize_weights
-    builds them after inference.install_fused_weights. A fused group is kept only if all its parts are."""
+    builds them after inference.install_fused_weights. A fused group is kept only if all its parts are.
+    The embedding and the LM head are kept likewise where they are plain modules (TP 1)."""
     with torch.device("meta"):
         model = Transformer(source.config, layer_start, layer_end, embedding, head)
     apply_tensor_parallel(model, tp_rank, tp_world, group)

@@ -19,7 +19,7 @@ import struct
 from typing import Any
 
 from shardwise.worker.errors import WorkerError
-from shardwise.worker.weights.json_file import depth_exceeds, parse
+from shardwise.worker.weights.json_file import parse
 
 # The format's own bound on the header (safetensors refuses a longer one too).
 HEADER_MAX_BYTES = 100_000_000
@@ -69,9 +69,7 @@ def _parse(raw: bytes, path: str) -> dict[str, Any]:
     bad = f"weight file {path} is not a valid safetensors file"
     if not raw.startswith(b"{"):
         raise WorkerError(f"{bad}: its header is not a JSON object")
-    if depth_exceeds(raw, _MAX_JSON_DEPTH):
-        raise WorkerError(f"{bad}: its header nests deeper than {_MAX_JSON_DEPTH}")
-    header = parse(raw, f"the header of weight file {path}")
+    header = parse(raw, f"the header of weight file {path}", _MAX_JSON_DEPTH)
     if not isinstance(header, dict):
         raise WorkerError(f"{bad}: its header is not a JSON object")
     return header

@@ -2,10 +2,10 @@
 metadata (byte-level BPE vocabulary + merges). Chat templates render with jinja2."""
 from __future__ import annotations
 
-import json
 import os
 
 from shardwise.worker.errors import WorkerError
+from shardwise.worker.weights import json_file
 
 # Pre-tokenizer regex of Llama-3 style BPE vocabularies (llama.cpp pre-type "llama-bpe").
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -67,24 +67,44 @@ def from_hf_dir(path: str, eos_ids: list[int]) -> Tokenizer:
     tj = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(tj):
         raise WorkerError(f"{path}: no tokenizer.json (only fast tokenizers are supported)")
-    tok = HFTokenizer.from_file(tj)
+    if os.path.getsize(tj) > json_file.MAX_BYTES:
+        raise WorkerError(f"{tj} is larger than {json_file.MAX_BYTES} bytes")
+    try:
+        tok = HFTokenizer.from_file(tj)
+    except Exception as e:   # the tokenizers library raises a bare Exception for a file it cannot read
+        why = str(e).splitlines()[0] if str(e) else repr(e)
+        raise WorkerError(f"{tj} is not a tokenizer this server can load: {why}") from None
     cfg = {}
     cfg_path = os.path.join(path, "tokenizer_config.json")
     if os.path.isfile(cfg_path):
-        with open(cfg_path) as f:
-            cfg = json.load(f)
+        cfg = json_file.read_object(cfg_path)
     template = cfg.get("chat_template")
     tpl_path = os.path.join(path, "chat_template.jinja")
     if template is None and os.path.isfile(tpl_path):
-        with open(tpl_path) as f:
-            template = f.read()
+        template = _read_text(tpl_path)
     if isinstance(template, list):   # named templates: use the default one
-        template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+        named = [t for t in template if isinstance(t, dict) and isinstance(t.get("template"), str)]
+        template = next((t["template"] for t in named if t.get("name") == "default"),
+                        named[0]["template"] if named else None)
+    if template is not None and not isinstance(template, str):
+        raise WorkerError(f"{cfg_path}: chat_template is neither a string nor a list of named templates")
     bos, eos = _special(cfg, "bos_token"), _special(cfg, "eos_token")
     ids = list(eos_ids)
     if eos and tok.token_to_id(eos) is not None and tok.token_to_id(eos) not in ids:
         ids.append(tok.token_to_id(eos))
     return Tokenizer(tok, template, bos, eos, bool(cfg.get("add_bos_token", False)), ids)
+
+
+def _read_text(path: str) -> str:
+    """A template file of the model folder, at most json_file.MAX_BYTES, as UTF-8 text."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(json_file.MAX_BYTES + 1)
+        if len(raw) > json_file.MAX_BYTES:
+            raise WorkerError(f"{path} is larger than {json_file.MAX_BYTES} bytes")
+        return raw.decode()
+    except (OSError, UnicodeDecodeError) as e:
+        raise WorkerError(f"{path} cannot be read: {getattr(e, 'strerror', None) or e}") from None
 
 
 def from_gguf(source) -> Tokenizer:

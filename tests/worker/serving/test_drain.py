@@ -20,9 +20,9 @@ ROOT = Path(__file__).resolve().parents[3]
 NEW_TOKENS = 120
 
 
-def _stream(base: str, out: dict) -> None:
+def _stream(base: str, out: dict, tokens: int = NEW_TOKENS) -> None:
     """One streamed completion; records its chunks' text, the finish reason and any error."""
-    body = json.dumps({"prompt": "the quick brown fox", "max_tokens": NEW_TOKENS, "temperature": 0,
+    body = json.dumps({"prompt": "the quick brown fox", "max_tokens": tokens, "temperature": 0,
                        "stream": True, "stream_options": {"include_usage": True}}).encode()
     req = urllib.request.Request(base + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
     out["chunks"] = []

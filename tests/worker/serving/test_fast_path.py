@@ -13,7 +13,7 @@ from shardwise.worker.distributed.placement import place_in_huge_pages
 from shardwise.worker.model.inference import install_fused_weights
 from shardwise.worker.model.llama import ModelConfig, Transformer
 from shardwise.worker.serving.cache_view import cache_view
-from shardwise.worker.serving.cuda_graphs import buckets, padded_ints
+from shardwise.worker.serving.cuda_graphs import buckets, padded_ints, unpack
 from shardwise.worker.serving.fastpath import compile_decode
 
 CONFIG = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=8,
@@ -62,7 +62,7 @@ class Driver:
             ints = padded_ints(torch.tensor(positions), torch.tensor(slots), n, scratch=4)
             # pad tokens are arbitrary: the scratch row holds nothing anyone reads
             x = torch.tensor([row[0] for row in tokens] + [7] * (n - b))[:, None]
-            return self.run(x, ints[0].view(n, 1), ints[1])[:b, -1]
+            return self.run(x, *unpack(ints, n))[:b, -1]
         return self.run(torch.tensor(tokens), torch.tensor(positions), torch.tensor(slots))[:, -1]
 
 

@@ -28,7 +28,7 @@ def server():
 def test_deeply_nested_json_is_a_400(server, depth):
     body = b'{"prompt": "x", "extra": ' + b"[" * depth + b"]" * depth + b"}"
     code, error = status_and_error(post(server.port, "/v1/completions", body))
-    assert code == 400 and f"more than {MAX_JSON_DEPTH} levels" in error["message"]
+    assert code == 400 and f"deeper than {MAX_JSON_DEPTH} levels" in error["message"]
     assert completion_ok(server.port)
 
 

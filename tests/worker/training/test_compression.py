@@ -1,6 +1,6 @@
 """Compressed gradient averaging (worker/training/compression.py) between real gloo ranks on 127.0.0.1:
-int8 within its quantization bound at a quarter of the bytes, top-k sending 1% of the elements
-and their exact mean, error feedback as the difference between top-k SGD that converges and one
+int8 within its quantization bound at a quarter of the bytes, int4 within its bound at an eighth,
+top-k sending 1% of the elements and their exact mean, top-k + int4 the same elements in 4 bits, error feedback as the difference between top-k SGD that converges and one
 that stalls, residuals that survive a checkpoint and an overflowed step, one-line errors for bad
 options.
 
@@ -83,6 +83,8 @@ def ranks() -> dict:
     return _spawn({
         "int8": ("_one_step", {"method": "int8", "chunk": 1024}),
         "topk": ("_one_step", {"method": "topk", "density": 0.01}),
+        "int4": ("_one_step", {"method": "int4", "chunk": 1024}),
+        "topk-int4": ("_one_step", {"method": "topk-int4", "density": 0.01, "chunk": 64}),
         "regression": ("_regression", {"steps": 300, "lr": 3.0}),
         "overflow": ("_overflow_and_checkpoint", {}),
     })
@@ -192,6 +194,57 @@ def test_int8_mean_within_quantization_bound_at_a_quarter_of_the_bytes(ranks):
         assert ranks[r]["bytes_sent"] == N + 4 * chunks  # int8 payload + one fp32 scale per chunk
         assert ranks[r]["bytes_uncompressed"] == ranks[r]["plain_bytes"] == 4 * N
         assert 0.25 < ranks[r]["bytes_sent"] / ranks[r]["bytes_uncompressed"] < 0.252
+
+
+def _quantization_bound(ranks, chunk: int, qmax: int) -> np.ndarray:
+    """Round to nearest: each rank's error is at most half a step, absmax/qmax of its chunk; plus the
+    bf16 gradient's own rounding when the mean is written back."""
+    chunks = math.ceil(N / chunk)
+    bound = np.zeros(N)
+    for r in range(WORLD):
+        padded = np.zeros(chunks * chunk)
+        padded[:N] = np.abs(ranks[r]["before"])
+        bound += np.repeat(padded.reshape(chunks, chunk).max(1) / qmax / 2, chunk)[:N] / WORLD
+    exact = (ranks[0]["before"] + ranks[1]["before"]) / WORLD
+    bf16 = np.zeros(N, dtype=bool)
+    bf16[-40 * 101:] = True
+    return bound * 1.0001 + np.where(bf16, np.abs(exact) * 2.0 ** -8, 0)
+
+
+def test_int4_mean_within_its_quantization_bound_at_an_eighth_of_the_bytes(ranks):
+    chunk = 1024
+    ranks = ranks["int4"]
+    assert np.array_equal(ranks[0]["after"], ranks[1]["after"]), "replicas got different means"
+    exact = (ranks[0]["before"] + ranks[1]["before"]) / WORLD
+    err = np.abs(ranks[0]["after"] - exact)
+    bound = _quantization_bound(ranks, chunk, 7)
+    assert (err <= bound).all(), f"{int((err > bound).sum())} elements outside the bound, worst {err.max()}"
+    # coarser than int8: some elements are off by more than int8's bound allows
+    assert (err > _quantization_bound(ranks, chunk, 127)).any()
+    for r in range(WORLD):
+        assert ranks[r]["bytes_sent"] == math.ceil(N / 2) + 4 * math.ceil(N / chunk)  # two per byte + scales
+        assert 0.125 < ranks[r]["bytes_sent"] / ranks[r]["bytes_uncompressed"] < 0.127
+
+
+def test_topk_int4_sends_the_topk_indices_with_values_in_four_bits(ranks):
+    chunk, ranks = 64, ranks["topk-int4"]
+    k = math.ceil(0.01 * N)  # 191
+    assert np.array_equal(ranks[0]["after"], ranks[1]["after"])
+    sent = np.zeros(N, dtype=bool)
+    for r in range(WORLD):
+        sent[np.argsort(-np.abs(ranks[r]["before"]))[:k]] = True
+    after = ranks[0]["after"]
+    assert not after[~sent].any()  # only the top-k positions of some rank are non-zero
+    exact = np.zeros(N)
+    for r in range(WORLD):
+        top = np.argsort(-np.abs(ranks[r]["before"]))[:k]
+        exact[top] += ranks[r]["before"][top] / WORLD
+    # each value is off by at most half a 4-bit step of the largest value it was sent with
+    worst = max(np.abs(ranks[r]["before"]).max() for r in range(WORLD)) / 7 / 2
+    assert np.abs(after - exact)[sent].max() <= worst * 1.001 + np.abs(exact).max() * 2.0 ** -8
+    for r in range(WORLD):
+        assert ranks[r]["bytes_sent"] == 4 * k + math.ceil(k / 2) + 4 * math.ceil(k / chunk)
+        assert ranks[r]["bytes_sent"] < 0.6 * 8 * k  # under 60% of plain top-k's bytes
 
 
 def test_topk_sends_one_percent_and_the_exact_mean_of_what_it_sent(ranks):

@@ -1,11 +1,13 @@
 """Training on PyTorch's parallel stack gives the single-process losses in every layout.
 
 Real local processes talking gloo through `shardwise train`: FSDP2 (ZeRO-3), DTensor tensor
-parallel, HSDP and the pipelining schedules, 20 steps each, against one process on the same data
+parallel (with and without sequence parallelism), HSDP and the pipelining schedules, 20 steps each, against one process on the same data
 and seed (fp32 on CPU: relative gap under 1e-3 at every step). Checkpoints written in one layout
-resume in another with the same losses. Bad layouts are refused in one line naming the option."""
+resume in another with the same losses, and a compressed run resumes its error feedback. Bad
+layouts are refused in one line naming the option."""
 from __future__ import annotations
 
+import math
 import shutil
 
 import pytest
@@ -40,7 +42,12 @@ LAYOUTS = {
     "PP2-Interleaved1F1B": ["--pipeline-parallel", "2", "--schedule", "Interleaved1F1B"],
     "HSDP2x2": ["--data-parallel", "4", "--data-shard", "2"],
     "FSDP2-recompute": ["--data-parallel", "2", "--activation-checkpointing"],
+    "FSDP2-prefetch2": ["--data-parallel", "2", "--prefetch-depth", "2"],
     "PP2xFSDP2xTP2": ["--pipeline-parallel", "2", "--data-parallel", "2", "--tensor-parallel", "2"],
+    # sequence parallelism: norms and the activations between sub-layers split over the sequence
+    "TP2-SP": ["--tensor-parallel", "2", "--sequence-parallel"],
+    "PP2xFSDP2xTP2-SP": ["--pipeline-parallel", "2", "--data-parallel", "2", "--tensor-parallel", "2",
+                         "--sequence-parallel"],
 }
 
 
@@ -77,6 +84,40 @@ def test_zero3_checkpoint_resumes_under_other_layouts_with_the_same_losses(train
         _assert_parity(got, single, range(11, STEPS + 1))
 
 
+@pytest.mark.parametrize("method", [["--compression", "topk", "--compression-density", "0.05"],
+                                    ["--compression", "topk-int4", "--compression-warmup", "3"]],
+                         ids=["topk", "topk-int4-frozen-variance"])
+def test_a_compressed_run_resumed_mid_run_gives_the_uninterrupted_losses(train, tmp_path, method):
+    """The error-feedback residuals are in the checkpoint: a run stopped at step 10 and resumed goes on
+    exactly as the run that never stopped (without them, what compression still owed is lost)."""
+    two_groups = ["--data-parallel", "2", "--data-shard", "1", *method]
+    whole = train.run(tmp_path / "whole", *two_groups, check=True).records
+    resumed_dir = tmp_path / "resumed"
+    train.run(resumed_dir, *two_groups, "--steps", "10", check=True)
+    _, resumed, err = train.run(resumed_dir, *two_groups, check=True)
+    assert sorted(resumed) == list(range(11, STEPS + 1)), err
+    for s in range(11, STEPS + 1):
+        assert resumed[s]["loss"] == pytest.approx(whole[s]["loss"], rel=1e-6, abs=0), f"step {s}"
+        assert resumed[s]["replicate_bytes"] == whole[s]["replicate_bytes"]
+
+
+def test_compression_residuals_reshard_to_another_layout_and_replicate_count(train, tmp_path):
+    """Saved by 2 replicate groups at step 10; resumed sharded over 2 ranks per group (the residual
+    slices read in their new split) and by 4 groups (each starting from the mean of the 2 saved)."""
+    saved = tmp_path / "saved"
+    train.run(saved, "--data-parallel", "2", "--data-shard", "1", "--compression", "int4", "--steps", "10", check=True)
+    for name, layout, news in [
+            ("sharded", ["--data-parallel", "4", "--data-shard", "2"], "compression residuals of 2 replicate groups resumed"),
+            ("four-groups", ["--data-parallel", "4", "--data-shard", "1"],
+             "compression residuals saved by 2 replicate groups, resumed by 4: each starts from their mean")]:
+        ckdir = tmp_path / name
+        ckdir.mkdir()
+        shutil.copytree(saved / ckpt.step_dir_name(10), ckdir / ckpt.step_dir_name(10))
+        _, got, err = train.run(ckdir, *layout, "--compression", "int4", "--steps", "12", check=True)
+        assert news in err, err
+        assert sorted(got) == [11, 12] and all(math.isfinite(r["loss"]) for r in got.values())
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--data-parallel", "4", "--data-shard", "3"], "data-parallel shard degree 3 does not divide the 4"),
     (["--tensor-parallel", "3"], "tensor parallel degree 3 does not divide"),
@@ -88,6 +129,12 @@ def test_zero3_checkpoint_resumes_under_other_layouts_with_the_same_losses(train
      "compression density must be in (0, 1], got 0.0"),
     (["--data-parallel", "2", "--data-shard", "1", "--compression", "topk", "--compression-density", "1.5"],
      "compression density must be in (0, 1], got 1.5"),
+    (["--data-parallel", "2", "--prefetch-depth", "9"], "prefetch depth must be 0 to 8 blocks, got 9"),
+    (["--tensor-parallel", "2", "--sequence-parallel", "--seq-len", "33"],
+     "sequence parallelism splits each sequence over the 2 tensor-parallel ranks: sequence length 33 is not "
+     "a multiple of 2"),
+    (["--data-parallel", "2", "--data-shard", "1", "--compression", "int4", "--compression-warmup", "-1"],
+     "compression warm-up must be 0 or more steps, got -1"),
     (["--data-parallel", "2", "--compression", "int8"],
      "gradient compression works across replicate groups: --data-shard 2 leaves none of the 2 replicas"),
 ])

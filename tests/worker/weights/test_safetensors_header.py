@@ -139,10 +139,16 @@ def test_generate_on_a_hostile_weight_file_is_one_line(capsys, tmp_path):
     # old: followed out of the model's directory
     ("model.safetensors.index.json", b'{"weight_map": {"lm_head.weight": "../../etc/passwd"}}',
      "'../../etc/passwd', not a file of"),
+    # old: RecursionError out of json.load, a traceback
+    ("tokenizer_config.json", b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nests deeper than 32"),
+    # old: a number taken for a template, failing later inside the template engine
+    ("tokenizer_config.json", b'{"chat_template": 5}', "chat_template is neither"),
+    # old: the tokenizers library's bare Exception, a traceback
+    ("tokenizer.json", b'{"x":', "is not a tokenizer this server can load"),
 ])
 def test_hostile_json_of_a_model_directory_is_one_line(capsys, tmp_path, file, content, says):
-    """config.json, generation_config.json and the safetensors index are the download's too: one
-    line naming the file from `shardwise generate`, exit 2, no traceback."""
+    """config.json, generation_config.json, the tokenizer's files and the safetensors index are
+    the download's too: one line naming the file from `shardwise generate`, exit 2, no traceback."""
     from shardwise.worker.weights.tiny import write_tiny_model
     model = write_tiny_model(tmp_path / "m", TEXT, layers=2, hidden=32, heads=4, kv_heads=2)
     (model / file).write_bytes(content)

@@ -28,6 +28,15 @@ from typing import Callable
 BACKLOG = 1024              # connections the kernel queues before they are accepted
 WORKERS = 256               # threads serving requests (each holds one while its answer is generated)
 MAX_CONNECTIONS = 8192      # open connections; beyond it the oldest idle one is closed
+SPARE_WORKERS = 32          # beyond the engine's sequences: /healthz, /metrics, requests refused at once
+
+
+def workers_for(sequences: int) -> int:
+    """Request threads for an engine that holds `sequences` at once, running and waiting: one each
+    (a request holds its thread while its answer is generated), so that every request the engine
+    would admit reaches it rather than waiting for a thread, plus SPARE_WORKERS; at least WORKERS,
+    at most MAX_CONNECTIONS. Threads start as requests come, so an unused bound costs nothing."""
+    return min(MAX_CONNECTIONS, max(WORKERS, sequences + SPARE_WORKERS))
 
 
 @dataclass(frozen=True)

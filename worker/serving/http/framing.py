@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 
+from shardwise.crds import boundedjson
 from shardwise.worker.serving.http.errors import BadRequest
 
 MAX_BODY = 4 << 20              # bytes of a request body
@@ -45,29 +46,11 @@ def body_length(headers, method: str) -> int:
 def parse_json(raw: bytes):
     """The body's JSON, or BadRequest (400) saying why it is not acceptable JSON."""
     try:
-        body = json.loads(raw)
-    except RecursionError:
-        raise BadRequest(f"body is nested more than {MAX_JSON_DEPTH} levels deep") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise BadRequest(f"body is not valid JSON: {e}") from None
-    if _depth(body) > MAX_JSON_DEPTH:
-        raise BadRequest(f"body is nested more than {MAX_JSON_DEPTH} levels deep")
+        body = boundedjson.loads(raw, MAX_JSON_DEPTH)
+    except boundedjson.JSONRefused as e:
+        raise BadRequest(f"body {e}") from None
     try:   # "\ud800" escapes parse, but no tokenizer takes a lone surrogate
         json.dumps(body, ensure_ascii=False).encode()
     except UnicodeEncodeError:
         raise BadRequest("body is not valid JSON: a string holds a lone UTF-16 surrogate") from None
     return body
-
-
-def _depth(value) -> int:
-    """How deeply arrays and objects nest in `value`, walked without recursion, stopping once
-    past MAX_JSON_DEPTH."""
-    deepest, todo = 0, [(value, 1)]
-    while todo:
-        v, level = todo.pop()
-        if isinstance(v, (list, dict)):
-            deepest = max(deepest, level)
-            if deepest > MAX_JSON_DEPTH:
-                break
-            todo.extend((x, level + 1) for x in (v.values() if isinstance(v, dict) else v))
-    return deepest

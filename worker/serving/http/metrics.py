@@ -1,7 +1,7 @@
 """The server's Prometheus collectors: request latency and time to first token, token counts and
 rate, the ranks' weight bytes and communication time, the engine's queue, and, read at scrape
-time, the KV cache's blocks (KVCacheUse), the queue's bound and refusals (Admission) and a
-mixture-of-experts model's load (ExpertLoad)."""
+time, the KV cache's blocks (KVCacheUse), the queue's bound and refusals (Admission), speculative
+decoding's drafts and acceptance (Speculation) and a mixture-of-experts model's load (ExpertLoad)."""
 from __future__ import annotations
 
 import threading
@@ -89,6 +89,29 @@ class Admission(_EngineCollector):
         return out
 
 
+class Speculation(_EngineCollector):
+    """Prometheus collector of speculative decoding (speculative.py), read at scrape time when the
+    engine speculates: shardwise_speculative_draft_tokens_total (drafts fed to be verified),
+    shardwise_speculative_accepted_tokens_total (of them, accepted), their ratio
+    shardwise_speculative_acceptance_rate, and shardwise_speculative_steps_total."""
+
+    def families(self, engine) -> list:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        if engine.speculator is None:
+            return []
+        stats = engine.speculator.stats
+        return [
+            CounterMetricFamily("shardwise_speculative_draft_tokens", "Draft tokens fed to be verified",
+                                value=stats.proposed),
+            CounterMetricFamily("shardwise_speculative_accepted_tokens", "Draft tokens accepted (equal "
+                                "to the model's greedy token)", value=stats.accepted),
+            GaugeMetricFamily("shardwise_speculative_acceptance_rate", "Accepted over fed draft tokens "
+                              "since the start (0 before any)", value=stats.acceptance),
+            CounterMetricFamily("shardwise_speculative_steps", "Decode steps that verified drafts",
+                                value=stats.steps),
+        ]
+
+
 class Metrics:
     """The registry /metrics renders; `token()` is called once per generated token."""
 
@@ -117,6 +140,7 @@ class Metrics:
         self.engine = None         # for the KV cache's use (KVCacheUse)
         r.register(KVCacheUse(lambda: self.engine))
         r.register(Admission(lambda: self.engine))
+        r.register(Speculation(lambda: self.engine))
         self._window: deque = deque()
         self._lock = threading.Lock()
 

@@ -23,10 +23,10 @@ from shardwise.crds.contract import DRAIN_SECONDS
 
 from shardwise.worker.errors import WorkerError
 from shardwise.worker.serving.http.app import App
-from shardwise.worker.serving.http.connections import WORKERS, Connection, ConnectionServer, Timeouts
+from shardwise.worker.serving.http.connections import WORKERS, Connection, ConnectionServer, Timeouts, workers_for
 from shardwise.worker.serving.http.handler import make_handler
 
-__all__ = ["App", "Server", "run_engine"]
+__all__ = ["App", "Server", "run_engine", "workers_for"]
 
 
 class Server:

@@ -1,0 +1,74 @@
+"""Error-feedback residuals in checkpoints: what compression has not sent yet survives a restart.
+
+Each replicate group keeps its own residuals (what its ranks dropped from their contributions), so
+a checkpoint holds one set per group, `compression/residual/<group>/<parameter name>`, each as
+slices of the full parameter shape like the parameters themselves: a resume with another tensor,
+pipeline or shard split reads its own part of them (the slices are resharded by DCP's load).
+
+A resume with the same number of replicate groups gives every group its own residuals back, so the
+run continues with the losses of a run that was never interrupted. With another number of groups
+no group's own residual exists; every new group starts from the mean of the saved ones, which keeps
+what is still owed to the average gradient (the mean over groups of their residuals) the same. A
+checkpoint without residuals (saved uncompressed, or before they were checkpointed) starts them at
+zero: a few steps' worth of dropped gradient, not the model, is lost.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from shardwise.worker.training import checkpoint as ckpt
+from shardwise.worker.training import parallelize as par
+
+PREFIX = "compression/residual/"
+
+
+def residual_slices(compressor, params, names: dict[int, str], group: int) -> dict[str, ckpt.Slice]:
+    """The residual of each of `params` (their compressor positions) as a slice of its parameter's
+    full shape, named for replicate group `group`; `names` maps id(parameter) to its name."""
+    regions = [par.local_region(p) for p in params]
+    residuals = compressor.residuals_for([local for local, _, _ in regions])
+    return {f"{PREFIX}{group}/{names[id(p)]}": ckpt.Slice(r, full, offsets)
+            for p, r, (_, full, offsets) in zip(params, residuals, regions)}
+
+
+def _saved_groups(stored: dict) -> list[int]:
+    groups = set()
+    for key in stored:
+        if key.startswith(PREFIX):
+            head = key[len(PREFIX):].split("/", 1)[0]
+            if head.isdigit():
+                groups.add(int(head))
+    return sorted(groups)
+
+
+def _renamed(slices: dict[str, ckpt.Slice], group: int, other: int) -> dict[str, ckpt.Slice]:
+    """Fresh tensors shaped as `slices`, under group `other`'s names."""
+    mine, theirs = f"{PREFIX}{group}/", f"{PREFIX}{other}/"
+    return {theirs + k[len(mine):]: ckpt.Slice(torch.empty_like(s.tensor), s.full_shape, s.offsets)
+            for k, s in slices.items()}
+
+
+def load_residuals(path: Path, slices: dict[str, ckpt.Slice], group: int, groups: int) -> str:
+    """Fill `slices` (residual_slices' of replicate group `group` of `groups`) from the checkpoint
+    at `path`; returns how (one line, for the log)."""
+    stored = ckpt.stored_shapes(path)
+    saved = _saved_groups(stored)
+    present = {k: s for k, s in slices.items() if k in stored}
+    if not saved or not present:
+        return "the checkpoint holds no compression residuals: they start at zero"
+    if saved == list(range(groups)):
+        ckpt.read_slices(path, present)
+        return f"compression residuals of {groups} replicate groups resumed"
+    total = {k: torch.zeros_like(s.tensor) for k, s in present.items()}
+    for other in saved:
+        theirs = _renamed(present, group, other)
+        ckpt.read_slices(path, theirs)
+        for (k, _), s in zip(present.items(), theirs.values()):
+            total[k] += s.tensor
+    with torch.no_grad():
+        for k, s in present.items():
+            s.tensor.copy_(total[k] / len(saved))
+    return (f"compression residuals saved by {len(saved)} replicate groups, resumed by {groups}: "
+            f"each starts from their mean")
