@@ -42,11 +42,12 @@ def engine(ctx, rows: int, paged: bool, **kw):
     return Engine(ctx.stage, rows, ctx.max_seq, [], block_size=block, **kw)
 
 
-def step_budget(tokens: int) -> dict:
-    """Engine keywords for steps of up to `tokens` tokens, where the engine has a step budget (an
-    engine without one runs one request's prompt chunk per step)."""
+def step_budget(tokens: int | None) -> dict:
+    """Engine keywords for steps of up to `tokens` tokens (None: the engine's default), where the
+    engine has a step budget (an engine without one runs one request's prompt chunk per step)."""
     from shardwise.worker.serving.engine import Engine
-    return {"max_step_tokens": tokens} if "max_step_tokens" in inspect.signature(Engine).parameters else {}
+    has = "max_step_tokens" in inspect.signature(Engine).parameters
+    return {"max_step_tokens": tokens} if has and tokens is not None else {}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -54,7 +55,8 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
 
 
-def arrivals(ctx, text: list[int], rate: float, requests: int, rows: int, seed: int = 0) -> dict:
+def arrivals(ctx, text: list[int], rate: float, requests: int, rows: int, seed: int = 0,
+             step_tokens: int | None = None) -> dict:
     """Requests arriving at `rate` per second (exponential gaps) into an engine of `rows` rows,
     stepped on this thread; what their users see."""
     from shardwise.worker.serving.request import Request
@@ -65,7 +67,7 @@ def arrivals(ctx, text: list[int], rate: float, requests: int, rows: int, seed: 
         n = int(math.exp(rng.uniform(math.log(32), math.log(600))))
         start = rng.randrange(0, len(text) - n)
         plan.append((at, Request(text[start:start + n] + [i % 50 + 3], max_new_tokens=rng.randint(16, 64))))
-    eng = engine(ctx, rows, True, **step_budget(512))
+    eng = engine(ctx, rows, True, **step_budget(step_tokens))
     stamps: dict[int, list[float]] = {}
     for _, r in plan:
         r.on_token = lambda req, tok: stamps.setdefault(req.id, []).append(time.perf_counter())
@@ -86,8 +88,8 @@ def arrivals(ctx, text: list[int], rate: float, requests: int, rows: int, seed: 
             "ttft99": percentile(ttft, 99), "itl99": percentile(gaps, 99), "span": end - t0}
 
 
-def print_arrivals(ctx, text: list[int], rate: float, requests: int) -> None:
-    got = arrivals(ctx, text, rate, requests, 16)
+def print_arrivals(ctx, text: list[int], rate: float, requests: int, step_tokens: int | None = None) -> None:
+    got = arrivals(ctx, text, rate, requests, 16, step_tokens=step_tokens)
     print(f"\n6. {requests} requests arriving at {rate:g}/s (Poisson), 16 rows, prompts 32-600 tokens, "
           f"16-64 new: output {got['tps']:.1f} tok/s   TTFT p50 {got['ttft50'] * 1e3:.0f} ms   "
           f"TTFT p99 {got['ttft99'] * 1e3:.0f} ms   inter-token p99 {got['itl99'] * 1e3:.0f} ms   "
@@ -205,6 +207,8 @@ def main() -> int:
     ap.add_argument("--arrival-rate", type=float, default=4.0, help="requests/s of scenario 6")
     ap.add_argument("--arrivals", type=int, default=48, help="requests of scenario 6")
     ap.add_argument("--only-arrivals", action="store_true", help="run scenario 6 alone")
+    ap.add_argument("--step-tokens", type=int, default=None,
+                    help="scenario 6's --max-step-tokens (default: the engine's)")
     args = ap.parse_args()
 
     from shardwise.worker.serving.request import Request
@@ -220,7 +224,7 @@ def main() -> int:
     with LocalRuntime(spec) as ctx:
         run(engine(ctx, 1, True), [Request(text[:16], max_new_tokens=4)])      # warm-up
         if args.only_arrivals:
-            print_arrivals(ctx, text, args.arrival_rate, args.arrivals)
+            print_arrivals(ctx, text, args.arrival_rate, args.arrivals, args.step_tokens)
             return 0
         cold, warm = time_to_first_token(ctx, system, args.rounds)
         print(f"\n1. time to first token, {len(system)}-token system prompt:  cold {cold * 1e3:.0f} ms   "
@@ -257,7 +261,7 @@ def main() -> int:
         print(f"\n5. longest pause of a running stream while a {len(long_prompt)}-token prompt is prefilled: "
               f"whole {whole * 1e3:.0f} ms   chunks of {args.prefill_chunk}: {chunked * 1e3:.0f} ms   "
               f"{whole / chunked:.1f}x shorter")
-        print_arrivals(ctx, text, args.arrival_rate, args.arrivals)
+        print_arrivals(ctx, text, args.arrival_rate, args.arrivals, args.step_tokens)
     return 0
 
 

@@ -8,7 +8,7 @@ reads and writes the places it is given.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +68,9 @@ class CacheStep:
     gather: otherwise, for each (row, kv head, position < length), its place in the cache
     groups: a ragged step (rows of different numbers of tokens, flattened into one row of all
             the step's tokens): the groups of rows that attend together (RowGroup); None otherwise
+    spans:  a ragged step's fresh rows (several tokens from position 0: a prompt's first chunk),
+            each the step's tokens [begin, end): causal attention over their own new keys, which
+            reads no cache and takes SDPA's causal kernel (not part of any group)
     """
     index: torch.Tensor
     length: int
@@ -77,6 +80,7 @@ class CacheStep:
     stride: int = 0
     gather: torch.Tensor | None = None
     groups: list["RowGroup"] | None = None
+    spans: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -173,14 +177,17 @@ def decode_attention(q, k, v):
     return F.scaled_dot_product_attention(q, k, v).view(b, h, 1, d)
 
 
-def ragged_attention(cache: KVCache, step: CacheStep, q: torch.Tensor) -> torch.Tensor:
-    """q [1, H, N, D]: the queries of a ragged step (CacheStep.groups), whose keys are cached
-    already. Each group runs as a dense batch: one new token per row through decode_attention
-    (SDPA's fused kernel when no mask is needed), several through cached_attention with the
-    mask of each row's own positions. Returns [1, H, N, D]."""
+def ragged_attention(cache: KVCache, step: CacheStep, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q [1, H, N, D]: the queries of a ragged step (CacheStep.groups), whose keys k/v
+    [1, KV, N, D] are cached already. A fresh row attends causally to its own new keys (SDPA's
+    causal kernel, no cache read); each group runs as a dense batch: one new token per row through
+    decode_attention (SDPA's fused kernel when no mask is needed), several through
+    cached_attention with the mask of each row's own positions. Returns [1, H, N, D]."""
     _, h, n, d = q.shape
     flat = q[0]
     out = flat.new_empty(h, n, d)
+    for begin, end in step.spans:
+        out[:, begin:end] = causal_attention(q[:, :, begin:end], k[:, :, begin:end], v[:, :, begin:end])[0]
     for g in step.groups:
         qg = flat.index_select(1, g.query).view(h, g.rows, g.tokens, d).transpose(0, 1)
         kc, vc = cache.read(g.view, g.rows)
@@ -203,7 +210,7 @@ def attend(cache: KVCache | None, step: CacheStep | None, q, k, v) -> torch.Tens
         return causal_attention(q, k, v)
     cache.write(step, k, v)
     if step.groups is not None:     # rows of different lengths, flattened: every key is written now
-        return ragged_attention(cache, step, q)
+        return ragged_attention(cache, step, q, k, v)
     if step.fresh:      # prefill from position 0: the new keys are all there is
         return causal_attention(q, k, v)
     b = q.shape[0]

@@ -128,9 +128,11 @@ def _group(model, rows: list[int], offsets: list[int], counts: list[int], pos: l
 def ragged_view(model, counts: list[int], positions: torch.Tensor, blocks: torch.Tensor) -> CacheStep:
     """The view of a step whose row b feeds counts[b] tokens, flattened into one row of all N
     tokens at `positions` [N] (row by row), over block tables `blocks` [rows, nb]: every key is
-    written at once, then the rows attend in two groups, those that feed one token (decodes:
-    the fast decode kernel) and those that feed several (prompt chunks, drafts), each row to
-    its own cached positions up to each of its own (attention.ragged_attention)."""
+    written at once; a row that feeds several tokens from position 0 (a prompt's first chunk)
+    attends causally to its own keys (CacheStep.spans), and the others in two groups, those that
+    feed one token (decodes: the fast decode kernel) and those that feed several (later prompt
+    chunks, drafts), each row to its own cached positions up to each of its own
+    (attention.ragged_attention)."""
     bs, tokens, kv_heads = model.block_size, model.cache_tokens, model.kv_heads
     pos, tables = positions.tolist(), blocks.tolist()
     offsets, at = [], 0
@@ -141,9 +143,12 @@ def ragged_view(model, counts: list[int], positions: torch.Tensor, blocks: torch
              for r, (o, c) in enumerate(zip(offsets, counts)) for i in range(c)]
     index = cache_index(torch.tensor(slots, device=positions.device)[None], kv_heads, tokens)
     singles = [r for r, c in enumerate(counts) if c == 1]
-    several = [r for r, c in enumerate(counts) if c > 1]
+    # a prompt's first chunk needs nothing of the cache: the causal kernel over its own keys
+    fresh = [r for r, c in enumerate(counts) if c > 1 and pos[offsets[r]] == 0]
+    several = [r for r, c in enumerate(counts) if c > 1 and pos[offsets[r]] != 0]
     groups = [_group(model, rows, offsets, counts, pos, tables, blocks) for rows in (singles, several) if rows]
-    return CacheStep(index, max(pos) + 1, False, None, groups=groups)
+    spans = [(offsets[r], offsets[r] + counts[r]) for r in fresh]
+    return CacheStep(index, max(pos) + 1, False, None, groups=groups, spans=spans)
 
 
 def cache_view(model, positions: torch.Tensor, blocks: torch.Tensor, static_shapes: bool = False) -> CacheStep:

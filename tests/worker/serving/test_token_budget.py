@@ -71,6 +71,24 @@ def test_a_ragged_step_gives_every_row_the_plain_forwards_logits_at_every_asked_
     torch.testing.assert_close(got[2][0], plain_logits(model, b[:12])[-1], atol=1e-4, rtol=1e-4)
 
 
+def test_a_prompts_first_chunk_beside_decodes_attends_to_its_own_keys_alone_with_the_plain_logits():
+    model = random_model(True)
+    a, b, d = [5, 6, 7, 8, 9, 10, 11, 12], [100, 3, 77, 4, 9, 81, 7, 7, 22], [40, 41, 42, 43, 44, 45]
+    tables = {"a": [9, 2], "b": [3, 4, 5], "d": [12, 13]}
+    r = Ragged(model)
+    r.step([(a[:7], 0, tables["a"], 1), (b[:4], 0, tables["b"], 0)])
+    # a decodes, b feeds its next chunk, d's whole prompt arrives: d reads nothing of the cache
+    rows = [(a[7:8], 7, tables["a"], 1), (b[4:9], 4, tables["b"], 1), (d, 0, tables["d"], 6)]
+    view = ragged_view(r.model, [1, 5, 6], torch.tensor([7, 4, 5, 6, 7, 8, 0, 1, 2, 3, 4, 5]),
+                       torch.tensor([[9, 2, 0], [3, 4, 5], [12, 13, 0]]))
+    assert view.spans == [(6, 12)]                                      # d's tokens, causal over themselves
+    assert sorted(i for g in view.groups for i in g.dest.tolist()) == list(range(6))   # a and b read the cache
+    got = r.step(rows)
+    torch.testing.assert_close(got[0][0], plain_logits(model, a)[-1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[1][0], plain_logits(model, b)[-1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[2], plain_logits(model, d), atol=1e-4, rtol=1e-4)
+
+
 # ---- real ranks --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, tiny_model):
