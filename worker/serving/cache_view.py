@@ -125,14 +125,16 @@ def _group(model, rows: list[int], offsets: list[int], counts: list[int], pos: l
     return RowGroup(len(rows), t, torch.tensor(query, device=device), read, torch.tensor(dest, device=device), keep)
 
 
-def ragged_view(model, counts: list[int], positions: torch.Tensor, blocks: torch.Tensor) -> CacheStep:
+def ragged_view(model, counts: list[int], positions: torch.Tensor, blocks: torch.Tensor,
+                causal_fresh: bool = True) -> CacheStep:
     """The view of a step whose row b feeds counts[b] tokens, flattened into one row of all N
     tokens at `positions` [N] (row by row), over block tables `blocks` [rows, nb]: every key is
     written at once; a row that feeds several tokens from position 0 (a prompt's first chunk)
     attends causally to its own keys (CacheStep.spans), and the others in two groups, those that
     feed one token (decodes: the fast decode kernel) and those that feed several (later prompt
     chunks, drafts), each row to its own cached positions up to each of its own
-    (attention.ragged_attention)."""
+    (attention.ragged_attention). `causal_fresh=False`: fresh rows go with the later chunks
+    (benchmarks/ragged_step_bench.py measures the difference)."""
     bs, tokens, kv_heads = model.block_size, model.cache_tokens, model.kv_heads
     pos, tables = positions.tolist(), blocks.tolist()
     offsets, at = [], 0
@@ -144,8 +146,8 @@ def ragged_view(model, counts: list[int], positions: torch.Tensor, blocks: torch
     index = cache_index(torch.tensor(slots, device=positions.device)[None], kv_heads, tokens)
     singles = [r for r, c in enumerate(counts) if c == 1]
     # a prompt's first chunk needs nothing of the cache: the causal kernel over its own keys
-    fresh = [r for r, c in enumerate(counts) if c > 1 and pos[offsets[r]] == 0]
-    several = [r for r, c in enumerate(counts) if c > 1 and pos[offsets[r]] != 0]
+    fresh = [r for r, c in enumerate(counts) if c > 1 and pos[offsets[r]] == 0 and causal_fresh]
+    several = [r for r, c in enumerate(counts) if c > 1 and r not in fresh]
     groups = [_group(model, rows, offsets, counts, pos, tables, blocks) for rows in (singles, several) if rows]
     spans = [(offsets[r], offsets[r] + counts[r]) for r in fresh]
     return CacheStep(index, max(pos) + 1, False, None, groups=groups, spans=spans)
