@@ -25,7 +25,9 @@ class Speculative(ApiModel):
     came before (sampled ones decode as without it)."""
 
     model_config = ConfigDict(json_schema_extra=cel(
-        ("self.ngramMin <= self.ngramMax", "serving.speculative: ngramMin must not exceed ngramMax")))
+        # has(): the API server checks the rule against the field's default ({}) too
+        ("!has(self.ngramMin) || !has(self.ngramMax) || self.ngramMin <= self.ngramMax",
+         "serving.speculative: ngramMin must not exceed ngramMax")))
 
     method: SpeculativeMethod = Field(SpeculativeMethod.NONE, description=(
         "none: off; ngram: prompt lookup, drafts copied from where the sequence's last n tokens "

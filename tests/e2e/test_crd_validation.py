@@ -128,7 +128,7 @@ BAD = {
     "density-above-one": (training_manifest(2, gradientCompression={"method": "topk", "density": 1.5}),
                           "spec.training.gradientCompression.density", "less than or equal to 1"),
     "compression-method": (training_manifest(2, gradientCompression={"method": "fp4"}),
-                           "spec.training.gradientCompression.method", 'supported values: "none", "int8", "topk"'),
+                           "spec.training.gradientCompression.method", 'supported values: "none", "int8", "int4", "topk", "topk-int4"'),
     "schedule-enum": (training_manifest(2, schedule="ZeroBubble"), "spec.training.schedule",
                       'supported values: "1F1B", "GPipe", "Interleaved1F1B"'),
     "interleaved-micro-batches": (training_manifest(1, pipeline=4, schedule="Interleaved1F1B", microBatches=6),
@@ -155,6 +155,11 @@ BAD = {
                           "less than or equal to 16384"),
     "decode-enum": (manifest("a", serving={"decode": "fast"}), "spec.serving.decode",
                     'supported values: "auto", "eager", "graphs", "compile"'),
+    # speculative decoding (crds/speculative.py); its rule must also hold for the field's default {}
+    "ngram-range-reversed": (manifest("a", serving={"speculative": {"method": "ngram", "ngramMin": 3, "ngramMax": 2}}),
+                             "spec.serving.speculative", "ngramMin must not exceed ngramMax"),
+    "ngram-min-over-default-max": (manifest("a", serving={"speculative": {"ngramMin": 5}}),
+                                   "spec.serving.speculative", "ngramMin must not exceed ngramMax"),
 }
 
 
@@ -209,12 +214,12 @@ def test_training_layout_fields_are_accepted_with_defaults_and_kept_by_scaling(k
     training = yaml.safe_load(kubectl("create", "-o", "yaml", "-f", "-", input=yaml.safe_dump(body)))["spec"]["training"]
     assert training["dataParallel"] == {"shard": 2, "replicate": 2} and training["schedule"] == "Interleaved1F1B"
     assert training["activationCheckpointing"] is False
-    assert training["gradientCompression"] == {"method": "topk", "density": 0.05}
+    assert training["gradientCompression"] == {"method": "topk", "density": 0.05, "warmupSteps": 0}
     defaults = training_manifest(2, gradientCompression={})
     defaults["metadata"]["name"] = "defaults"
     training = yaml.safe_load(kubectl("create", "-o", "yaml", "-f", "-", input=yaml.safe_dump(defaults)))["spec"]["training"]
     assert (training["schedule"], training["activationCheckpointing"]) == ("1F1B", False)
-    assert training["gradientCompression"] == {"method": "none", "density": 0.01}
+    assert training["gradientCompression"] == {"method": "none", "density": 0.01, "warmupSteps": 0}
     # shard x replicate fixes the replicas: the scale subresource is held to the same rule, but 0 pauses
     message = refusal(kubectl, "scale", "sm/hsdp", "--replicas=3")
     assert "spec.training.dataParallel" in message and DP_PRODUCT in message, message

@@ -47,3 +47,9 @@ def tiny_model(corpus):
 def tiny_serving_model(tmp_path_factory, tiny_model, pangrams) -> Path:
     return tiny_model(tmp_path_factory.mktemp("serving") / "tiny", pangrams, layers=2, hidden=64, heads=4,
                       kv_heads=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_3_layers(tmp_path_factory, tiny_model) -> str:
+    """A 3-layer tiny model (hidden 64, 4 heads, 2 KV heads), for the engine's tests on real ranks."""
+    return str(tiny_model(tmp_path_factory.mktemp("tiny3"), layers=3))

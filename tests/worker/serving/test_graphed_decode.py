@@ -12,19 +12,14 @@ from shardwise.worker.serving.cuda_graphs import GraphedDecode, padded_ints, unp
 from shardwise.worker.serving.engine import Engine
 from shardwise.worker.serving.rank import LocalRuntime, RankSpec
 from shardwise.worker.serving.request import Request
+from tests.worker.texts import random_prompts
 
 MAX_SEQ = 128
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, tiny_model):
-    return str(tiny_model(tmp_path_factory.mktemp("tiny"), layers=3))
-
-
-def _prompts(n: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(2, 60, (n,), generator=g).tolist()
-    return [torch.randint(3, 250, (k,), generator=g).tolist() for k in lengths]
+def tiny(tiny_3_layers):
+    return tiny_3_layers
 
 
 def _run(stage, prompts: list[list[int]], system: list[int]) -> tuple[Engine, list[Request]]:
@@ -38,7 +33,7 @@ def _run(stage, prompts: list[list[int]], system: list[int]) -> tuple[Engine, li
 
 
 def test_graph_shaped_decode_on_the_paged_cache_gives_the_eager_greedy_tokens(tiny):
-    prompts, system = _prompts(10, seed=1), _prompts(1, seed=3)[0] + _prompts(1, seed=4)[0]
+    prompts, system = random_prompts(10, seed=1), random_prompts(1, seed=3)[0] + random_prompts(1, seed=4)[0]
     with LocalRuntime(RankSpec(tiny, 1, 1, max_batch=6, max_seq=MAX_SEQ)) as ctx:
         stage = ctx.stage
         _, eager = _run(stage, prompts, system)

@@ -7,13 +7,13 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from shardwise.worker.serving.engine import Engine
 from shardwise.worker.serving.request import Request
 from shardwise.worker.errors import WorkerError
 from shardwise.worker.serving.kv_blocks import BlockPool
 from shardwise.worker.serving.rank import LocalRuntime, RankSpec
+from tests.worker.texts import random_prompts
 
 MAX_SEQ = 128
 
@@ -91,14 +91,8 @@ def test_random_operations_keep_every_block_in_exactly_one_state():
 
 # ---- real ranks -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, tiny_model):
-    return str(tiny_model(tmp_path_factory.mktemp("tiny"), layers=3))
-
-
-def _prompts(n: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(2, 60, (n,), generator=g).tolist()
-    return [torch.randint(3, 250, (k,), generator=g).tolist() for k in lengths]
+def tiny(tiny_3_layers):
+    return tiny_3_layers
 
 
 def _alone(ctx, prompts, new_tokens) -> list[list[int]]:
@@ -112,7 +106,7 @@ def _alone(ctx, prompts, new_tokens) -> list[list[int]]:
 
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
 def test_concurrent_requests_under_a_small_paged_cache_match_their_answers_alone(tiny, tp, pp):
-    prompts = _prompts(10, seed=tp * 10 + pp)
+    prompts = random_prompts(10, seed=tp * 10 + pp)
     with LocalRuntime(RankSpec(tiny, tp, pp, max_batch=6, max_seq=MAX_SEQ)) as ctx:
         want = _alone(ctx, prompts, 24)
         # 200 tokens for 10 requests of up to 83 tokens, six at a time: blocks run out, decodes
@@ -125,7 +119,7 @@ def test_concurrent_requests_under_a_small_paged_cache_match_their_answers_alone
 
 
 def test_a_shared_system_prompt_is_prefilled_once(tiny):
-    system = _prompts(1, seed=3)[0] + _prompts(1, seed=4)[0]          # ~80 tokens
+    system = random_prompts(1, seed=3)[0] + random_prompts(1, seed=4)[0]          # ~80 tokens
     questions = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
     with LocalRuntime(RankSpec(tiny, 2, 2, max_batch=4, max_seq=MAX_SEQ)) as ctx:
         want = _alone(ctx, [system + q for q in questions], 8)
@@ -142,7 +136,7 @@ def test_a_shared_system_prompt_is_prefilled_once(tiny):
 def test_requests_that_arrive_together_with_one_system_prompt_prefill_it_once(tiny):
     """The first request's prefill registers its blocks chunk by chunk; the others wait for them
     instead of computing the same keys alongside it."""
-    system = _prompts(1, seed=3)[0] + _prompts(1, seed=4)[0]
+    system = random_prompts(1, seed=3)[0] + random_prompts(1, seed=4)[0]
     questions = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
     with LocalRuntime(RankSpec(tiny, 1, 2, max_batch=4, max_seq=MAX_SEQ)) as ctx:
         want = _alone(ctx, [system + q for q in questions], 8)
@@ -154,7 +148,7 @@ def test_requests_that_arrive_together_with_one_system_prompt_prefill_it_once(ti
 
 
 def test_a_long_prompt_is_fed_in_chunks_between_the_running_streams_steps(tiny):
-    long_prompt = (_prompts(1, seed=5)[0] * 3 + _prompts(1, seed=6)[0] * 3)[:100]
+    long_prompt = (random_prompts(1, seed=5)[0] * 3 + random_prompts(1, seed=6)[0] * 3)[:100]
     with LocalRuntime(RankSpec(tiny, 1, 1, max_batch=2, max_seq=MAX_SEQ)) as ctx:
         for chunk, most in ((16, None), (MAX_SEQ, 1)):
             engine = Engine(ctx.stage, 2, MAX_SEQ, [], block_size=8, prefill_chunk=chunk)
@@ -177,7 +171,7 @@ def test_a_long_prompt_is_fed_in_chunks_between_the_running_streams_steps(tiny):
 def test_a_cancelled_request_gives_its_blocks_back_and_a_waiting_one_never_starts(tiny):
     with LocalRuntime(RankSpec(tiny, 1, 1, max_batch=1, max_seq=MAX_SEQ)) as ctx:
         engine = Engine(ctx.stage, 1, MAX_SEQ, [], block_size=8, prefix_cache=False)
-        running = engine.submit(Request(_prompts(1, seed=8)[0], max_new_tokens=100))
+        running = engine.submit(Request(random_prompts(1, seed=8)[0], max_new_tokens=100))
         queued = engine.submit(Request([4, 5, 6], max_new_tokens=100))
         for _ in range(5):
             engine.step()
