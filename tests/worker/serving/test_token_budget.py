@@ -17,6 +17,7 @@ from shardwise.worker.serving.engine import Engine
 from shardwise.worker.serving.rank import LocalRuntime, RankSpec
 from shardwise.worker.serving.request import Request
 from tests.worker.serving.test_fast_path import plain_logits, random_model
+from tests.worker.texts import random_prompts
 
 MAX_SEQ = 128
 
@@ -91,14 +92,8 @@ def test_a_prompts_first_chunk_beside_decodes_attends_to_its_own_keys_alone_with
 
 # ---- real ranks --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, tiny_model):
-    return str(tiny_model(tmp_path_factory.mktemp("tiny"), layers=3))
-
-
-def _prompts(n: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(2, 60, (n,), generator=g).tolist()
-    return [torch.randint(3, 250, (k,), generator=g).tolist() for k in lengths]
+def tiny(tiny_3_layers):
+    return tiny_3_layers
 
 
 def _alone(ctx, prompts, new_tokens) -> list[list[int]]:
@@ -122,7 +117,7 @@ def _recording(engine: Engine) -> list:
 
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
 def test_prompts_fed_together_and_beside_running_decodes_give_each_requests_tokens_alone(tiny, tp, pp):
-    prompts = _prompts(8, seed=20 + tp * 3 + pp)
+    prompts = random_prompts(8, seed=20 + tp * 3 + pp)
     with LocalRuntime(RankSpec(tiny, tp, pp, max_batch=8, max_seq=MAX_SEQ)) as ctx:
         want = _alone(ctx, prompts, 12)
         engine = Engine(ctx.stage, 8, MAX_SEQ, [], block_size=8, prefill_chunk=24, max_step_tokens=40)
@@ -141,7 +136,7 @@ def test_prompts_fed_together_and_beside_running_decodes_give_each_requests_toke
 
 @pytest.mark.parametrize("pp", [1, 2])
 def test_a_decode_row_fed_a_draft_returns_the_logits_of_each_position(tiny, pp):
-    prompt = _prompts(1, seed=9)[0]
+    prompt = random_prompts(1, seed=9)[0]
     with LocalRuntime(RankSpec(tiny, 1, pp, max_batch=2, max_seq=MAX_SEQ)) as ctx:
         want = _alone(ctx, [prompt], 10)[0]
         engine = Engine(ctx.stage, 2, MAX_SEQ, [], block_size=8)
