@@ -125,15 +125,16 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
 def add_speculative_arguments(parser: argparse.ArgumentParser, pod: bool = False) -> None:
     """Speculative decoding's flags (worker/serving/speculative.py): serve, generate and worker; a
     pod's defaults are its ShardedModel's serving.speculative."""
-    from shardwise.crds.speculative import DRAFT_TOKENS, DRAFT_TOKENS_MAX, NGRAM_LIMIT, NGRAM_MAX, NGRAM_MIN
+    from shardwise.crds.speculative import (DRAFT_TOKENS, DRAFT_TOKENS_MAX, NGRAM_LIMIT, NGRAM_MAX, NGRAM_MIN,
+                                            SpeculativeMethod)
 
     def of(default) -> str:
         return "spec.serving.speculative" if pod else str(default)
 
-    parser.add_argument("--speculative", choices=["none", "ngram"], default=None,
+    parser.add_argument("--speculative", choices=[m.value for m in SpeculativeMethod], default=None,
                         help="ngram: greedy requests take drafts copied from where their last tokens "
                              "occurred earlier in prompt or output, several verified per step "
-                             f"(prompt lookup, no second model; default {of('none')})")
+                             f"(prompt lookup, no second model; default {of(SpeculativeMethod.NONE.value)})")
     parser.add_argument("--draft-tokens", type=int, default=None, metavar="K",
                         help=f"drafts per request and step, 1 to {DRAFT_TOKENS_MAX} (default {of(DRAFT_TOKENS)})")
     parser.add_argument("--ngram", default=None, metavar="MIN:MAX",
@@ -144,12 +145,12 @@ def add_speculative_arguments(parser: argparse.ArgumentParser, pod: bool = False
 def speculative_setting(args, spec=None):
     """The SpeculativeConfig of the speculative flags given over `spec` (a crds Speculative: a
     pod's serving.speculative; None: the spec's defaults); None when not speculating."""
-    from shardwise.crds.speculative import Speculative
+    from shardwise.crds.speculative import Speculative, SpeculativeMethod
     from shardwise.worker.errors import WorkerError
     from shardwise.worker.serving.speculative import SpeculativeConfig
     spec = spec if spec is not None else Speculative()
     method = getattr(args, "speculative", None) or spec.method.value
-    if method == "none":
+    if method == SpeculativeMethod.NONE.value:
         return None
     low, high = spec.ngram_min, spec.ngram_max
     if getattr(args, "ngram", None) is not None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardwise.crds.speculative import DRAFT_TOKENS_MAX, NGRAM_LIMIT, Speculative, SpeculativeMethod
+from shardwise.crds.speculative import DRAFT_TOKENS_MAX, NGRAM_LIMIT
 from shardwise.worker.errors import WorkerError
 from shardwise.worker.serving.kv_blocks import blocks_for
 
@@ -48,13 +48,6 @@ class SpeculativeConfig:
         if not 1 <= self.ngram_min <= self.ngram_max <= NGRAM_LIMIT:
             raise WorkerError(f"--ngram must be MIN:MAX with 1 <= MIN <= MAX <= {NGRAM_LIMIT}, "
                               f"not {self.ngram_min}:{self.ngram_max}")
-
-    @classmethod
-    def of(cls, spec: Speculative) -> "SpeculativeConfig | None":
-        """The config of a ShardedModel's serving.speculative (None: not speculating)."""
-        if spec.method == SpeculativeMethod.NONE:
-            return None
-        return cls(spec.draft_tokens, spec.ngram_min, spec.ngram_max)
 
 
 @dataclass

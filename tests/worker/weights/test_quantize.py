@@ -175,7 +175,8 @@ def _run(tp: int, pp: int, quantize: str, prompts: list[list[int]], text: list[i
 GREEDY_TOKENS = 40
 
 
-@pytest.mark.parametrize("tp,pp", [(1, 1), (1, 2), (3, 1), (3, 2)])
+# TP 1 and TP 3 x PP 2: the latter splits both ways at once (each case loads SmolLM2 twice, 30-65 s)
+@pytest.mark.parametrize("tp,pp", [(1, 1), (3, 2)])
 def test_smollm2_int8_matches_float32(tp, pp):
     tok = _smollm2()
     prompts, text = [tok.encode(p) for p in PROMPTS], tok.encode(TEXT)
