@@ -17,11 +17,19 @@ same engine, so the ratios compare like with like:
      against fixed rows (each request its own copy).
   5. The longest pause between two tokens of a running stream while a long prompt is prefilled,
      in chunks (--prefill-chunk) against whole.
+  6. Requests arriving at a rate while others decode (--arrival-rate requests/s, Poisson, seeded):
+     prompts of 32-600 tokens drawn log-uniformly (most prompts short, a few long, as chat
+     traffic is), answers of 16-64 tokens; output tokens/s, time to first token p50/p99 and
+     inter-token p99. Run alone with `--only-arrivals`, e.g. against the engine of another
+     revision (docs/worker.md, "The token-budget scheduler").
 """
 from __future__ import annotations
 
 import argparse
+import inspect
+import math
 import os
+import random
 import sys
 import time
 
@@ -32,6 +40,60 @@ def engine(ctx, rows: int, paged: bool, **kw):
     from shardwise.worker.serving.engine import Engine
     block = 16 if paged else ctx.max_seq                   # a block of the whole context: fixed rows
     return Engine(ctx.stage, rows, ctx.max_seq, [], block_size=block, **kw)
+
+
+def step_budget(tokens: int | None) -> dict:
+    """Engine keywords for steps of up to `tokens` tokens (None: the engine's default), where the
+    engine has a step budget (an engine without one runs one request's prompt chunk per step)."""
+    from shardwise.worker.serving.engine import Engine
+    has = "max_step_tokens" in inspect.signature(Engine).parameters
+    return {"max_step_tokens": tokens} if has and tokens is not None else {}
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+def arrivals(ctx, text: list[int], rate: float, requests: int, rows: int, seed: int = 0,
+             step_tokens: int | None = None) -> dict:
+    """Requests arriving at `rate` per second (exponential gaps) into an engine of `rows` rows,
+    stepped on this thread; what their users see."""
+    from shardwise.worker.serving.request import Request
+    rng = random.Random(seed)
+    at, plan = 0.0, []
+    for i in range(requests):
+        at += rng.expovariate(rate)
+        n = int(math.exp(rng.uniform(math.log(32), math.log(600))))
+        start = rng.randrange(0, len(text) - n)
+        plan.append((at, Request(text[start:start + n] + [i % 50 + 3], max_new_tokens=rng.randint(16, 64))))
+    eng = engine(ctx, rows, True, **step_budget(step_tokens))
+    stamps: dict[int, list[float]] = {}
+    for _, r in plan:
+        r.on_token = lambda req, tok: stamps.setdefault(req.id, []).append(time.perf_counter())
+    t0, queued = time.perf_counter(), list(plan)
+    while queued or eng.running or len(eng.waiting):
+        now = time.perf_counter() - t0
+        while queued and queued[0][0] <= now:
+            arrival, req = queued.pop(0)
+            req.created = t0 + arrival                  # time from its arrival, not from when it was built
+            eng.submit(req)
+        if not eng.step() and queued:
+            time.sleep(max(0.0, queued[0][0] - (time.perf_counter() - t0)))
+    reqs = [r for _, r in plan]
+    end = max(r.finished_at for r in reqs)
+    gaps = [b - a for r in reqs for a, b in zip(stamps[r.id], stamps[r.id][1:])]
+    ttft = [r.first_token_at - r.created for r in reqs]
+    return {"tps": sum(len(r.token_ids) for r in reqs) / (end - t0), "ttft50": percentile(ttft, 50),
+            "ttft99": percentile(ttft, 99), "itl99": percentile(gaps, 99), "span": end - t0}
+
+
+def print_arrivals(ctx, text: list[int], rate: float, requests: int, step_tokens: int | None = None) -> None:
+    got = arrivals(ctx, text, rate, requests, 16, step_tokens=step_tokens)
+    print(f"\n6. {requests} requests arriving at {rate:g}/s (Poisson), 16 rows, prompts 32-600 tokens, "
+          f"16-64 new: output {got['tps']:.1f} tok/s   TTFT p50 {got['ttft50'] * 1e3:.0f} ms   "
+          f"TTFT p99 {got['ttft99'] * 1e3:.0f} ms   inter-token p99 {got['itl99'] * 1e3:.0f} ms   "
+          f"(all done in {got['span']:.1f} s)")
 
 
 def run(eng, reqs) -> float:
@@ -115,7 +177,7 @@ def shared_prefix_decode(ctx, system: list[int], concurrent: int, paged: bool, n
 def longest_pause(ctx, long_prompt: list[int], chunk: int) -> float:
     from shardwise.worker.serving.engine import Engine
     from shardwise.worker.serving.request import Request
-    eng = Engine(ctx.stage, 2, ctx.max_seq, [], prefill_chunk=chunk)
+    eng = Engine(ctx.stage, 2, ctx.max_seq, [], prefill_chunk=chunk, **step_budget(chunk))
     stream = eng.submit(Request(long_prompt[:8], max_new_tokens=10 ** 6))
     stamps = []
     stream.on_token = lambda r, t: stamps.append(time.perf_counter())
@@ -142,6 +204,11 @@ def main() -> int:
     ap.add_argument("--prefill-chunk", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--arrival-rate", type=float, default=4.0, help="requests/s of scenario 6")
+    ap.add_argument("--arrivals", type=int, default=48, help="requests of scenario 6")
+    ap.add_argument("--only-arrivals", action="store_true", help="run scenario 6 alone")
+    ap.add_argument("--step-tokens", type=int, default=None,
+                    help="scenario 6's --max-step-tokens (default: the engine's)")
     args = ap.parse_args()
 
     from shardwise.worker.serving.request import Request
@@ -156,6 +223,9 @@ def main() -> int:
     print(f"model {args.model}, one rank, {os.cpu_count()} cores; context {args.max_seq_len} tokens")
     with LocalRuntime(spec) as ctx:
         run(engine(ctx, 1, True), [Request(text[:16], max_new_tokens=4)])      # warm-up
+        if args.only_arrivals:
+            print_arrivals(ctx, text, args.arrival_rate, args.arrivals, args.step_tokens)
+            return 0
         cold, warm = time_to_first_token(ctx, system, args.rounds)
         print(f"\n1. time to first token, {len(system)}-token system prompt:  cold {cold * 1e3:.0f} ms   "
               f"cached {warm * 1e3:.0f} ms   {cold / warm:.1f}x faster")
@@ -191,6 +261,7 @@ def main() -> int:
         print(f"\n5. longest pause of a running stream while a {len(long_prompt)}-token prompt is prefilled: "
               f"whole {whole * 1e3:.0f} ms   chunks of {args.prefill_chunk}: {chunked * 1e3:.0f} ms   "
               f"{whole / chunked:.1f}x shorter")
+        print_arrivals(ctx, text, args.arrival_rate, args.arrivals, args.step_tokens)
     return 0
 
 

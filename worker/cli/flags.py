@@ -23,7 +23,7 @@ QUANTIZATIONS = ["none", "int8", "gguf"]
 # flag's attribute -> RankSpec field, for the flags whose default is RankSpec's (or a contract's)
 SPEC_FIELDS = {"max_batch": "max_batch", "max_seq_len": "max_seq", "threads": "threads",
                "kv_cache_tokens": "kv_tokens", "kv_block_size": "kv_block", "prefill_chunk": "prefill_chunk",
-               "decode": "decode"}
+               "decode": "decode", "max_step_tokens": "max_step_tokens"}
 # what a pod's contract says of where its flags are not given
 IN_A_POD = "; `shardwise worker`: its contract's"
 
@@ -114,8 +114,12 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per KV-cache block: requests take blocks as they grow and share "
                              f"the blocks of a common prompt prefix (default {defaults.KV_BLOCK_SIZE}{IN_A_POD})")
     parser.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
-                        help="prompt tokens per prefill step; the running requests decode between "
-                             f"a long prompt's chunks (default {defaults.PREFILL_CHUNK}{IN_A_POD})")
+                        help="prompt tokens of one request per step; the running requests decode "
+                             f"in every step, a long prompt's chunks included (default {defaults.PREFILL_CHUNK}{IN_A_POD})")
+    parser.add_argument("--max-step-tokens", type=int, default=None, metavar="N",
+                        help="tokens per step: every running request's next token, then prompt chunks of "
+                             "as many waiting requests as fit, in one forward; at least --max-batch + 1 "
+                             f"is used (default {defaults.MAX_STEP_TOKENS})")
 
 
 def add_speculative_arguments(parser: argparse.ArgumentParser, pod: bool = False) -> None:
@@ -165,7 +169,8 @@ def serving_settings(args, planned: dict | None = None, speculative=None) -> dic
     serving.speculative, under the speculative flags."""
     from shardwise.worker.errors import WorkerError
     for flag, value in (("--kv-cache-tokens", args.kv_cache_tokens), ("--kv-block-size", args.kv_block_size),
-                        ("--prefill-chunk", args.prefill_chunk), ("--max-batch", args.max_batch)):
+                        ("--prefill-chunk", args.prefill_chunk), ("--max-batch", args.max_batch),
+                        ("--max-step-tokens", getattr(args, "max_step_tokens", None))):
         if value is not None and value < (0 if flag == "--kv-cache-tokens" else 1):
             raise WorkerError(f"{flag} must be {'>= 0' if flag == '--kv-cache-tokens' else 'at least 1'}, not {value}")
     given = {field: getattr(args, flag) for flag, field in SPEC_FIELDS.items()

@@ -8,7 +8,7 @@ reads and writes the places it is given.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +66,11 @@ class CacheStep:
     start, stride: where the rows' positions lie when they can be read in place: row b's position
             p at token slot start + b * stride + p (KVCache.read); None: they are gathered
     gather: otherwise, for each (row, kv head, position < length), its place in the cache
+    groups: a ragged step (rows of different numbers of tokens, flattened into one row of all
+            the step's tokens): the groups of rows that attend together (RowGroup); None otherwise
+    spans:  a ragged step's fresh rows (several tokens from position 0: a prompt's first chunk),
+            each the step's tokens [begin, end): causal attention over their own new keys, which
+            reads no cache and takes SDPA's causal kernel (not part of any group)
     """
     index: torch.Tensor
     length: int
@@ -74,6 +79,23 @@ class CacheStep:
     start: int | None = 0
     stride: int = 0
     gather: torch.Tensor | None = None
+    groups: list["RowGroup"] | None = None
+    spans: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
+class RowGroup:
+    """Rows of a ragged step that attend together, as a dense batch of `rows` rows of `tokens`
+    queries each: `query` [rows * tokens] picks them out of the step's N flattened tokens (a row
+    with fewer tokens repeats its last one), `view` reads the rows' cached keys (length, mask,
+    in place or gathered, as a CacheStep of those rows), and the results of the queries `keep`
+    picks (None: all) go to the step's tokens `dest`."""
+    rows: int
+    tokens: int
+    query: torch.Tensor
+    view: CacheStep
+    dest: torch.Tensor
+    keep: torch.Tensor | None = None
 
 
 class KVCache(nn.Module):
@@ -155,6 +177,31 @@ def decode_attention(q, k, v):
     return F.scaled_dot_product_attention(q, k, v).view(b, h, 1, d)
 
 
+def ragged_attention(cache: KVCache, step: CacheStep, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q [1, H, N, D]: the queries of a ragged step (CacheStep.groups), whose keys k/v
+    [1, KV, N, D] are cached already. A fresh row attends causally to its own new keys (SDPA's
+    causal kernel, no cache read); each group runs as a dense batch: one new token per row through
+    decode_attention (SDPA's fused kernel when no mask is needed), several through
+    cached_attention with the mask of each row's own positions. Returns [1, H, N, D]."""
+    _, h, n, d = q.shape
+    flat = q[0]
+    out = flat.new_empty(h, n, d)
+    for begin, end in step.spans:
+        out[:, begin:end] = causal_attention(q[:, :, begin:end], k[:, :, begin:end], v[:, :, begin:end])[0]
+    for g in step.groups:
+        qg = flat.index_select(1, g.query).view(h, g.rows, g.tokens, d).transpose(0, 1)
+        kc, vc = cache.read(g.view, g.rows)
+        if g.view.mask is None and g.tokens == 1:
+            y = decode_attention(qg, kc, vc)
+        else:
+            y = cached_attention(qg, kc, vc, g.view.mask)
+        y = y.transpose(0, 1).reshape(h, g.rows * g.tokens, d)
+        if g.keep is not None:
+            y = y.index_select(1, g.keep)
+        out.index_copy_(1, g.dest, y)
+    return out[None]
+
+
 def attend(cache: KVCache | None, step: CacheStep | None, q, k, v) -> torch.Tensor:
     """q [B, H, T, D] (or [B, H, D], one token per row) over this step's keys: the new ones
     alone (no cache, or a fresh prefill), else the cached ones after writing the new ones.
@@ -162,6 +209,8 @@ def attend(cache: KVCache | None, step: CacheStep | None, q, k, v) -> torch.Tens
     if step is None or cache is None:
         return causal_attention(q, k, v)
     cache.write(step, k, v)
+    if step.groups is not None:     # rows of different lengths, flattened: every key is written now
+        return ragged_attention(cache, step, q, k, v)
     if step.fresh:      # prefill from position 0: the new keys are all there is
         return causal_attention(q, k, v)
     b = q.shape[0]

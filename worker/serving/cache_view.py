@@ -4,13 +4,14 @@ goes, what each row attends to, and whether the rows can be read in place.
 
 The model reads and writes only the places it is given, so the block layout stays here, next to
 the blocks. Two kinds of view: the paged one (host-side decisions, the fewest device ops) and the
-static-shape one a CUDA graph replays (fixed shapes, device ops only, no host syncs).
+static-shape one a CUDA graph replays (fixed shapes, device ops only, no host syncs), and the
+ragged one of a step whose rows feed different numbers of tokens (ragged_view).
 """
 from __future__ import annotations
 
 import torch
 
-from shardwise.worker.model.attention import CacheStep
+from shardwise.worker.model.attention import CacheStep, RowGroup
 from shardwise.worker.serving.kv_blocks import blocks_for
 
 
@@ -92,6 +93,64 @@ def paged_view(model, positions: torch.Tensor, blocks: torch.Tensor) -> CacheSte
     # row's own end gather some block's slots, masked.
     gather = cache_index(first_slots(blocks, length, bs), kv_heads, tokens)
     return CacheStep(index, length, fresh, mask, None, 0, gather)
+
+
+def _group(model, rows: list[int], offsets: list[int], counts: list[int], pos: list[int],
+           tables: list[list[int]], blocks: torch.Tensor) -> RowGroup:
+    """The rows `rows` of a ragged step as one dense batch of the most tokens any of them feeds
+    (a shorter row repeats its last token, whose result is dropped): which of the step's tokens
+    they query, what they read of the cache, and where their results go."""
+    bs, tokens, kv_heads = model.block_size, model.cache_tokens, model.kv_heads
+    device = blocks.device
+    t = max(counts[r] for r in rows)
+    query = [offsets[r] + min(i, counts[r] - 1) for r in rows for i in range(t)]
+    qpos = [pos[q] for q in query]
+    length = max(qpos) + 1
+    ends = [pos[offsets[r] + counts[r] - 1] + 1 for r in rows]
+    mask = None
+    if t > 1 or any(e != length for e in ends):
+        mask = torch.arange(length, device=device)[None, None, :] <= \
+            torch.tensor(qpos, device=device).view(len(rows), t, 1)
+    group_tables = [tables[r] for r in rows]
+    view = in_place(group_tables, ends, length, bs, tokens)
+    if view is not None:
+        read = CacheStep(None, length, False, mask, *view)
+    else:
+        mine = blocks.index_select(0, torch.tensor(rows, device=device))
+        read = CacheStep(None, length, False, mask, None, 0,
+                         cache_index(first_slots(mine, length, bs), kv_heads, tokens))
+    real = [j * t + i for j, r in enumerate(rows) for i in range(counts[r])]
+    dest = [offsets[r] + i for r in rows for i in range(counts[r])]
+    keep = None if len(real) == len(query) else torch.tensor(real, device=device)
+    return RowGroup(len(rows), t, torch.tensor(query, device=device), read, torch.tensor(dest, device=device), keep)
+
+
+def ragged_view(model, counts: list[int], positions: torch.Tensor, blocks: torch.Tensor,
+                causal_fresh: bool = True) -> CacheStep:
+    """The view of a step whose row b feeds counts[b] tokens, flattened into one row of all N
+    tokens at `positions` [N] (row by row), over block tables `blocks` [rows, nb]: every key is
+    written at once; a row that feeds several tokens from position 0 (a prompt's first chunk)
+    attends causally to its own keys (CacheStep.spans), and the others in two groups, those that
+    feed one token (decodes: the fast decode kernel) and those that feed several (later prompt
+    chunks, drafts), each row to its own cached positions up to each of its own
+    (attention.ragged_attention). `causal_fresh=False`: fresh rows go with the later chunks
+    (benchmarks/ragged_step_bench.py measures the difference)."""
+    bs, tokens, kv_heads = model.block_size, model.cache_tokens, model.kv_heads
+    pos, tables = positions.tolist(), blocks.tolist()
+    offsets, at = [], 0
+    for c in counts:
+        offsets.append(at)
+        at += c
+    slots = [tables[r][pos[o + i] // bs] * bs + pos[o + i] % bs
+             for r, (o, c) in enumerate(zip(offsets, counts)) for i in range(c)]
+    index = cache_index(torch.tensor(slots, device=positions.device)[None], kv_heads, tokens)
+    singles = [r for r, c in enumerate(counts) if c == 1]
+    # a prompt's first chunk needs nothing of the cache: the causal kernel over its own keys
+    fresh = [r for r, c in enumerate(counts) if c > 1 and pos[offsets[r]] == 0 and causal_fresh]
+    several = [r for r, c in enumerate(counts) if c > 1 and r not in fresh]
+    groups = [_group(model, rows, offsets, counts, pos, tables, blocks) for rows in (singles, several) if rows]
+    spans = [(offsets[r], offsets[r] + counts[r]) for r in fresh]
+    return CacheStep(index, max(pos) + 1, False, None, groups=groups, spans=spans)
 
 
 def cache_view(model, positions: torch.Tensor, blocks: torch.Tensor, static_shapes: bool = False) -> CacheStep:

@@ -1,8 +1,9 @@
 """Generation on rank 0: the loop that ties the engine's parts together, with concurrent requests
 batched over a paged KV cache.
 
-    scheduler.py  which requests run next: rows, micro-batches, chunked prefill and decode taking
-                  turns, admission, prefix reuse, growth and preemption over the block pool
+    scheduler.py  which requests run next: rows, micro-batches, a token budget per step shared
+                  by every running decode and the prompt chunks of as many prefilling requests
+                  as fit, admission, prefix reuse, growth and preemption over the block pool
     kv_blocks.py  the block pool: which block of the cache holds which tokens
     runner.py     a decided step on the pipeline's stages, and its logits back
     sampling.py   each row's next token (greedy or sampled), and log-probabilities
@@ -19,7 +20,7 @@ from shardwise.worker.serving.kv_blocks import BlockPool, blocks_for
 from shardwise.worker.serving.request import FinishReason, Request
 from shardwise.worker.serving.runner import Runner
 from shardwise.worker.serving.sampling import Sampler
-from shardwise.worker.serving.defaults import KV_BLOCK_SIZE, PREFILL_CHUNK
+from shardwise.worker.serving.defaults import KV_BLOCK_SIZE, MAX_STEP_TOKENS, PREFILL_CHUNK
 from shardwise.worker.serving.scheduler import EngineStats, QueueFull, Scheduler
 from shardwise.worker.serving.speculative import SpeculativeConfig, Speculator
 
@@ -29,7 +30,8 @@ __all__ = ["Engine", "EngineStats", "FinishReason", "QueueFull", "Request"]
 class Engine:
     """`kv_tokens`: the cache's size in tokens (0: max_batch whole contexts, the memory of one
     fixed row per request); `block_size`: tokens per block (a block of max_seq or more keeps
-    one fixed row per request); `prefill_chunk`: prompt tokens per step;
+    one fixed row per request); `prefill_chunk`: prompt tokens of one request per step;
+    `max_step_tokens`: tokens per step, every running decode (and its drafts) and prompt chunks;
     `max_waiting`: sequences queued at most, beyond which a submission raises QueueFull (None: no
     bound, for a caller that submits a fixed list of its own); `speculative`: prompt-lookup drafts
     verified in decode steps (speculative.py; None: none)."""
@@ -37,7 +39,7 @@ class Engine:
     def __init__(self, stage, max_batch: int, max_seq: int, eos_ids: list[int], micro_batches: int = 0,
                  kv_tokens: int = 0, block_size: int = KV_BLOCK_SIZE,
                  prefill_chunk: int = PREFILL_CHUNK, prefix_cache: bool = True, max_waiting: int | None = None,
-                 speculative: SpeculativeConfig | None = None):
+                 max_step_tokens: int = MAX_STEP_TOKENS, speculative: SpeculativeConfig | None = None):
         self.stage = stage
         self.max_batch, self.max_seq = max_batch, max_seq
         self.micro_batches = max(1, min(micro_batches or stage.info.pipeline, max_batch))
@@ -51,8 +53,8 @@ class Engine:
         self.sampler = Sampler()
         self.speculator = Speculator(speculative) if speculative is not None else None
         self.scheduler = Scheduler(self.pool, max_batch, max_seq, self.micro_batches, prefill_chunk,
-                                   tuple(eos_ids), self.stats, on_finish=self._forget,
-                                   max_waiting=max_waiting, speculator=self.speculator)
+                                   tuple(eos_ids), self.stats, on_finish=self._forget, max_waiting=max_waiting,
+                                   max_step_tokens=max_step_tokens, speculator=self.speculator)
         self.runner = Runner(stage, blocks, max_seq, block_size)
 
     @classmethod
@@ -63,7 +65,7 @@ class Engine:
         spec = ctx.spec
         return cls(ctx.stage, rows or spec.max_batch, ctx.max_seq, eos_ids, micro_batches, kv_tokens=spec.kv_tokens,
                    block_size=spec.kv_block, prefill_chunk=spec.prefill_chunk, max_waiting=max_waiting,
-                   speculative=spec.speculative)
+                   max_step_tokens=spec.max_step_tokens, speculative=spec.speculative)
 
     def _forget(self, req: Request) -> None:
         """`req` ended: what the sampler and the speculator kept for it goes."""
@@ -120,10 +122,14 @@ class Engine:
         step, logits = runner.collect()
         if not scheduler.complete(step):
             return True
-        if step.drafts is not None:
+        ready = step.ready
+        if len(ready) == len(logits):            # one token's logits per ready row: no draft fed
+            scheduler.append_tokens(step, self.sampler(logits, [step.seqs[i].req for i in ready]))
+        elif self.speculator is not None:
             self.speculator.verify(step, logits, self.sampler, scheduler)
-        else:
-            scheduler.append_tokens(step, self.sampler(logits, step.requests))
+        else:                                    # drafts a caller set, which nothing here verifies
+            scheduler.append_tokens(step, self.sampler(logits[step.next_logits()],
+                                                       [step.seqs[i].req for i in ready]))
         return True
 
     def run_forever(self, stop: threading.Event) -> None:

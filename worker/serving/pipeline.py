@@ -2,15 +2,20 @@
 
 Ranks: crds/layout.py RankLayout (a replica is its own world). Rank 0 (stage 0, TP rank 0) drives:
 it decides every step (which requests, which tokens, positions, cache blocks), runs stage 0 and
-sends the step down the pipeline; the last stage returns last-position logits to rank 0 (every
-position's for a VERIFY step, speculative.py's drafts checked).
+sends the step down the pipeline; the last stage returns the logits rank 0 asked for.
 
-Every message between consecutive stages is
-    header  int64[4]  STEP, VERIFY: (op, batch, tokens per row, blocks per row)
+A step is R rows of N tokens in all, row r feeding counts[r] of them (a decode token, a prompt
+chunk, a token and its draft) and asking for the logits of its last logits[r] positions (0, 1, or
+more to verify a draft). Every message between consecutive stages is
+    header  int64[4]  STEP: (op, rows R, tokens N, blocks per row NB)
                       SETUP: (op, cache blocks, context length, block size)
-    ints    int64[B*T + B*NB]  positions then each row's block table
-    hidden  [B, T, H] in the model dtype                     (op == STEP only)
-and TP rank r of stage s talks to TP rank r of stage s+1 (after the row-parallel all-reduce,
+    ints    int64[2R + N + R*NB]  counts, logits, positions (row by row), each row's block table
+    hidden  [N, H] in the model dtype                        (op == STEP only)
+and the last stage sends rank 0 the logits [sum(logits), V] (float32; nothing when none is asked).
+Rows that all feed the same number of tokens run as a dense batch [R, T] (a decode step: the
+fast decode path, CUDA graphs or the compiled one); rows of different lengths run flattened into
+one row of N tokens, each attending to its own cached positions (cache_view.ragged_view).
+TP rank r of stage s talks to TP rank r of stage s+1 (after the row-parallel all-reduce,
 hidden states are identical on every TP rank of a stage). The TP peers of rank 0 get the step by
 a broadcast inside stage 0's TP group.
 
@@ -30,15 +35,13 @@ import torch.distributed as dist
 
 from shardwise.crds.layout import RankLayout
 
-from shardwise.worker.serving.cache_view import cache_view
+from shardwise.worker.serving.cache_view import cache_view, ragged_view
 from shardwise.worker.serving.cuda_graphs import GraphedDecode
 from shardwise.worker.serving.fastpath import compile_decode
 from shardwise.worker.errors import WorkerError
 from shardwise.worker.distributed.tensor_parallel import COMM
 
-OP_STEP, OP_SETUP, OP_STOP, OP_VERIFY = 1, 2, 3, 4
-# A step's ops: OP_VERIFY is a step whose logits come back at every position (speculative.py)
-STEP_OPS = (OP_STEP, OP_VERIFY)
+OP_STEP, OP_SETUP, OP_STOP = 1, 2, 3
 
 DECODE_MODES = ("auto", "eager", "graphs", "compile")
 
@@ -111,12 +114,6 @@ class StageInfo:
         return self.layout.rank(0, self.pipeline - 1, 0)
 
 
-def _logits(op: int, out: torch.Tensor) -> torch.Tensor:
-    """What a step's last stage returns: the last position's logits [B, V], or every position's
-    [B, T, V] for OP_VERIFY; float32."""
-    return (out if op == OP_VERIFY else out[:, -1]).float()
-
-
 def _recv(t: torch.Tensor, src: int) -> torch.Tensor:
     t0 = time.perf_counter()
     dist.recv(t, src)
@@ -177,24 +174,64 @@ class Stage:
         return t.to(self.comm_device)
 
     # ---- shared by all ranks -------------------------------------------------------------
-    def _compute(self, op: int, b: int, t: int, ints: torch.Tensor | None, x: torch.Tensor | None,
-                 positions: torch.Tensor | None = None, blocks: torch.Tensor | None = None, nb: int = 0):
-        """SETUP (b cache blocks of nb positions for contexts of t) or one step: positions [b, t]
-        and block tables [b, nb] come packed in `ints` or, on a rank alone, as they are."""
+    def _compute(self, op: int, r: int, n: int, ints: torch.Tensor | None, x: torch.Tensor | None, nb: int = 0):
+        """SETUP (r cache blocks of nb positions for contexts of n) or one step of r rows and n
+        tokens (`x`: token ids [N] or hidden states [N, H]) described by `ints` (module docstring).
+        Returns the logits asked for [K, V] (float32) on the last stage, hidden states [N, H] else."""
         if op == OP_SETUP:
             # With graphs, one more block: the scratch row the padding rows write to.
-            self.model.setup_caches(b + (self.graphed is not None), t, nb, device=self.device)
+            self.model.setup_caches(r + (self.graphed is not None), n, nb, device=self.device)
             if self.graphed is not None:
-                self.graphed.reset(b)
+                self.graphed.reset(r)
             return None
-        if ints is not None:
-            positions, blocks = ints[:b * t].view(b, t), ints[b * t:].view(b, -1)
+        head = ints[:2 * r].tolist()
+        counts, logits = head[:r], head[r:]
+        positions = ints[2 * r:2 * r + n].to(self.device)
+        blocks = ints[2 * r + n:].view(r, nb).to(self.device)
         with torch.no_grad():
-            if t == 1 and self.graphed is not None:
-                return self.graphed(x, positions, blocks).clone()   # the graph reuses its output buffer
-            positions = positions.to(self.device)
-            cache = cache_view(self.model, positions, blocks.to(self.device))   # prefills: eager, paged
-            return self.model(x.to(self.device), positions=positions, cache=cache, last_only=op != OP_VERIFY)
+            if all(c == counts[0] for c in counts):
+                out = self._dense(x.view(r, counts[0], *x.shape[1:]), positions.view(r, -1), blocks, logits)
+            else:
+                out = self._ragged(x.view(1, n, *x.shape[1:]), counts, positions, blocks, logits)
+        return out.reshape(n, -1) if not self.info.is_last else out
+
+    def _dense(self, x, positions, blocks, logits: list[int]) -> torch.Tensor:
+        """Rows of T tokens each [R, T]: a decode step (T = 1; graphed when graphs are on) or
+        one prompt chunk, as a batch."""
+        x = x.to(self.device)
+        every_last = all(k == 1 for k in logits)
+        if x.shape[1] == 1 and self.graphed is not None:
+            out = self.graphed(x, positions, blocks).clone()   # the graph reuses its output buffer
+            if not self.info.is_last:
+                return out
+            # the graph's logits [R, 1, V]; a row of a prompt's middle (1 token, 0 logits) is dropped
+            out = out[:, -1].float()
+            return out if every_last else out[[i for i, k in enumerate(logits) if k]]
+        cache = cache_view(self.model, positions, blocks)     # prefills and drafts: eager, paged
+        out = self.model(x, positions=positions, cache=cache, last_only=every_last, return_hidden=not every_last)
+        if not self.info.is_last:
+            return out
+        if every_last:
+            return out[:, -1].float()
+        t = x.shape[1]
+        return self._head(out.reshape(-1, out.shape[-1]), [t] * len(logits), logits)
+
+    def _ragged(self, x, counts: list[int], positions, blocks, logits: list[int]) -> torch.Tensor:
+        """Rows of different lengths, flattened into one row [1, N] (cache_view.ragged_view)."""
+        cache = ragged_view(self.model, counts, positions, blocks)
+        out = self.model(x.to(self.device), positions=positions[None], cache=cache, return_hidden=True)
+        return self._head(out[0], counts, logits) if self.info.is_last else out
+
+    def _head(self, hidden: torch.Tensor, counts: list[int], logits: list[int]) -> torch.Tensor:
+        """The LM head over each row's last logits[r] positions of the normed `hidden` [N, H]."""
+        keep, at = [], 0
+        for c, k in zip(counts, logits):
+            keep.extend(range(at + c - k, at + c))
+            at += c
+        if not keep:
+            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=hidden.device)
+        rows = hidden.index_select(0, torch.tensor(keep, device=hidden.device))
+        return self.model.output(rows).float()
 
     def _forward_next(self, header, ints, out) -> None:
         msgs = [header, ints] + ([out] if out is not None else [])
@@ -203,58 +240,64 @@ class Stage:
     # ---- rank 0 -----------------------------------------------------------------------------
     def launch(self, op: int, tokens: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                blocks: torch.Tensor | None = None, cache_blocks: int = 0, seq: int = 0,
-               block_size: int = 0) -> None:
+               block_size: int = 0, counts: list[int] | None = None, logits: list[int] | None = None) -> None:
         """Run one step (or a SETUP/STOP) on stage 0 and send it on; results come from `collect`.
-        STEP: tokens and positions [B, T], block tables [B, NB]. SETUP: a cache of `cache_blocks`
-        blocks of `block_size` positions (0: one context, `seq`, each) for contexts of `seq`."""
+        STEP: tokens and positions [B, T] with block tables [B, NB], each row's last-position
+        logits asked for; or a ragged step: tokens and positions [N] row by row, row r feeding
+        `counts[r]` of them and asking for the logits of its last `logits[r]` (default 1 each).
+        SETUP: a cache of `cache_blocks` blocks of `block_size` positions (0: one context, `seq`,
+        each) for contexts of `seq`."""
         info = self.info
-        if op in STEP_OPS:
+        if op == OP_STEP:
             blocks = blocks.view(len(blocks), -1)
-            (b, t), nb = tokens.shape, blocks.shape[1]
+            if counts is None:
+                counts = [tokens.shape[-1]] * (tokens.shape[0] if tokens.dim() > 1 else 1)
+            logits = [1] * len(counts) if logits is None else logits
+            r, n, nb = len(counts), sum(counts), blocks.shape[1]
+            ints = torch.cat([torch.tensor(counts + logits), positions.reshape(-1).cpu(),
+                              blocks.reshape(-1).cpu()]).to(torch.int64)
+            tokens = tokens.reshape(-1)
         else:
-            b, t, nb = cache_blocks, seq, block_size
+            r, n, nb, ints = cache_blocks, seq, block_size, None
         out = None
         if info.tensor == 1 and info.pipeline == 1:
-            # A rank alone sends nothing, so the step's tensors need no packing (~0.1 ms of a
-            # ~22 ms CPU decode step, spent by Python with caches the weights have flushed).
+            # A rank alone sends nothing.
             if op != OP_STOP:
-                out = self._compute(op, b, t, None, tokens, positions, blocks, nb)
+                out = self._compute(op, r, n, ints, tokens, nb)
         else:
-            out = self._send_and_compute(op, b, t, nb, tokens, positions, blocks)
-        if op in STEP_OPS:
-            self.pending.append(_logits(op, out) if info.pipeline == 1 else (b, t) if op == OP_VERIFY else b)
+            out = self._send_and_compute(op, r, n, nb, tokens, ints)
+        if op == OP_STEP:
+            self.pending.append(out if info.pipeline == 1 else sum(logits))
 
-    def _send_and_compute(self, op: int, b: int, t: int, nb: int, tokens, positions, blocks) -> torch.Tensor | None:
+    def _send_and_compute(self, op: int, r: int, n: int, nb: int, tokens, ints) -> torch.Tensor | None:
         """launch with other ranks: the step packed as messages, broadcast to this stage's TP
         ranks, computed here, then sent on to the next stage."""
         info = self.info
-        if op in STEP_OPS:
-            ints = torch.cat([positions.reshape(-1), blocks.reshape(-1)]).to(torch.int64).cpu()
-            tok_flat = tokens.reshape(-1).to(torch.int64).cpu()
+        if op == OP_STEP:
+            tok_flat = tokens.to(torch.int64).cpu()
         else:
             # gloo does not move empty tensors: SETUP/STOP carry one unused int.
             ints, tok_flat = torch.zeros(1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
-        header = self._c(torch.tensor([op, b, t, nb], dtype=torch.int64))
+        header = self._c(torch.tensor([op, r, n, nb], dtype=torch.int64))
         ints = self._c(ints)
         if info.tensor > 1:
-            self._broadcast_step(header, self._c(torch.cat([tok_flat, ints.cpu()])) if op in STEP_OPS else None)
+            self._broadcast_step(header, self._c(torch.cat([tok_flat, ints.cpu()])) if op == OP_STEP else None)
         out = None
         if op != OP_STOP:
-            x = tok_flat.view(b, t) if op in STEP_OPS else None
-            out = self._compute(op, b, t, ints, x, nb=nb)
+            out = self._compute(op, r, n, ints, tok_flat if op == OP_STEP else None, nb=nb)
         if info.pipeline > 1:
-            self._forward_next(header, ints, self._c(out) if op in STEP_OPS else None)
+            self._forward_next(header, ints, self._c(out) if op == OP_STEP else None)
         return out
 
     def collect(self) -> torch.Tensor:
-        """Logits [B, V] ([B, T, V] for OP_VERIFY; float32) of the oldest launched step, on the device they were made or
-        received on (sampling.choose brings back only what it needs)."""
+        """The logits asked for by the oldest launched step [K, V] (float32; K = sum of its rows'
+        logits counts, in row order), on the device they were made or received on (sampling.choose
+        brings back only what it needs)."""
         item = self.pending.popleft()
         if self.info.pipeline == 1:
             return item
-        shape = item if isinstance(item, tuple) else (item,)
-        logits = torch.empty(*shape, self.vocab_size, dtype=torch.float32, device=self.comm_device)
-        return _recv(logits, self.info.last_stage_rank0)
+        logits = torch.empty(item, self.vocab_size, dtype=torch.float32, device=self.comm_device)
+        return _recv(logits, self.info.last_stage_rank0) if item else logits
 
     @property
     def in_flight(self) -> int:
@@ -281,30 +324,30 @@ class Stage:
             if info.is_first:
                 t0 = time.perf_counter()
                 dist.broadcast(header, src=0, group=info.tp_group)
-                op, b, t, nb = (int(v) for v in header.tolist())
-                n = b * t * 2 + b * nb if op in STEP_OPS else 0
-                both = torch.empty(n, dtype=torch.int64, device=cd)
-                if n:
+                op, r, n, nb = (int(v) for v in header.tolist())
+                size = n + 2 * r + n + r * nb if op == OP_STEP else 0
+                both = torch.empty(size, dtype=torch.int64, device=cd)
+                if size:
                     dist.broadcast(both, src=0, group=info.tp_group)
                 COMM.add(t0, both)
-                x = both[:b * t].view(b, t).to(self.device) if op in STEP_OPS else None
-                ints = both[b * t:] if op in STEP_OPS else torch.zeros(1, dtype=torch.int64, device=cd)
+                x = both[:n].to(self.device) if op == OP_STEP else None
+                ints = both[n:] if op == OP_STEP else torch.zeros(1, dtype=torch.int64, device=cd)
             else:
                 _recv(header, info.prev_rank)
-                op, b, t, nb = (int(v) for v in header.tolist())
-                ints = _recv(torch.empty(b * t + b * nb if op in STEP_OPS else 1, dtype=torch.int64, device=cd),
+                op, r, n, nb = (int(v) for v in header.tolist())
+                ints = _recv(torch.empty(2 * r + n + r * nb if op == OP_STEP else 1, dtype=torch.int64, device=cd),
                              info.prev_rank)
                 x = None
-                if op in STEP_OPS:
-                    x = _recv(torch.empty(b, t, self.hidden_size, dtype=self.dtype, device=cd),
+                if op == OP_STEP:
+                    x = _recv(torch.empty(n, self.hidden_size, dtype=self.dtype, device=cd),
                               info.prev_rank).to(self.device)
             if op == OP_STOP:
                 if not info.is_last:
                     self._forward_next(header, ints, None)
                 self.sender.flush()
                 return
-            out = self._compute(op, b, t, ints, x, nb=nb)
+            out = self._compute(op, r, n, ints, x, nb=nb)
             if not info.is_last:
                 self._forward_next(header, ints, None if out is None else self._c(out))
-            elif op in STEP_OPS and info.tp_rank == 0:
-                self.sender.send([self._c(_logits(op, out))], 0)
+            elif op == OP_STEP and info.tp_rank == 0 and len(out):
+                self.sender.send([self._c(out)], 0)

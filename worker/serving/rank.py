@@ -56,10 +56,11 @@ class RankSpec:
     quantize: str = "none"        # quantize.py: none, int8 (weight-only, decoder layers), gguf (the file's blocks)
     offload_budget: int = 0       # offload.py: bytes of weights kept on the device, the other layers streamed; 0: all
     # The KV cache (scheduler.py, kv_blocks.py): its size in tokens (0: max_batch whole contexts),
-    # tokens per block, and prompt tokens per prefill step.
+    # tokens per block, prompt tokens of one request per step, and tokens per step in all.
     kv_tokens: int = 0
     kv_block: int = defaults.KV_BLOCK_SIZE
     prefill_chunk: int = defaults.PREFILL_CHUNK
+    max_step_tokens: int = defaults.MAX_STEP_TOKENS      # tokens per step (scheduler.py)
     speculative: object = None    # speculative.SpeculativeConfig: prompt-lookup drafts; None: none
 
 

@@ -4,14 +4,27 @@
 Rows (at most max_batch requests at once) are split into one micro-batch per pipeline stage
 (row % micro_batches). Each micro-batch has at most one step in flight; while stage 1 works on
 micro-batch 0, stage 0 already runs micro-batch 1, so with as many micro-batches as stages every
-stage stays busy. Within a micro-batch, a step is either one decode token for every request that
-has its prompt in the cache, or the next chunk of one request's prompt; when both wait they take
-turns, so a long prompt delays the running streams by one chunk at a time, not by its whole prefill.
+stage stays busy.
+
+A step spends a budget of tokens (`max_step_tokens`), as vLLM's scheduler does: first one decode
+token for every row of the micro-batch that has its prompt in the cache (all of them, whatever the
+budget: a running stream never waits), then the next chunk (at most `prefill_chunk` tokens) of
+each row still prefilling, oldest admission first, while the budget lasts. All of it runs as ONE
+forward in which each row has its own number of query tokens, its own positions and its own block
+table (runner.py, cache_view.ragged_view), so prompts are prefilled together and alongside the
+running decodes, and a long prompt delays the streams by one chunk per step, not by its prefill.
+
+Each row also says how many of its last positions return logits (`Step.logits`): 0 for a chunk
+short of its prompt's end, 1 for a decode or a prompt's last chunk, and 1 + k for a decode row
+that feeds k draft tokens after its next one (`SequenceState.draft`: the speculator's proposal,
+asked for as the step is built, or set by a caller before `schedule`); speculative.py verifies them
+with the logits of each position and hands `append_tokens` the tokens it keeps for that row.
 
 The cache is a pool of blocks (kv_blocks.py): a request is admitted when the blocks for its prompt
 are free (less the blocks of a prefix another request left in the cache, which it shares), takes a
 block every block_size tokens as it decodes, and gives them back when it ends. When a decode finds
-no block, the request admitted last among those not in flight is preempted: its blocks are
+no block, the request admitted last among those not in flight (itself, if it is that one) is
+preempted: its blocks are
 released (registered first, so that its resumption finds most of them still cached) and it goes
 back to the front of the queue, to be prefilled again, prompt and tokens so far, when blocks free up.
 
@@ -36,8 +49,7 @@ from typing import Callable
 from shardwise.worker.errors import WorkerError
 from shardwise.worker.serving.kv_blocks import BlockPool, blocks_for
 from shardwise.worker.serving.request import FinishReason, Request
-from shardwise.worker.serving.defaults import KV_BLOCK_SIZE, PREFILL_CHUNK
-
+from shardwise.worker.serving.defaults import MAX_STEP_TOKENS, PREFILL_CHUNK
 
 
 @dataclass
@@ -70,26 +82,48 @@ class SequenceState:
     fed: int = 0                                         # tokens whose keys/values are cached
     admitted: int = 0                                    # admission order (the last is preempted first)
     preemptions: int = 0
+    # Tokens proposed to follow the next one (speculative decoding): the next decode step feeds
+    # them in the same row and returns the logits of each position; cleared when scheduled.
+    draft: list[int] = field(default_factory=list)
 
 
 @dataclass(eq=False)
 class Step:
-    """One step the scheduler decided: a micro-batch's rows, the tokens each row feeds (`fed` per
-    row, from position `starts[i]`) and each row's block table up to the step's last position."""
+    """One step the scheduler decided: a micro-batch's rows, the tokens each row feeds (a decode
+    token, a prompt chunk, or a decode token and its draft) from position `starts[i]`, each row's
+    block table up to its last position, and how many of each row's last positions give logits."""
     micro_batch: int
     seqs: list[SequenceState]
-    fed: int                     # tokens per row: a prompt chunk's length, or 1 for a decode
-    prefill: bool                # one request's prompt chunk (positions start..start+fed), or a decode
-    tokens: list[list[int]]      # [rows][fed]
+    tokens: list[list[int]]      # [rows][that row's tokens]: a ragged batch
     starts: list[int]            # each row's first position
-    tables: list[list[int]]      # [rows][blocks], padded with block 0
-    # A decode step that verifies drafts (speculative.py): per row, how many of its tokens after
-    # the first are drafts; logits come back at every position. None: one token's logits per row.
-    drafts: list[int] | None = None
+    tables: list[list[int]]      # [rows][blocks], padded with block 0 to the longest
+    logits: list[int]            # per row: its last positions whose logits come back (0, 1, 1 + draft)
+    decodes: int = 0             # the first `decodes` rows feed a generated token (the rest: prompts)
 
     @property
     def requests(self) -> list[Request]:
         return [s.req for s in self.seqs]
+
+    @property
+    def counts(self) -> list[int]:
+        """Tokens each row feeds."""
+        return [len(t) for t in self.tokens]
+
+    @property
+    def ready(self) -> list[int]:
+        """The rows that give tokens (their logits come back), in order."""
+        return [i for i, n in enumerate(self.logits) if n]
+
+    def next_logits(self) -> list[int]:
+        """For each ready row, the index among the step's logits of those that give its next
+        token with no draft kept: a decode row's first position (after the token it feeds),
+        a prompt row's last."""
+        out, at = [], 0
+        for i, n in enumerate(self.logits):
+            if n:
+                out.append(at if i < self.decodes else at + n - 1)
+            at += n
+        return out
 
 
 class Scheduler:
@@ -99,9 +133,10 @@ class Scheduler:
     def __init__(self, pool: BlockPool, max_batch: int, max_seq: int, micro_batches: int = 1,
                  prefill_chunk: int = PREFILL_CHUNK, eos_ids: tuple[int, ...] = (),
                  stats: EngineStats | None = None, on_finish: Callable[[Request], None] | None = None,
-                 max_waiting: int | None = None, speculator=None):
+                 max_waiting: int | None = None, max_step_tokens: int = MAX_STEP_TOKENS, speculator=None):
         self.pool, self.block_size = pool, pool.block_size
-        self.speculator = speculator                       # speculative.Speculator: drafts for decode steps
+        # speculative.Speculator (None: none): proposes each decoding row's draft as a step is built
+        self.speculator = speculator
         self.max_batch, self.max_seq = max_batch, max_seq
         self.micro_batches, self.prefill_chunk = micro_batches, max(1, prefill_chunk)
         self.eos_ids = tuple(eos_ids)
@@ -109,7 +144,9 @@ class Scheduler:
         self.rows: list[SequenceState | None] = [None] * max_batch
         self.waiting: deque[SequenceState] = deque()
         self.busy = [False] * micro_batches                # a step of the micro-batch is in flight
-        self.decoded_last = [True] * micro_batches         # which kind of step each ran last
+        # Tokens per step, every decode included: at least one more than a micro-batch's rows, so
+        # that a prompt admitted beside rows that all decode still advances (vLLM refuses less).
+        self.max_step_tokens = max(max_step_tokens, -(-max_batch // micro_batches) + 1)
         self.lock = threading.Condition()
         self.on_finish = on_finish                         # told of every request that ends
         self._admissions = itertools.count(1)
@@ -245,13 +282,18 @@ class Scheduler:
                    and s.req.sequence()[start:end] == block for s in self.rows if s is not None)
 
     def _grow(self, seq: SequenceState, tokens: int) -> bool:
-        """Blocks for `seq`'s first `tokens` positions, preempting others if none is free. False
-        when none can be had now."""
+        """Blocks for `seq`'s first `tokens` positions, preempting requests admitted after it if
+        none is free. False when none can be had now; `seq` itself is preempted when it is the
+        one admitted last (unless it holds every block in use: it cannot grow at all)."""
         while len(seq.blocks) < blocks_for(tokens, self.block_size):
             block = self.pool.take(seq.row, len(seq.blocks))
             if block is None:
                 victim = self._victim(seq)
                 if victim is None:
+                    return False
+                if victim is seq:
+                    if self.pool.used > len(seq.blocks):
+                        self._preempt(seq)
                     return False
                 self._preempt(victim)
                 continue
@@ -259,8 +301,9 @@ class Scheduler:
         return True
 
     def _victim(self, seq: SequenceState) -> SequenceState | None:
-        """The request admitted last among those holding blocks with no step in flight."""
-        idle = [s for s in self.rows if s is not None and s is not seq and s.blocks
+        """The request admitted last among those holding blocks with no step in flight, `seq`
+        included (as vLLM does: a later request never takes an earlier one's blocks)."""
+        idle = [s for s in self.rows if s is not None and (s.blocks or s is seq)
                 and not self.busy[s.row % self.micro_batches]]
         return max(idle, key=lambda s: s.admitted, default=None)
 
@@ -288,8 +331,8 @@ class Scheduler:
 
     def schedule(self, mb: int) -> Step | None:
         """The next step of idle micro-batch `mb` (marked in flight), or None when it has no work:
-        a chunk of the prompt admitted first, or one decode token for every row that has its
-        prompt cached, taking turns when both wait."""
+        one token (and its draft) for every row that has its prompt cached, then prompt chunks
+        of the prefilling rows, oldest first, up to the step's token budget."""
         self._admit(mb)
         live = []
         for seq in self.rows[mb::self.micro_batches]:
@@ -299,31 +342,58 @@ class Scheduler:
                 self.finish(seq, FinishReason.STOP)
             else:
                 live.append(seq)
-        decoding = [s for s in live if s.req.length - s.fed == 1]
-        prefilling = [s for s in live if s.req.length - s.fed > 1]
-        if prefilling and (not decoding or self.decoded_last[mb]):
-            seq = min(prefilling, key=lambda s: s.admitted)
-            n = min(seq.req.length - seq.fed, self.prefill_chunk)
-            step = Step(mb, [seq], n, True, [seq.req.sequence()[seq.fed:seq.fed + n]], [seq.fed],
-                        self._tables([seq], seq.fed + n))
-            self.decoded_last[mb] = False
-        else:
-            decoding = self._room_to_decode(decoding)
-            if not decoding:
-                return None
-            step = Step(mb, decoding, 1, False, [[s.req.token_at(s.fed)] for s in decoding],
-                        [s.fed for s in decoding], self._tables(decoding, max(s.fed for s in decoding) + 1))
+        decoding = self._room_to_decode([s for s in live if s.req.length - s.fed == 1])
+        budget = self.max_step_tokens - len(decoding)
+        rows: list[tuple[SequenceState, list[int], int]] = []
+        for s in decoding:
             if self.speculator is not None:
-                self.speculator.draft(step, self)
-            self.decoded_last[mb] = True
+                s.draft = self.speculator.proposal(s)
+            draft = self._draft(s, budget)
+            budget -= len(draft)
+            rows.append((s, [s.req.token_at(s.fed)] + draft, 1 + len(draft)))
+        # Rows a decode's growth preempted are gone from `rows` (row -1); prompts need no new
+        # blocks (admission took them all).
+        prefilling = sorted((s for s in live if s.row >= 0 and s.req.length - s.fed > 1), key=lambda s: s.admitted)
+        for s in prefilling:
+            n = min(s.req.length - s.fed, self.prefill_chunk, budget)
+            if n < 1:
+                break
+            budget -= n
+            rows.append((s, s.req.sequence()[s.fed:s.fed + n], int(s.fed + n >= s.req.length)))
+        if not rows:
+            return None
+        seqs = [r[0] for r in rows]
+        tokens = [r[1] for r in rows]
         self.busy[mb] = True
-        return step
+        return Step(mb, seqs, tokens, [s.fed for s in seqs],
+                    self._tables(seqs, max(s.fed + len(t) for s, t in zip(seqs, tokens))),
+                    [r[2] for r in rows], len(decoding))
+
+    def _draft(self, seq: SequenceState, budget: int) -> list[int]:
+        """The part of `seq`'s draft that this step feeds: what the budget, the context and the
+        blocks (taken without preempting anyone) allow. The draft is cleared: a caller proposes
+        anew before each step."""
+        draft, seq.draft = seq.draft, []
+        room = self.max_seq - seq.fed - 1
+        draft = draft[:max(0, min(budget, room))]
+        while draft and not self._grow_free(seq, seq.fed + 1 + len(draft)):
+            draft = draft[:-1]
+        return draft
+
+    def _grow_free(self, seq: SequenceState, tokens: int) -> bool:
+        """Blocks for `seq`'s first `tokens` positions from those free or cached, preempting no one."""
+        need = blocks_for(tokens, self.block_size) - len(seq.blocks)
+        if need > self.pool.available:
+            return False
+        for _ in range(need):
+            seq.blocks.append(self.pool.take(seq.row, len(seq.blocks)))
+        return True
 
     def _room_to_decode(self, decoding: list[SequenceState]) -> list[SequenceState]:
         """The decoding rows that have (or could take) a block for their next position; one that
         alone holds the whole cache and needs more ends (length)."""
         for s in decoding:
-            if s.row >= 0 and not self._grow(s, s.fed + 1) and self.pool.used == len(s.blocks):
+            if s.row >= 0 and not self._grow(s, s.fed + 1) and s.row >= 0 and self.pool.used == len(s.blocks):
                 self.finish(s, FinishReason.LENGTH)
         return [s for s in decoding if s.row >= 0 and len(s.blocks) * self.block_size > s.fed]
 
@@ -335,36 +405,54 @@ class Scheduler:
 
     def complete(self, step: Step) -> bool:
         """A launched step came back: its tokens are cached and its micro-batch is free. Returns
-        whether it gives tokens (the end of a prompt, or a decode)."""
+        whether any row gives a token (a decode, or the end of a prompt). A decode row's draft
+        tokens are cached too, but count as fed only once append_tokens keeps them."""
         self.busy[step.micro_batch] = False
-        seqs, n = step.seqs, step.fed
-        first = seqs[0]
         stats = self.stats
         stats.steps += 1
-        if step.prefill or len(first.req.token_ids) == 0:
-            stats.prefill_tokens += n
-        else:
-            stats.decode_tokens += len(seqs)
-        for s in seqs:
-            s.fed += n
-        if step.prefill:           # a prefill chunk: its full blocks are shareable at once
-            self.pool.register(first.req.sequence()[:first.fed], first.blocks)
-        return first.fed >= first.req.length          # short of the prompt's end: no token yet
+        for i, (seq, tokens) in enumerate(zip(step.seqs, step.tokens)):
+            if i < step.decodes:
+                stats.decode_tokens += 1
+                seq.fed += 1
+            else:
+                stats.prefill_tokens += len(tokens)
+                seq.fed += len(tokens)
+                # a prompt chunk: its full blocks are shareable at once
+                self.pool.register(seq.req.sequence()[:seq.fed], seq.blocks)
+        return bool(step.ready)
 
-    def append_tokens(self, step: Step, tokens: list[int]) -> None:
-        """Each row's sampled token to its request, which ends on an end-of-sequence or stop
-        token, a cancel, max_new_tokens or the context's end."""
+    def append_tokens(self, step: Step, tokens: list) -> None:
+        """The sampled tokens of the step's ready rows (Step.ready, in order) to their requests,
+        which end on an end-of-sequence or stop token, a cancel, max_new_tokens or the context's
+        end. A row that fed a draft may be given a list instead: the draft tokens it accepts (a
+        prefix of its draft, whose keys and values the step cached) and then the token that
+        follows them; the row's request takes them one by one and may end part-way."""
         now = time.perf_counter()
-        for seq, token in zip(step.seqs, tokens):
-            req = seq.req
-            req.token_ids.append(token)
-            if req.first_token_at is None:
-                req.first_token_at = now
-            if token in self.eos_ids or token in req.stop_ids or req.cancelled:
-                req.finish_reason = FinishReason.STOP
-            elif len(req.token_ids) >= req.max_new_tokens or seq.fed + 1 >= self.max_seq:
-                req.finish_reason = FinishReason.LENGTH
-            if req.on_token is not None:
-                req.on_token(req, token)
-            if req.finish_reason:
-                self.finish(seq)
+        for i, given in zip(step.ready, tokens):
+            seq = step.seqs[i]
+            kept = given if isinstance(given, list) else [given]
+            accepted = step.tokens[i][1:1 + len(kept) - 1] if i < step.decodes else []
+            if kept[:-1] != accepted:
+                raise ValueError("the tokens kept of a draft must be a prefix of it")
+            for j, token in enumerate(kept):
+                if j:
+                    seq.fed += 1                 # the accepted draft token before this one is cached
+                if self._append(seq, token, now):
+                    break
+
+    def _append(self, seq: SequenceState, token: int, now: float) -> bool:
+        """One token to `seq`'s request; True when that ends it."""
+        req = seq.req
+        req.token_ids.append(token)
+        if req.first_token_at is None:
+            req.first_token_at = now
+        if token in self.eos_ids or token in req.stop_ids or req.cancelled:
+            req.finish_reason = FinishReason.STOP
+        elif len(req.token_ids) >= req.max_new_tokens or seq.fed + 1 >= self.max_seq:
+            req.finish_reason = FinishReason.LENGTH
+        if req.on_token is not None:
+            req.on_token(req, token)
+        if req.finish_reason:
+            self.finish(seq)
+            return True
+        return False

@@ -12,22 +12,22 @@ yields 1 to k+1 tokens for about the weight reads of one (decode is memory-bound
               tokens matched earlier in prompt+output; the up to k tokens that followed its most
               recent earlier occurrence (NgramIndex keeps each request's n-grams, updated as it grows);
               k shrinks for a request whose drafts are rejected and grows back as they are accepted
-    draft     a decode step's rows get their drafts; every row feeds 1+K tokens, K the most any row
-              proposes, capped by what every row can hold: blocks are taken only where free (drafts
-              never preempt another request) and positions stay inside the context
-    verify    each row's accepted drafts and its bonus token go to the request, its cached length
-              is rolled back past the rejected drafts (their keys and values are overwritten later)
-              and the blocks taken for them beyond what the row now needs are given back
+    draft     as the scheduler builds a step, each decoding row's proposal becomes its draft
+              (Scheduler(speculator=...), SequenceState.draft): the row feeds its token and what
+              the step's token budget, the context and the free blocks leave of the draft (drafts
+              never preempt another request), and asks for the logits of each of those positions;
+              rows of different lengths run in the same ragged step as the prompt chunks
+    verify    each row's accepted drafts and its bonus token go to the request (only they count
+              as cached: the rejected drafts' keys and values are overwritten later) and the blocks
+              taken for the drafts beyond what the row now needs are given back
 
 Verification is greedy, so greedy output is exactly what decoding without speculation gives. Rows
-that sample (temperature > 0) or ask for log-probabilities are not speculated for: they feed padding
-after their token (never verified) and take their token from the first position, as without
-speculation; rejection sampling would keep a sampled row's distribution but not the draws a seeded
-request makes today.
+that sample (temperature > 0) or ask for log-probabilities are not speculated for: they feed their
+one token, as without speculation; rejection sampling would keep a sampled row's distribution but
+not the draws a seeded request makes today.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from shardwise.crds.speculative import DRAFT_TOKENS_MAX, NGRAM_LIMIT
@@ -135,7 +135,11 @@ class Speculator:
         """`req` ended: its n-grams go."""
         self.indexes.pop(req.id, None)
 
-    def _proposal(self, seq) -> list[int]:
+    def proposal(self, seq) -> list[int]:
+        """The draft of a decoding row (scheduler.SequenceState) as its step is built: the
+        request's n-gram match, as many tokens as its drafting limit allows ([] for a request that
+        does not speculate). The scheduler feeds what its budget, the context and the free blocks
+        leave of it (Scheduler._draft)."""
         req = seq.req
         if not speculates(req):
             return []
@@ -147,74 +151,42 @@ class Speculator:
         k = min(drafting.limit, req.max_new_tokens - len(req.token_ids) - 1)
         return drafting.index.propose(req.sequence(), k)
 
-    def draft(self, step, scheduler) -> None:
-        """Give a decode `step` (scheduler.Step of one token per row) its rows' drafts, in place:
-        every row feeds 1+K tokens (`step.drafts`: how many of them each row has verified), or the
-        step stays as it was when no row proposes or no room is left."""
-        pool, bs = scheduler.pool, scheduler.block_size
-        proposals = [self._proposal(s) for s in step.seqs]
-        want = max(map(len, proposals), default=0)
-        if want == 0:
-            return
-        room = want
-        for s in step.seqs:
-            room = min(room, scheduler.max_seq - 1 - s.fed)
-            while room > 0 and len(s.blocks) < blocks_for(s.fed + 1 + room, bs):
-                block = pool.take(s.row, len(s.blocks))         # free or cached blocks only
-                if block is None:
-                    break
-                s.blocks.append(block)
-            room = min(room, len(s.blocks) * bs - s.fed - 1)
-        if room <= 0:
-            for s in step.seqs:
-                _give_back(pool, s, s.fed + 1, bs)
-            return
-        for row, proposal in zip(step.tokens, proposals):
-            proposal = proposal[:room]
-            # padding (never verified) so that every row feeds as many tokens
-            row.extend(proposal + [proposal[-1] if proposal else row[0]] * (room - len(proposal)))
-        step.drafts = [min(len(p), room) for p in proposals]
-        step.fed = 1 + room
-        step.tables = scheduler._tables(step.seqs, max(step.starts) + step.fed)
-
     def verify(self, step, logits, sampler, scheduler) -> None:
-        """A collected verification step: each row's first token as without speculation (greedy or
-        sampled), then its accepted drafts and the bonus token; cached lengths rolled back past
-        the rejected drafts (`complete` counted every fed token) and unneeded blocks given back.
-        `logits`: [rows, 1+K, vocabulary]."""
-        first = sampler(logits[:, 0], step.requests)
-        greedy = logits[:, 1:].argmax(-1).tolist() if any(step.drafts) else [[]] * len(step.seqs)
+        """A collected step some of whose decode rows fed drafts (scheduler.Step, its logits
+        [sum(step.logits), vocabulary]): each ready row's first token as without speculation
+        (greedy or sampled, from Step.next_logits), then for a row that fed k drafts, those equal
+        to the greedy token at their position and the token after the last of them (the bonus).
+        The blocks a row took for the drafts it did not keep are given back."""
+        ready = step.ready
+        first = sampler(logits[step.next_logits()], [step.seqs[i].req for i in ready])
+        offsets, at = [], 0
+        for n in step.logits:
+            offsets.append(at)
+            at += n
+        # the greedy token after each draft token, for every drafting row at once
+        checked = [offsets[i] + j for i in ready if step.logits[i] > 1 for j in range(1, step.logits[i])]
+        greedy = logits[checked].argmax(-1).tolist() if checked else []
         stats = self.stats
         stats.steps += 1
-        tokens = []
-        for i, s in enumerate(step.seqs):
-            n = step.drafts[i]
-            drafts = step.tokens[i][1:1 + n]
-            a = accepted_drafts(drafts, [first[i]] + greedy[i])
+        tokens, drafted = [], []
+        for i, token in zip(ready, first):
+            n = step.logits[i] - 1
+            if n <= 0:
+                tokens.append(token)
+                continue
+            drafts, after = step.tokens[i][1:], greedy[:n]
+            del greedy[:n]
+            a = accepted_drafts(drafts, [token] + after)
             stats.proposed += n
             stats.accepted += a
-            drafting = self.indexes.get(s.req.id)
+            drafting = self.indexes.get(step.seqs[i].req.id)
             if drafting is not None:
                 drafting.update(n, a, self.config.draft_tokens)
-            s.fed -= step.fed - 1 - a           # the last token and the accepted drafts stay cached
-            tokens.append(drafts[:a] + [first[i] if a == 0 else greedy[i][a - 1]])
+            tokens.append(drafts[:a] + [token if a == 0 else after[a - 1]])
+            drafted.append(step.seqs[i])
+        scheduler.append_tokens(step, tokens)
+        for s in drafted:           # a row that ended gave back every block already
             _give_back(scheduler.pool, s, s.fed + 1, scheduler.block_size)
-        self._append(step, tokens, scheduler)
-
-    @staticmethod
-    def _append(step, tokens: list[list[int]], scheduler) -> None:
-        """Hand each row its tokens one at a time, as decode steps would, its cached length what
-        it would be then: a row that ends on one of them (end token, stop, length) takes no more."""
-        ends = [s.fed for s in step.seqs]
-        for j in range(max(map(len, tokens))):
-            rows = [i for i, s in enumerate(step.seqs)
-                    if j < len(tokens[i]) and s.row >= 0 and s.req.finish_reason is None]
-            if not rows:
-                return
-            for i in rows:
-                step.seqs[i].fed = ends[i] - len(tokens[i]) + 1 + j
-            scheduler.append_tokens(dataclasses.replace(step, seqs=[step.seqs[i] for i in rows]),
-                                    [tokens[i][j] for i in rows])
 
 
 def _give_back(pool, seq, positions: int, block_size: int) -> None:

@@ -28,7 +28,7 @@ def _help(parser: argparse.ArgumentParser, flag: str) -> str:
 def test_the_help_states_rankspecs_defaults(module):
     parser = _parser(module)
     for flag, field in (("--max-batch", "max_batch"), ("--kv-block-size", "kv_block"),
-                        ("--prefill-chunk", "prefill_chunk")):
+                        ("--prefill-chunk", "prefill_chunk"), ("--max-step-tokens", "max_step_tokens")):
         assert re.search(rf"\(default {DEFAULTS[field]}[;)]", _help(parser, flag)), flag
 
 
@@ -38,9 +38,18 @@ def test_flags_not_given_leave_rankspecs_defaults():
     for field in flags.SPEC_FIELDS.values():
         assert getattr(spec, field) == DEFAULTS[field], field
     given = _parser(serve).parse_args(["--model", "m", "--max-batch", "3", "--kv-block-size", "4",
-                                       "--prefill-chunk", "5", "--max-seq-len", "6", "--threads", "2"])
+                                       "--prefill-chunk", "5", "--max-seq-len", "6", "--threads", "2",
+                                       "--max-step-tokens", "7"])
     spec = flags.spec_from_args(given)
     assert (spec.max_batch, spec.kv_block, spec.prefill_chunk, spec.max_seq, spec.threads) == (3, 4, 5, 6, 2)
+    assert spec.max_step_tokens == 7
+
+
+def test_a_step_budget_below_one_is_refused_in_one_line():
+    from shardwise.worker.errors import WorkerError
+    args = _parser(serve).parse_args(["--model", "m", "--max-step-tokens", "0"])
+    with pytest.raises(WorkerError, match="^--max-step-tokens must be at least 1, not 0$"):
+        flags.spec_from_args(args)
 
 
 def test_one_definition_of_each_shared_flag():
@@ -52,7 +61,7 @@ def test_one_definition_of_each_shared_flag():
         return a.option_strings, a.choices, a.help, a.metavar
 
     for flag in ("--max-batch", "--max-seq-len", "--decode", "--kv-cache-tokens", "--kv-block-size",
-                 "--prefill-chunk"):
+                 "--prefill-chunk", "--max-step-tokens"):
         assert len({repr(described(p, flag)) for name, p in parsers.items() if "train" not in name}) == 1, flag
     for flag in ("--tensor-parallel", "--pipeline-parallel"):
         assert len({repr(described(p, flag)) for name, p in parsers.items() if "pod" not in name}) == 1, flag

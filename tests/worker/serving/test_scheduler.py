@@ -24,9 +24,10 @@ TOKEN = 7        # what every made-up step samples
 
 def _scheduler(rows: int = 2, blocks: int = 16, block_size: int = 4, max_seq: int = 64, micro_batches: int = 1,
                chunk: int = 512, prefix_cache: bool = True, eos: tuple[int, ...] = (),
-               max_waiting: int | None = None) -> Scheduler:
+               max_waiting: int | None = None, budget: int = 512) -> Scheduler:
     pool = BlockPool(blocks, block_size, lanes=rows, prefix_cache=prefix_cache)
-    return Scheduler(pool, rows, max_seq, micro_batches, chunk, eos, max_waiting=max_waiting)
+    return Scheduler(pool, rows, max_seq, micro_batches, chunk, eos, max_waiting=max_waiting,
+                     max_step_tokens=budget)
 
 
 def _submit(s: Scheduler, *reqs: Request) -> None:
@@ -52,7 +53,7 @@ class _Loop:
             return False
         step = self.inflight.popleft()
         if self.s.complete(step):
-            self.s.append_tokens(step, [TOKEN] * len(step.seqs))
+            self.s.append_tokens(step, [TOKEN] * len(step.ready))
         return True
 
     def run(self) -> list[Step]:
@@ -83,8 +84,9 @@ def test_a_request_waits_while_the_cache_lacks_its_prompts_blocks():
     big, small = Request(list(range(1, 13)), max_new_tokens=1), Request([1, 2], max_new_tokens=1)
     _submit(s, big, small)
     first = s.schedule(0)
-    # the 12-token prompt takes 3 of the 4 blocks; the next needs 1 and gets it, in the next row
-    assert first.requests == [big] and s.running == 2 and not s.waiting
+    # the 12-token prompt takes 3 of the 4 blocks; the next needs 1 and gets it, in the next row,
+    # and both prompts are fed in the same step
+    assert first.requests == [big, small] and s.running == 2 and not s.waiting
     later = _scheduler(rows=2, blocks=4, block_size=4, prefix_cache=False)
     _submit(later, Request(list(range(1, 13)), max_new_tokens=1), Request(list(range(1, 9)), max_new_tokens=1))
     later.schedule(0)
@@ -103,20 +105,23 @@ def test_a_request_that_can_never_run_is_refused_in_one_line(prompt, max_new, me
         s.check(Request(prompt, max_new_tokens=max_new))
 
 
-def test_preemption_takes_the_request_admitted_last_among_those_with_no_step_in_flight():
+def test_preemption_takes_the_requests_admitted_last_among_those_with_no_step_in_flight():
     # Two micro-batches of three rows; six one-block prompts fill the six blocks.
     s = _scheduler(rows=6, blocks=6, block_size=2, micro_batches=2)
     a, b, c, d, e, f = reqs = [Request([10 + i, 20 + i], max_new_tokens=4) for i in range(6)]
     _submit(s, *reqs)
     first, second = s.schedule(0), s.schedule(1)          # a, b, c in micro-batch 0; d, e, f in 1
-    assert first.requests == [a] and second.requests == [d] and s.running == 6
+    assert first.requests == [a, b, c] and second.requests == [d, e, f] and s.running == 6
+    assert first.counts == [2, 2, 2] and first.decodes == 0      # three prompts in one step
     assert s.complete(first)
-    s.append_tokens(first, [TOKEN])
-    # a's next position needs a block; d, e and f were admitted later, but micro-batch 1 is in flight
+    s.append_tokens(first, [TOKEN] * 3)
+    # a, b and c each need a block for their next position. d, e and f were admitted later, but
+    # micro-batch 1 is in flight: a takes c's block, and b, now the last admitted of those
+    # idle, steps back itself rather than take the block of a, admitted before it.
     step = s.schedule(0)
-    assert step.requests == [a] and not step.prefill
-    assert s.stats.preempted == 1 and [q.req for q in s.waiting] == [c]
-    assert c not in [q.req for q in s.rows if q is not None] and b in [q.req for q in s.rows if q is not None]
+    assert step.requests == [a] and step.decodes == 1 and step.counts == [1]
+    assert s.stats.preempted == 2 and [q.req for q in s.waiting] == [b, c]
+    assert [q.req for q in s.rows if q is not None] == [a, d, e, f]
 
 
 def test_a_preempted_request_resumes_with_its_tokens_and_every_block_comes_back():
@@ -131,7 +136,7 @@ def test_a_preempted_request_resumes_with_its_tokens_and_every_block_comes_back(
     assert s.pool.available == s.pool.num_blocks and s.running == 0 and not s.waiting
 
 
-def test_prompt_chunks_take_turns_with_the_running_decodes():
+def test_every_step_decodes_the_running_streams_beside_a_long_prompts_chunks():
     s = _scheduler(rows=2, blocks=32, chunk=4)
     stream = Request([1, 2, 3], max_new_tokens=50)
     _submit(s, stream)
@@ -142,8 +147,82 @@ def test_prompt_chunks_take_turns_with_the_running_decodes():
     loop.launched.clear()
     while long.first_token_at is None:
         loop.step()
-    assert [st.prefill for st in loop.launched] == [False, True] * 5     # 20 tokens: 5 chunks of 4
-    assert [st.fed for st in loop.launched if st.prefill] == [4] * 5
+    # 20 tokens: 5 chunks of 4, each in the same step as one of the stream's tokens
+    assert [st.requests for st in loop.launched] == [[stream, long]] * 5
+    assert [st.counts for st in loop.launched] == [[1, 4]] * 5
+    assert [st.logits for st in loop.launched] == [[1, 0]] * 4 + [[1, 1]]
+    assert len(stream.token_ids) == 1 + 5
+
+
+def _steady(s: Scheduler, running: int) -> tuple[_Loop, list[Request]]:
+    """`running` requests decoding (prompts fed), with room for more."""
+    streams = [Request([1, 2, 3 + i], max_new_tokens=100) for i in range(running)]
+    _submit(s, *streams)
+    loop = _Loop(s)
+    while not all(r.token_ids for r in streams):
+        loop.step()
+    return loop, streams
+
+
+def test_a_step_feeds_every_decode_and_the_chunks_of_several_prompts_within_its_budget():
+    s = _scheduler(rows=8, blocks=128, block_size=4, max_seq=128, chunk=16, budget=40)
+    loop, streams = _steady(s, 3)
+    prompts = [Request(list(range(10 * i + 1, 10 * i + 1 + n)), max_new_tokens=2) for i, n in enumerate((30, 12, 25))]
+    _submit(s, *prompts)
+    loop.launched.clear()
+    while any(r.first_token_at is None for r in prompts):
+        loop.step()
+    # 3 decodes, then chunks of at most 16 oldest prompt first, while 40 tokens last
+    assert [st.counts for st in loop.launched] == [[1, 1, 1, 16, 12, 9], [1, 1, 1, 1, 14, 16]]
+    first, second = loop.launched
+    assert first.requests == streams + prompts and first.logits == [1, 1, 1, 0, 1, 0]
+    assert second.requests == streams + [prompts[1], prompts[0], prompts[2]]     # prompts[1] decodes now
+    assert second.logits == [1] * 6 and second.decodes == 4
+    assert all(sum(st.counts) <= 40 for st in loop.launched)
+
+
+def test_a_budget_below_the_rows_is_raised_so_that_prompts_beside_full_decodes_still_advance():
+    s = _scheduler(rows=6, blocks=128, block_size=4, max_seq=128, chunk=16, budget=4)
+    assert s.max_step_tokens == 7
+    loop, streams = _steady(s, 6)                   # would starve the last prompts at 4 tokens a step
+    assert max(len(r.token_ids) for r in streams) < 8
+    loop.launched.clear()
+    loop.step()
+    assert loop.launched[0].requests == streams and loop.launched[0].counts == [1] * 6
+
+
+def test_random_workloads_keep_the_budget_and_give_every_block_back():
+    rng = random.Random(11)
+    for budget, chunk, mbs in ((7, 5, 1), (32, 8, 2), (64, 64, 1)):
+        s = _scheduler(rows=4, blocks=14, block_size=4, max_seq=64, micro_batches=mbs, chunk=chunk, budget=budget)
+        reqs = [Request([rng.randrange(1, 30) for _ in range(rng.randrange(2, 30))],
+                        max_new_tokens=rng.randrange(1, 15)) for _ in range(16)]
+        _submit(s, *reqs)
+        for st in _Loop(s).run():
+            assert sum(st.counts) <= max(budget, st.decodes)
+            assert all(c <= chunk for c in st.counts[st.decodes:])
+            assert len({id(q) for q in st.seqs}) == len(st.seqs)
+        assert all(r.done.is_set() and r.token_ids == [TOKEN] * r.max_new_tokens for r in reqs)
+        assert s.pool.available == s.pool.num_blocks and s.running == 0 and not s.waiting
+        assert sum(s.pool.refs) == 0
+
+
+def test_a_draft_is_fed_in_its_row_with_the_logits_of_each_position_and_its_kept_prefix_counts():
+    s = _scheduler(rows=2, blocks=32, block_size=4, max_seq=64, budget=64)
+    loop, (stream,) = _steady(s, 1)
+    seq = next(q for q in s.rows if q is not None)
+    seq.draft = [40, 41, 42]
+    step = s.schedule(0)
+    assert step.tokens == [[TOKEN, 40, 41, 42]] and step.starts == [3] and step.logits == [4]
+    assert seq.draft == []                                  # proposed anew before each step
+    assert s.complete(step) and seq.fed == 4
+    s.append_tokens(step, [[40, 41, 9]])                    # two drafts accepted, then a token of its own
+    assert stream.token_ids == [TOKEN, 40, 41, 9] and seq.fed == 6
+    nxt = s.schedule(0)
+    assert nxt.tokens == [[9]] and nxt.starts == [6]        # fed from the first position not cached
+    s.complete(nxt)
+    with pytest.raises(ValueError):
+        s.append_tokens(nxt, [[5, 6]])                      # no draft fed: one token only
 
 
 def test_a_cancelled_request_ends_and_a_cancelled_queued_one_never_starts():
