@@ -12,6 +12,7 @@ It answers what the client calls to read a model, with the headers the client re
   `HfFileSystem`, a ranged read): `X-Repo-Commit`, `ETag`, `X-Linked-Etag`, `X-Linked-Size`,
   `Content-Length`, `Accept-Ranges`, and for a `Range` request 206 with `Content-Range` (416 when
   the range is outside the file).
+- JSON answers gzip-compressed when the client accepts it, as the Hub's CDN sends them.
 - Errors as the Hub sends them: 404 with `X-Error-Code: RepoNotFound`, `RevisionNotFound` or
   `EntryNotFound`; with a token configured, 401 `RepoNotFound` without one (the Hub hides private
   repositories) and 401 `X-Error-Message: Invalid credentials in Authorization header` with a
@@ -23,6 +24,7 @@ naming them. It listens on loopback only. Start it with `with HubServer() as hub
 """
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import re
@@ -263,8 +265,11 @@ class _HubHandler(BaseHTTPRequestHandler):
 
     def _json(self, code: int, body, head: bool, extra: dict | None = None) -> None:
         data = json.dumps(body).encode()
-        self._send(code, {"Content-Type": "application/json", "Content-Length": str(len(data)),
-                          **(extra or {})})
+        headers = {"Content-Type": "application/json", **(extra or {})}
+        if "gzip" in self.headers.get("Accept-Encoding", ""):      # as the Hub's CDN compresses
+            data = gzip.compress(data)
+            headers["Content-Encoding"] = "gzip"
+        self._send(code, {**headers, "Content-Length": str(len(data))})
         if not head:
             self.wfile.write(data)
 

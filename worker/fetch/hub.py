@@ -15,50 +15,57 @@ logged nor put in a message.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 from typing import Iterator
+from urllib.parse import quote
 
 import httpx2
-from huggingface_hub import HfApi, hf_hub_url
+from huggingface_hub import ModelInfo, hf_hub_url
 from huggingface_hub.errors import (
     EntryNotFoundError, GatedRepoError, HfHubHTTPError, HFValidationError, OfflineModeIsEnabled,
     RepositoryNotFoundError, RevisionNotFoundError,
 )
-from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_stream_backoff
+from huggingface_hub.utils import (
+    build_hf_headers, get_session, hf_raise_for_status, http_stream_backoff, validate_repo_id,
+)
 
 from shardwise.worker.fetch import trust
-from shardwise.worker.fetch.ranged import body_slice, range_header
+from shardwise.worker.fetch.ranged import body_slice, range_header, read_bounded
 from shardwise.worker.fetch.remote import (
     Checksum, ChecksumKind, NotFound, RemoteError, RemoteFile, Unauthorized,
 )
 
 PUBLIC_ENDPOINT = "https://huggingface.co"
-DEFAULT_REVISION = "main"
 # Seconds to wait for the Hub to answer a request (and between two chunks of a download): a hung
 # connection fails in one line and the fetcher's retry starts over, rather than hanging the pod.
 REQUEST_TIMEOUT_S = 60.0
 # Retries of one request on 429/5xx or a dropped connection, by the client's own backoff.
 REQUEST_RETRIES = 3
+# The listing's JSON: ~300 bytes a file, so MAX_LISTED_FILES files fit with room to spare.
+MAX_LISTING_BYTES = 64 << 20
+# An error's body is read only this far, for the Hub's message.
+MAX_ERROR_BYTES = 64 << 10
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
 class HubRemote:
-    """One model repository on a Hub endpoint at one revision; optionally one named file of it (a
-    `.gguf` among several quantisations), in which case only that file is listed."""
+    """One model repository on a Hub endpoint at one revision (None: the repository's default
+    branch); optionally one named file of it (a `.gguf` among several quantisations), in which case
+    only that file is listed."""
 
     def __init__(self, repo_id: str, revision: str | None = None, filename: str | None = None,
                  endpoint: str | None = None, token: str | None = None,
                  timeout_s: float = REQUEST_TIMEOUT_S):
         self.repo_id = repo_id
-        self.requested = revision or DEFAULT_REVISION
+        self.requested = revision or None
         self.filename = filename
         self.endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or PUBLIC_ENDPOINT).rstrip("/")
         # False, not None, when there is no token: the client would otherwise look for one saved on
         # the machine, and a pod's fetch must use only the credentials its spec names.
         self._token: str | bool = token or os.environ.get("HF_TOKEN") or False
         self._timeout = timeout_s
-        self._api = HfApi(endpoint=self.endpoint, token=self._token)
         self._files: dict[str, RemoteFile] | None = None
         self._sha: str | None = None
 
@@ -66,8 +73,8 @@ class HubRemote:
         return f"HubRemote({self.describe()!r}, endpoint={self.endpoint!r})"
 
     def describe(self) -> str:
-        path = f"{self.repo_id}/{self.filename}" if self.filename else self.repo_id
-        return f"hf://{path}@{self.requested}"
+        return (f"hf://{self.repo_id}" + (f"@{self.requested}" if self.requested else "")
+                + (f"/{self.filename}" if self.filename else ""))
 
     def revision(self) -> str:
         self._load()
@@ -99,8 +106,7 @@ class HubRemote:
             with http_stream_backoff("GET", url, headers=headers, timeout=self._timeout,
                                      max_retries=REQUEST_RETRIES) as response:
                 if response.status_code >= 400:
-                    response.read()
-                    hf_raise_for_status(response)
+                    _raise_for_status(response, MAX_ERROR_BYTES)
                 chunks = body_slice(response, start, end, where)
                 hasher = _hasher(f) if (start, end) == (0, f.size) else None
                 if hasher is not None:
@@ -113,8 +119,7 @@ class HubRemote:
         if self._files is not None:
             return
         try:
-            info = self._api.model_info(self.repo_id, revision=self.requested, files_metadata=True,
-                                        timeout=self._timeout)
+            info = self._model_info()
         except (HfHubHTTPError, httpx2.HTTPError, OfflineModeIsEnabled, HFValidationError) as e:
             raise self._one_line(e) from None
         if not isinstance(info.sha, str) or not _COMMIT.fullmatch(info.sha):
@@ -124,9 +129,25 @@ class HubRemote:
             files = [f for f in files if f.name == self.filename]
             if not files:
                 raise NotFound(f"{self.describe()}: the repository has no file {self.filename!r} "
-                               f"at {self.requested}")
+                               f"at {self.requested or 'its default branch'}")
         self._files = {f.name: f for f in trust.checked_listing(self.describe(), files)}
         self._sha = info.sha
+
+    def _model_info(self) -> ModelInfo:
+        """What `HfApi.model_info(repo, revision=..., files_metadata=True)` answers, asked the same
+        way through the client's session, its headers and its error mapping, but with the answer's
+        size bounded before it is parsed (the client would read any length)."""
+        validate_repo_id(self.repo_id)
+        rev = f"/revision/{quote(self.requested, safe='')}" if self.requested else ""
+        url = f"{self.endpoint}/api/models/{self.repo_id}{rev}"
+        with get_session().stream("GET", url, headers=build_hf_headers(token=self._token),
+                                  params={"blobs": True}, timeout=self._timeout) as r:
+            body = _raise_for_status(r, MAX_LISTING_BYTES)
+        try:
+            return ModelInfo(**json.loads(body))
+        except (ValueError, TypeError, KeyError, AttributeError):
+            raise RemoteError(f"{self.describe()} on {self.endpoint}: the Hub's answer is not a "
+                              "model's description") from None
 
     def _file(self, sibling) -> RemoteFile:
         if sibling.lfs is not None:
@@ -172,3 +193,13 @@ def _hasher(f: RemoteFile):
     if _COMMIT.fullmatch(f.checksum.value):     # a git blob id: 40 hex digits
         return trust.git_blob_sha1(f.size)
     return None
+
+
+def _raise_for_status(r: httpx2.Response, limit: int) -> bytes:
+    """The body of a streamed answer, read up to `limit` bytes; the client's own error (RepoNotFound,
+    RevisionNotFound, ...) when its status is one."""
+    body = read_bounded(r, limit, "the Hub's answer")
+    # The body is already decoded: the copy the client inspects must not say it is compressed.
+    headers = {k: v for k, v in r.headers.items() if k.lower() not in ("content-encoding", "content-length")}
+    hf_raise_for_status(httpx2.Response(r.status_code, headers=headers, content=body, request=r.request))
+    return body

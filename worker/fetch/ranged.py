@@ -1,4 +1,6 @@
-"""Exactly bytes [start, end) of a file out of an HTTP response to a request that asked for them.
+"""HTTP bodies read with a bound: a whole small answer (a listing, a manifest, a token, an error) up
+to a limit, and exactly bytes [start, end) of a file out of a response to a request that asked for
+them.
 
 The Hub's resolve URLs and an OCI registry's blobs both answer `Range`; a server may still ignore it
 (200 and the whole body) or answer another range than asked. Both are handled here once: a 206 must
@@ -46,3 +48,16 @@ def body_slice(response: httpx2.Response, start: int, end: int, where: str) -> I
         if chunk:
             yield chunk
     raise RemoteError(f"{where}: the store's answer ended {want} bytes short of the range asked")
+
+
+def read_bounded(r: httpx2.Response, limit: int, what: str) -> bytes:
+    """The whole body of a streamed response, refused in one line when it is longer than `limit`."""
+    if int(r.headers.get("Content-Length") or 0) > limit:
+        raise RemoteError(f"{what} is larger than {limit} bytes; refused")
+    parts, total = [], 0
+    for chunk in r.iter_bytes():
+        total += len(chunk)
+        if total > limit:
+            raise RemoteError(f"{what} is larger than {limit} bytes; refused")
+        parts.append(chunk)
+    return b"".join(parts)

@@ -22,6 +22,7 @@ from typing import Iterator
 
 import httpx2
 
+from shardwise.worker.fetch.ranged import read_bounded
 from shardwise.worker.fetch.remote import NotFound, RemoteError, Unauthorized
 
 MANIFEST_TYPES = ("application/vnd.oci.image.manifest.v1+json",
@@ -148,7 +149,11 @@ class Registry:
             user, password = self._basic
             self._auth = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
             return True
-        if scheme.lower() == "bearer" and params.get("realm", "").startswith(("https://", "http://")):
+        if scheme.lower() == "bearer":
+            realm = httpx2.URL(params.get("realm", ""))
+            if not (realm.scheme == "https" or (realm.scheme == "http" and is_loopback(realm.host))):
+                raise RemoteError(f"{self.where()}: the registry's token service is not an https "
+                                  "URL; credentials are not sent to it")
             self._auth = "Bearer " + self._token(params)
             return True
         return False
@@ -207,16 +212,3 @@ def _registry_code(body: bytes) -> str:
         return code if isinstance(code, str) and len(code) < 64 else ""
     except Exception:     # not read, not JSON, not the shape: no code
         return ""
-
-
-def read_bounded(r: httpx2.Response, limit: int, what: str) -> bytes:
-    """The whole body of a streamed response, refused in one line when it is longer than `limit`."""
-    if int(r.headers.get("Content-Length") or 0) > limit:
-        raise RemoteError(f"{what} is larger than {limit} bytes; refused")
-    parts, total = [], 0
-    for chunk in r.iter_bytes():
-        total += len(chunk)
-        if total > limit:
-            raise RemoteError(f"{what} is larger than {limit} bytes; refused")
-        parts.append(chunk)
-    return b"".join(parts)

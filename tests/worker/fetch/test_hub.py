@@ -97,7 +97,8 @@ def test_a_named_gguf_lists_only_that_file(hub, model):
     hub.publish("org/tiny", model)
     remote = HubRemote("org/tiny", filename="model.Q4_K_M.gguf", endpoint=hub.url)
     assert [f.name for f in remote.list_files()] == ["model.Q4_K_M.gguf"]
-    assert remote.describe() == "hf://org/tiny/model.Q4_K_M.gguf@main"
+    assert remote.describe() == "hf://org/tiny/model.Q4_K_M.gguf"
+    assert HubRemote("org/tiny", "v1", "model.Q4_K_M.gguf").describe() == "hf://org/tiny@v1/model.Q4_K_M.gguf"
     with pytest.raises(NotFound, match="no file 'model.Q8_0.gguf'"):
         HubRemote("org/tiny", filename="model.Q8_0.gguf", endpoint=hub.url).list_files()
 
