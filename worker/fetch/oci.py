@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from typing import Iterator
 
 from shardwise.worker.fetch import trust
@@ -21,6 +22,9 @@ from shardwise.worker.fetch.remote import (
     Checksum, ChecksumKind, NotFound, RemoteError, RemoteFile,
 )
 
+# Where a pod (from the Secret its spec names) and `shardwise push` find the registry's credentials.
+ENV_USERNAME = "OCI_USERNAME"
+ENV_PASSWORD = "OCI_PASSWORD"
 TITLE = "org.opencontainers.image.title"
 # What the pusher writes as the manifest's artifactType; a pull accepts any (ORAS's own included).
 ARTIFACT_TYPE = "application/vnd.shardwise.model.v1"
@@ -31,12 +35,16 @@ _ORAS_UNPACK = "io.deis.oras.content.unpack"
 
 
 class OciRemote:
-    """A model artifact in one repository of a registry, at a tag or a manifest digest."""
+    """A model artifact in one repository of a registry, at a tag or a manifest digest. Without a
+    username the constructor takes OCI_USERNAME / OCI_PASSWORD from the environment (anonymous when
+    unset)."""
 
     def __init__(self, host: str, repository: str, reference: str = "latest",
                  plain_http: bool = False, username: str | None = None,
                  password: str | None = None, timeout_s: float | None = None):
         self.reference = reference
+        if username is None:
+            username, password = os.environ.get(ENV_USERNAME) or None, os.environ.get(ENV_PASSWORD)
         kwargs = {} if timeout_s is None else {"timeout_s": timeout_s}
         self._registry = Registry(host, repository, plain_http, username, password, **kwargs)
         self._digest: str | None = None

@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -161,3 +163,29 @@ def test_an_artifact_that_is_not_a_model_is_refused_in_one_line(registry, model)
 def test_plain_http_is_only_for_a_loopback_registry():
     with pytest.raises(RemoteError, match="only to a loopback registry"):
         OciRemote("registry.example.com:5000", "models/tiny", "v1", plain_http=True)
+
+
+def _cli(*args, env_extra=None, stdin=""):
+    env = {**os.environ, **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "shardwise", "push", *args], capture_output=True,
+                          text=True, env=env, input=stdin, timeout=120)
+
+
+def test_shardwise_push_uploads_a_folder_that_oci_reads_back(tmp_path, model):
+    with LocalRegistry(tmp_path / "registry", users={"alice": PASSWORD}) as reg:
+        target = f"oci://{reg.host}/models/tiny:v1"
+        done = _cli(str(model), target, "--plain-http",
+                    env_extra={"OCI_USERNAME": "alice", "OCI_PASSWORD": PASSWORD})
+        assert done.returncode == 0, done.stderr
+        digest = done.stdout.split("digest: ")[1].split()[0]
+        assert f"model.uri: oci://{reg.host}/models/tiny@{digest}" in done.stdout
+        remote = OciRemote(reg.host, "models/tiny", digest, plain_http=True, username="alice",
+                           password=PASSWORD)
+        assert _read(remote, "model.safetensors") == (model / "model.safetensors").read_bytes()
+        refused = _cli(str(model), target, "--plain-http", "--username", "alice", "--password-stdin",
+                       stdin="wrong-password\n")
+        assert refused.returncode == 2 and refused.stdout == ""
+        assert refused.stderr.count("\n") == 1 and "refused the credentials" in refused.stderr
+        assert "wrong-password" not in refused.stderr
+        bad = _cli(str(model), "docker://x/y")
+        assert bad.returncode == 2 and "is not oci://" in bad.stderr
