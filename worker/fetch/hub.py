@@ -15,7 +15,6 @@ logged nor put in a message.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 from typing import Iterator
@@ -31,6 +30,7 @@ from huggingface_hub.utils import (
     build_hf_headers, get_session, hf_raise_for_status, http_stream_backoff, validate_repo_id,
 )
 
+from shardwise.crds import boundedjson
 from shardwise.worker.fetch import trust
 from shardwise.worker.fetch.ranged import body_slice, range_header, read_bounded
 from shardwise.worker.fetch.remote import (
@@ -144,7 +144,7 @@ class HubRemote:
                                   params={"blobs": True}, timeout=self._timeout) as r:
             body = _raise_for_status(r, MAX_LISTING_BYTES)
         try:
-            return ModelInfo(**json.loads(body))
+            return ModelInfo(**boundedjson.loads(body, boundedjson.MODEL_JSON_DEPTH))
         except (ValueError, TypeError, KeyError, AttributeError):
             raise RemoteError(f"{self.describe()} on {self.endpoint}: the Hub's answer is not a "
                               "model's description") from None
@@ -201,5 +201,11 @@ def _raise_for_status(r: httpx2.Response, limit: int) -> bytes:
     body = read_bounded(r, limit, "the Hub's answer")
     # The body is already decoded: the copy the client inspects must not say it is compressed.
     headers = {k: v for k, v in r.headers.items() if k.lower() not in ("content-encoding", "content-length")}
-    hf_raise_for_status(httpx2.Response(r.status_code, headers=headers, content=body, request=r.request))
+    shown = body
+    if r.status_code >= 400:       # the client parses an error's body with a plain json.loads
+        try:
+            boundedjson.loads(body, 8)
+        except boundedjson.JSONRefused:
+            shown = b""
+    hf_raise_for_status(httpx2.Response(r.status_code, headers=headers, content=shown, request=r.request))
     return body

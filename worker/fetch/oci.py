@@ -11,10 +11,10 @@ artifact holds is refused in one line: nothing a registry answers is trusted.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from typing import Iterator
 
+from shardwise.crds import boundedjson
 from shardwise.worker.fetch import trust
 from shardwise.worker.fetch.ranged import body_slice, range_header
 from shardwise.worker.fetch.registry import DIGEST, INDEX_TYPES, Registry
@@ -30,6 +30,8 @@ TITLE = "org.opencontainers.image.title"
 ARTIFACT_TYPE = "application/vnd.shardwise.model.v1"
 # More layers than this is not a model: the largest checkpoints have a few hundred shard files.
 MAX_LAYERS = 10_000
+# A manifest nests 4 deep (layers, a descriptor, its annotations); an index's platforms one more.
+MAX_JSON_DEPTH = 8
 # ORAS marks a layer that is a packed directory; the store reads files, not archives.
 _ORAS_UNPACK = "io.deis.oras.content.unpack"
 
@@ -100,9 +102,9 @@ class OciRemote:
     def _parse(self, body: bytes, media: str) -> dict:
         where = self.describe()
         try:
-            manifest = json.loads(body)
-        except ValueError:
-            raise RemoteError(f"{where}: the manifest is not JSON") from None
+            manifest = boundedjson.loads(body, MAX_JSON_DEPTH)
+        except boundedjson.JSONRefused as e:
+            raise RemoteError(f"{where}: the manifest {e}") from None
         if not isinstance(manifest, dict):
             raise RemoteError(f"{where}: the manifest is not a JSON object")
         if media in INDEX_TYPES or manifest.get("mediaType") in INDEX_TYPES:

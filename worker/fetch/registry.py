@@ -15,13 +15,13 @@ from __future__ import annotations
 import base64
 import hashlib
 import ipaddress
-import json
 import re
 from contextlib import contextmanager
 from typing import Iterator
 
 import httpx2
 
+from shardwise.crds import boundedjson
 from shardwise.worker.fetch.ranged import read_bounded
 from shardwise.worker.fetch.remote import NotFound, RemoteError, Unauthorized
 
@@ -37,6 +37,7 @@ MAX_TOKEN_BYTES = 64 << 10
 MAX_ERROR_BYTES = 16 << 10
 REQUEST_TIMEOUT_S = 60.0
 DIGEST = re.compile(r"sha256:([0-9a-f]{64})")
+_JSON_DEPTH = 8              # a token answer or an error body nests 3 deep
 _PARAM = re.compile(r'(\w+)="([^"]*)"')
 
 
@@ -176,7 +177,7 @@ class Registry:
             raise RemoteError(f"{self.where()}: cannot reach the registry's token service "
                               f"({type(e).__name__})") from None
         try:
-            answer = json.loads(body)
+            answer = boundedjson.loads(body, _JSON_DEPTH)
             token = answer.get("token") or answer.get("access_token")
         except (ValueError, AttributeError):
             token = None
@@ -207,7 +208,7 @@ class Registry:
 def _registry_code(body: bytes) -> str:
     """The first error code of a distribution API error body, or ''."""
     try:
-        errors = json.loads(body).get("errors") or []
+        errors = boundedjson.loads(body, _JSON_DEPTH).get("errors") or []
         code = errors[0].get("code", "") if errors else ""
         return code if isinstance(code, str) and len(code) < 64 else ""
     except Exception:     # not read, not JSON, not the shape: no code

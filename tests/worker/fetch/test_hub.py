@@ -134,3 +134,12 @@ def test_an_endpoint_that_does_not_answer_is_one_line(model):
     with pytest.raises(RemoteError) as e:
         HubRemote("org/tiny", endpoint="http://127.0.0.1:9", timeout_s=2).list_files()
     assert "cannot reach the Hub" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_listing_that_names_a_file_outside_the_model_is_refused(hub, model):
+    sha = hub.publish("org/tiny", model)
+    files = hub.repos["org/tiny"].commits[sha]
+    files["../../etc/cron.d/job"] = files["config.json"]       # what a hostile endpoint could list
+    with pytest.raises(RemoteError) as e:
+        HubRemote("org/tiny", endpoint=hub.url).list_files()
+    assert "'..' path segment" in str(e.value) and "\n" not in str(e.value)
