@@ -16,7 +16,8 @@ It answers what the client calls to read a model, with the headers the client re
 - Errors as the Hub sends them: 404 with `X-Error-Code: RepoNotFound`, `RevisionNotFound` or
   `EntryNotFound`; with a token configured, 401 `RepoNotFound` without one (the Hub hides private
   repositories) and 401 `X-Error-Message: Invalid credentials in Authorization header` with a
-  wrong one.
+  wrong one; 403 `X-Error-Code: GatedRepo` for a file of a repository in `gated` (the Hub lists a
+  gated repository but serves its files only to accounts granted access).
 
 A repository holds commits, each a snapshot of a folder taken by `publish` (files copied into a
 content-addressed store, so a later change to the folder is a new commit), and branches and tags
@@ -85,6 +86,7 @@ class HubServer:
 
     def __init__(self, token: str | None = None, store: Path | None = None):
         self.token = token
+        self.gated: set[str] = set()      # repositories whose files the token's account may not read
         self._tmp = None if store else tempfile.TemporaryDirectory(prefix="shardwise-hub-")
         self.store = Path(store or self._tmp.name)   # type: ignore[union-attr]
         self.repos: dict[str, Repo] = {}
@@ -238,6 +240,9 @@ class _HubHandler(BaseHTTPRequestHandler):
         if found is None:
             return
         sha, files = found
+        if unquote(m["repo"]) in self.server_hub.gated:
+            self._error(403, "GatedRepo", "Access to this model is restricted")
+            return
         blob = files.get(unquote(m["path"]))
         if blob is None:
             self._error(404, "EntryNotFound", "Entry not found")

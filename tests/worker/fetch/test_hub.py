@@ -120,6 +120,16 @@ def test_bad_input_is_one_line_without_the_token(model, repo, revision, token, e
     assert TOKEN not in message and "hf_wrong" not in message
 
 
+def test_a_gated_repository_is_listed_but_its_files_are_refused_in_one_line(hub, model):
+    hub.publish("org/gated", model)
+    hub.gated.add("org/gated")
+    remote = HubRemote("org/gated", endpoint=hub.url, token=TOKEN)
+    assert len(remote.list_files()) == 5
+    with pytest.raises(Unauthorized) as e:
+        _read(remote, "config.json")
+    assert "gated" in str(e.value) and "\n" not in str(e.value) and TOKEN not in str(e.value)
+
+
 def test_the_token_comes_from_hf_token(model, monkeypatch):
     with HubServer(token=TOKEN) as hub:
         hub.publish("org/tiny", model)
