@@ -101,7 +101,6 @@ class HubRemote:
         url = hf_hub_url(self.repo_id, f.name, revision=self._sha, endpoint=self.endpoint)
         headers = {**build_hf_headers(token=self._token), **range_header(start, end, f.size),
                    "Accept-Encoding": "identity"}
-        chunks: Iterator[bytes]
         try:
             with http_stream_backoff("GET", url, headers=headers, timeout=self._timeout,
                                      max_retries=REQUEST_RETRIES) as response:

@@ -104,19 +104,19 @@ class Registry:
 
     def upload_blob(self, digest: str, size: int, content) -> None:
         """Upload one blob (monolithic: POST to open the upload, PUT its bytes with the digest)."""
-        with self.request("POST", "/blobs/uploads/", {"Content-Length": "0"}, what="an upload") as r:
+        with self.request("POST", "/blobs/uploads/", {"Content-Length": "0"}, what="upload session") as r:
             location = r.headers.get("Location")
         if not location:
             raise RemoteError(f"{self.where()}: the registry opened an upload without a Location")
         url = httpx2.URL(self.base).join(location)
         url = url.copy_merge_params({"digest": digest})
         headers = {"Content-Type": "application/octet-stream", "Content-Length": str(size)}
-        with self.request("PUT", str(url), headers, what="the upload", content=content):
+        with self.request("PUT", str(url), headers, what="upload session", content=content):
             pass
 
     def put_manifest(self, reference: str, body: bytes, media_type: str) -> None:
         with self.request("PUT", f"/manifests/{reference}", {"Content-Type": media_type},
-                          what="the manifest", content=body):
+                          what="manifest", content=body):
             pass
 
     # -- the one request path, with the auth challenge ------------------------------------------
@@ -125,13 +125,17 @@ class Registry:
     def request(self, method: str, path: str, headers: dict, what: str, content=None,
                 missing_ok: bool = False) -> Iterator[httpx2.Response]:
         url = path if path.startswith("http") else self.base + path
+        # Credentials go to the registry itself only, never to a host an answer points elsewhere
+        # (an upload's Location; redirects drop them already).
+        target, base = httpx2.URL(url), httpx2.URL(self.base)
+        own = (target.scheme, target.netloc) == (base.scheme, base.netloc)
         for attempt in (0, 1):
-            sent = {**headers, **({"Authorization": self._auth} if self._auth else {})}
+            sent = {**headers, **({"Authorization": self._auth} if self._auth and own else {})}
             if hasattr(content, "seek"):
                 content.seek(0)
             try:
                 with self._http.stream(method, url, headers=sent, content=content) as r:
-                    if r.status_code == 401 and attempt == 0 and self._negotiate(r):
+                    if r.status_code == 401 and attempt == 0 and own and self._negotiate(r):
                         continue
                     if r.status_code >= 400 and not (missing_ok and r.status_code == 404):
                         raise self._error(r, what)
