@@ -9,9 +9,11 @@ It answers what the client calls to read a model, with the headers the client re
 - `GET /api/models/{repo}/tree/{rev}[/{path}][?recursive=true]` (`HfApi.list_repo_tree`,
   `list_repo_files`): files and folders with `oid`, `size` and `lfs`.
 - `HEAD` / `GET /{repo}/resolve/{rev}/{file}` (`hf_hub_download`, `get_hf_file_metadata`,
-  `HfFileSystem`, a ranged read): `X-Repo-Commit`, `ETag`, `X-Linked-Etag`, `X-Linked-Size`,
-  `Content-Length`, `Accept-Ranges`, and for a `Range` request 206 with `Content-Range` (416 when
-  the range is outside the file).
+  `HfFileSystem`, a ranged read): `X-Repo-Commit`, `ETag`, `X-Linked-Etag`, `X-Linked-Size`; a
+  file kept in git is served there, an LFS file is a 302 to the storage host (`cdn_url`: the same
+  server under the name `localhost`, another origin, so the client sends it no token), which
+  serves it with `Content-Length`, `Accept-Ranges`, and for a `Range` request 206 with
+  `Content-Range` (416 when the range is outside the file).
 - JSON answers gzip-compressed when the client accepts it, as the Hub's CDN sends them.
 - Errors as the Hub sends them: 404 with `X-Error-Code: RepoNotFound`, `RevisionNotFound` or
   `EntryNotFound`; with a token configured, 401 `RepoNotFound` without one (the Hub hides private
@@ -90,11 +92,16 @@ class HubServer:
         self._tmp = None if store else tempfile.TemporaryDirectory(prefix="shardwise-hub-")
         self.store = Path(store or self._tmp.name)   # type: ignore[union-attr]
         self.repos: dict[str, Repo] = {}
-        self.requests: list[tuple[str, str, str | None]] = []   # (method, path, Range) seen
+        # (method, path, Range, whether an Authorization header came) of every request seen
+        self.requests: list[tuple[str, str, str | None, bool]] = []
         self._lock = threading.Lock()
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self._httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self._httpd.server_address[1]}"
+        # The same server under another name: another origin, as the Hub's storage host is, so a
+        # client's redirect there carries no token.
+        self.cdn_url = f"http://localhost:{self._httpd.server_address[1]}"
+        self.blobs_by_sha: dict[str, Blob] = {}
         self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
 
     def __enter__(self) -> "HubServer":
@@ -136,7 +143,9 @@ class HubServer:
             return Blob(target, size, digest, _git_oid(size, [target.read_bytes()]), False)
         pointer = (f"version https://git-lfs.github.com/spec/v1\noid sha256:{digest}\n"
                    f"size {size}\n").encode()
-        return Blob(target, size, digest, _git_oid(len(pointer), [pointer]), True, len(pointer))
+        blob = Blob(target, size, digest, _git_oid(len(pointer), [pointer]), True, len(pointer))
+        self.blobs_by_sha[digest] = blob
+        return blob
 
 
 def _handler(hub: HubServer):
@@ -147,6 +156,7 @@ def _handler(hub: HubServer):
 
 _API = re.compile(r"/api/models/(?P<repo>[^/]+(?:/[^/]+)?)"
                   r"(?:/(?P<kind>revision|tree)/(?P<rev>[^/]+)(?P<path>/.*)?)?")
+_CDN = re.compile(r"/cdn/(?P<sha>[0-9a-f]{64})")
 _RESOLVE = re.compile(r"/(?P<repo>[^/]+(?:/[^/]+)?)/resolve/(?P<rev>[^/]+)/(?P<path>.+)")
 
 
@@ -167,7 +177,15 @@ class _HubHandler(BaseHTTPRequestHandler):
         url = urlsplit(self.path)
         hub = self.server_hub
         with hub._lock:
-            hub.requests.append((self.command, url.path, self.headers.get("Range")))
+            hub.requests.append((self.command, url.path, self.headers.get("Range"),
+                                 "Authorization" in self.headers))
+        if m := _CDN.fullmatch(url.path):      # the storage host: signed URLs, no token
+            blob = hub.blobs_by_sha.get(m["sha"])
+            if blob is None:
+                self._error(404, None, "no such object")
+            else:
+                self._file(blob, {"ETag": f'"{blob.sha256}"'}, head)
+            return
         if not self._authorized():
             return
         if m := _API.fullmatch(url.path):
@@ -248,8 +266,15 @@ class _HubHandler(BaseHTTPRequestHandler):
             self._error(404, "EntryNotFound", "Entry not found")
             return
         headers = {"X-Repo-Commit": sha, "ETag": blob.etag(), "X-Linked-Etag": blob.etag(),
-                   "X-Linked-Size": str(blob.size), "Accept-Ranges": "bytes",
-                   "Content-Type": "application/octet-stream"}
+                   "X-Linked-Size": str(blob.size)}
+        if blob.lfs:     # the Hub redirects an LFS file to its storage host, on another origin
+            self._send(302, {**headers, "Location": f"{self.server_hub.cdn_url}/cdn/{blob.sha256}",
+                             "Content-Length": "0"})
+            return
+        self._file(blob, headers, head)
+
+    def _file(self, blob: Blob, headers: dict, head: bool) -> None:
+        headers = {**headers, "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
         span = _range(self.headers.get("Range"), blob.size)
         if span is False:
             self._send(416, {**headers, "Content-Range": f"bytes */{blob.size}", "Content-Length": "0"})

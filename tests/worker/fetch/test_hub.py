@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from pathlib import Path
 
 import pytest
 
@@ -30,6 +31,10 @@ def model(tmp_path):
 def hub():
     with HubServer() as server:
         yield server
+
+
+def listed_sha256(remote, name) -> str:
+    return {f.name: f for f in remote.list_files()}[name].checksum.value
 
 
 def _read(remote, name, start=0, end=None) -> bytes:
@@ -71,8 +76,9 @@ def test_a_byte_range_is_that_slice_of_the_file_and_is_asked_as_a_range(hub, mod
     data = (model / "model-00001-of-00002.safetensors").read_bytes()
     for start, end in [(0, 8), (8, 1000), (123_456, 300_001), (299_990, None), (5, 5), (290_000, 10**9)]:
         assert _read(remote, "model-00001-of-00002.safetensors", start, end) == data[start:end]
-    ranges = [r for m, path, r in hub.requests if path.endswith("model-00001-of-00002.safetensors")]
-    assert "bytes=8-999" in ranges      # only the slice travelled, not the file
+    sha = listed_sha256(remote, "model-00001-of-00002.safetensors")
+    ranges = [r for _, path, r, _ in hub.requests if path == f"/cdn/{sha}"]
+    assert "bytes=8-999" in ranges      # only the slice travelled, from the storage host
 
 
 def test_a_whole_file_whose_bytes_do_not_match_the_listed_sha256_is_refused(hub, model):
@@ -130,14 +136,19 @@ def test_a_gated_repository_is_listed_but_its_files_are_refused_in_one_line(hub,
     assert "gated" in str(e.value) and "\n" not in str(e.value) and TOKEN not in str(e.value)
 
 
-def test_the_token_comes_from_hf_token(model, monkeypatch):
+def test_the_token_comes_from_hf_token_and_stays_on_the_hub(model, monkeypatch):
     with HubServer(token=TOKEN) as hub:
         hub.publish("org/tiny", model)
         monkeypatch.setenv("HF_TOKEN", TOKEN)
         remote = HubRemote("org/tiny", endpoint=hub.url)
         assert len(remote.list_files()) == 5
         assert _read(remote, "config.json") == (model / "config.json").read_bytes()
+        weights = (model / "model.Q4_K_M.gguf").read_bytes()
+        assert _read(remote, "model.Q4_K_M.gguf", 100, 200) == weights[100:200]
         assert TOKEN not in repr(remote)
+        # The weights came from the storage host the Hub redirected to, which got no token.
+        storage = [authorized for _, path, _, authorized in hub.requests if path.startswith("/cdn/")]
+        assert storage and not any(storage)
 
 
 def test_an_endpoint_that_does_not_answer_is_one_line(model):
@@ -153,3 +164,15 @@ def test_a_listing_that_names_a_file_outside_the_model_is_refused(hub, model):
     with pytest.raises(RemoteError) as e:
         HubRemote("org/tiny", endpoint=hub.url).list_files()
     assert "'..' path segment" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_local_endpoint_answers_the_clients_own_download(hub, model, tmp_path):
+    """The stand-in is faithful where the client checks most: hf_hub_download's HEAD (commit, etag,
+    size from a redirect it does not follow) and its download through the storage redirect."""
+    from huggingface_hub import hf_hub_download
+
+    commit = hub.publish("org/tiny", model)
+    for name in ("config.json", "model-00002-of-00002.safetensors"):
+        path = hf_hub_download("org/tiny", name, endpoint=hub.url, cache_dir=tmp_path / "hf", token=False)
+        assert Path(path).read_bytes() == (model / name).read_bytes()
+        assert f"/snapshots/{commit}/" in Path(path).as_posix()
