@@ -1,6 +1,6 @@
-"""The worker's commands: `shardwise generate`, `serve`, `train` and `worker` (what one pod runs,
+"""The worker's commands: `shardwise generate`, `serve`, `train`, `fetch` and `worker` (what one pod runs,
 pod.py, with the /healthz and /metrics of a pod that does not serve the API in pod_health.py); the
 flags they share in flags.py. Their ranks are watched by worker/distributed/launch.py.
 
-May import: shardwise.crds, shardwise.worker.errors, shardwise.worker.model, shardwise.worker.distributed, shardwise.worker.weights, shardwise.worker.serving, shardwise.worker.training
+May import: shardwise.crds, shardwise.worker.errors, shardwise.worker.model, shardwise.worker.distributed, shardwise.worker.weights, shardwise.worker.serving, shardwise.worker.training, shardwise.worker.fetch
 """
