@@ -202,7 +202,7 @@ class Entry:
         written = 0
         try:
             with open(tmp, "wb") as out:
-                for attempt in range(cfg.attempts):
+                for attempt in range(cfg.attempts if f.size else 0):   # an empty file needs no read
                     try:   # a retry resumes where the last try stopped
                         for chunk in _stall_bounded(remote.read(f.name, written), cfg.stall_timeout_s, what):
                             if written + len(chunk) > f.size:
@@ -260,6 +260,10 @@ def _stall_bounded(chunks: Iterator[bytes], stall_s: float, what: str) -> Iterat
             q.put(("end", None))
         except BaseException as e:   # handed to the reader, which raises it
             q.put(("error", e))
+        finally:   # the read's connection is released by the thread that drives it
+            close = getattr(chunks, "close", None)
+            if close:
+                close()
 
     threading.Thread(target=pump, daemon=True).start()
     try:

@@ -91,9 +91,11 @@ class S3Store:
     def read(self, name: str, start: int = 0, end: int | None = None) -> Iterator[bytes]:
         if end is not None and end <= start:
             return
-        rng = f"bytes={start}-" + (str(end - 1) if end is not None else "")
+        # No Range for a whole object: a store answers an empty object's "bytes=0-" with 416.
+        ranged = {"Range": f"bytes={start}-" + (str(end - 1) if end is not None else "")} \
+            if start or end is not None else {}
         with self._errors(name):
-            body = self._client.get_object(Bucket=self.uri.bucket, Key=self._key(name), Range=rng)["Body"]
+            body = self._client.get_object(Bucket=self.uri.bucket, Key=self._key(name), **ranged)["Body"]
             try:
                 yield from body.iter_chunks(READ_CHUNK)
             finally:

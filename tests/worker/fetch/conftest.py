@@ -7,7 +7,8 @@ Fixtures
                         unless SHARDWISE_REQUIRE_CLUSTER is set
   s3_client (session)   a boto3 client signed with the server's credentials (uploads, rewrites)
   sharded_model (session)  a 4-layer tiny model split into one safetensors file per layer, one for
-                        the embedding and one for the norm and head, with its index
+                        the embedding and one for the norm and head, with its index (and an empty
+                        added_tokens.json)
   s3_model (session)    (bucket, prefix) holding sharded_model's files, uploaded with s3_client
 """
 from __future__ import annotations
@@ -67,7 +68,9 @@ def shard_by_layer(folder: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def sharded_model(tmp_path_factory, tiny_model) -> Path:
-    return shard_by_layer(tiny_model(tmp_path_factory.mktemp("sharded") / "tiny", layers=4, hidden=64))
+    folder = shard_by_layer(tiny_model(tmp_path_factory.mktemp("sharded") / "tiny", layers=4, hidden=64))
+    (folder / "added_tokens.json").write_text("")    # an empty object: fetched without a range read
+    return folder
 
 
 def upload_folder(client, folder: Path, bucket: str, prefix: str) -> None:
