@@ -1,7 +1,8 @@
 """Local clusters for development, the demo and the tests: the local control plane (localcluster/),
 kind clusters with images built from package registries (kind/), the demo's run on a local cluster
-(demo/), their commands (cli/), the pinned build of the Kubernetes binaries (build), the pytest
-fixtures (pytest_plugin) and the README's console blocks as commands (readme).
+(demo/), their commands (cli/), the pinned build of the Kubernetes binaries (build), a real S3 server
+built and started for the tests (s3server), the pytest fixtures (pytest_plugin) and the README's
+console blocks as commands (readme).
 
 May import: shardwise.crds, shardwise.operator, shardwise.e2e.localcluster
 Never imports: torch
