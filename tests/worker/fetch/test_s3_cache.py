@@ -15,6 +15,7 @@ from shardwise.worker.fetch.cache import CacheConfig, CacheError, ModelCache
 from shardwise.worker.fetch.pull import fetch_stage, hold_stage
 from shardwise.worker.fetch.remote import NotFound, Unauthorized
 from shardwise.worker.fetch.s3 import S3Config, S3Store
+from tests.worker.fetch.conftest import upload_folder
 
 GIB = 1 << 30
 
@@ -72,8 +73,7 @@ def test_each_stage_of_a_tp_x_pp_layout_fetches_only_its_share(s3_server, s3_con
 def test_an_object_rewritten_after_listing_is_deleted_and_refused(s3_server, s3_config, s3_client,
                                                                   sharded_model, tmp_path):
     s3_client.create_bucket(Bucket="rewritten")
-    for p in sharded_model.iterdir():
-        s3_client.upload_file(str(p), "rewritten", f"m/{p.name}")
+    upload_folder(s3_client, sharded_model, "rewritten", "m")
     remote = store(s3_server, s3_config, "s3://rewritten/m")
     listing = remote.list_files()            # the ETags (MD5s) of the bytes first uploaded
     victim = next(f for f in listing if f.name.endswith("00002-of-00006.safetensors"))
@@ -134,8 +134,7 @@ def test_eviction_keeps_the_budget_and_never_removes_an_entry_in_use(s3_server, 
                                                                       sharded_model, tmp_path):
     s3_client.create_bucket(Bucket="evict")
     for copy in ("a", "b", "c"):
-        for p in sharded_model.iterdir():
-            s3_client.upload_file(str(p), "evict", f"{copy}/{p.name}")
+        upload_folder(s3_client, sharded_model, "evict", copy)
     whole = sum(p.stat().st_size for p in sharded_model.iterdir())
     c = cache(tmp_path, budget=int(2.5 * whole))     # room for two copies, not three
     remote = {x: store(s3_server, s3_config, f"s3://evict/{x}") for x in "abc"}
