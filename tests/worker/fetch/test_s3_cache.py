@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -103,14 +104,15 @@ def test_wrong_credentials_and_a_missing_bucket_are_one_line_each(s3_server, s3_
 
 
 FILL = """
-import json, sys
+import json, sys, time
 from pathlib import Path
 from shardwise.crds.modelsource import parse_model_uri
 from shardwise.worker.fetch.cache import CacheConfig, ModelCache
 from shardwise.worker.fetch.pull import fetch_stage
 from shardwise.worker.fetch.s3 import S3Config, S3Store
-endpoint, root = sys.argv[1], sys.argv[2]
+endpoint, root, start = sys.argv[1], sys.argv[2], float(sys.argv[3])
 remote = S3Store(parse_model_uri("s3://models/tiny"), S3Config(endpoint=endpoint, path_style=True))
+time.sleep(max(0.0, start - time.time()))     # both processes begin filling at the same moment
 report = fetch_stage(ModelCache(CacheConfig(Path(root), 1 << 34, disk_reserve_bytes=0)), remote, "s3", "models/tiny")
 print(json.dumps({"fetched": report.fetched_bytes, "reused": report.reused_bytes}))
 """
@@ -118,7 +120,8 @@ print(json.dumps({"fetched": report.fetched_bytes, "reused": report.reused_bytes
 
 def test_two_processes_filling_one_entry_download_it_once(s3_server, s3_model, sharded_model, tmp_path):
     env = {**os.environ, **s3_server.env()}
-    procs = [subprocess.Popen([sys.executable, "-c", FILL, s3_server.endpoint, str(tmp_path)], env=env,
+    start = str(time.time() + 8)     # after both have imported their modules
+    procs = [subprocess.Popen([sys.executable, "-c", FILL, s3_server.endpoint, str(tmp_path), start], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     results = []
     for p in procs:
