@@ -34,6 +34,7 @@ from shardwise.operator.decide import recovery
 from shardwise.operator.decide import status
 from shardwise.operator.render import renderer
 from shardwise.operator.controller import report
+from shardwise.operator.controller import download
 from shardwise.operator.controller import progress as training
 from shardwise.operator.controller.apply import Applier, ObjectConflict, StaleStatus
 from shardwise.operator.decide.decisions import Decision, Event, World
@@ -57,10 +58,11 @@ class Outcome:
 def reconcile(applier: Applier, namespace: str, name: str, nodes: Mapping[str, Mapping[str, Any]],
               capacity: Any, default_image: str = renderer.DEFAULT_IMAGE,
               now: Callable[[], datetime] = recovery.now_utc,
-              progress: training.Fetch = training.fetch_progress) -> Outcome:
+              progress: training.Fetch = training.fetch_progress,
+              downloads: download.Fetch = download.fetch_download) -> Outcome:
     """One pass over one ShardedModel. `capacity` (handlers.Capacity): live GPU pods of the cluster,
     reservations for pods just created, and the lock under which plans are made one at a time.
-    `progress`: reads a running training pod's progress."""
+    `progress`: reads a running training pod's progress; `downloads`: a fetching pod's download."""
     started, requests_before = time.monotonic(), applier.requests
     out = Outcome()
     try:
@@ -77,7 +79,7 @@ def reconcile(applier: Applier, namespace: str, name: str, nodes: Mapping[str, M
         except ObjectConflict as e:
             _conflict(writer, state, str(e), now(), out)
             return out
-        _report(writer, state, decision, progress, now(), out)
+        _report(writer, state, decision, (progress, downloads), now(), out)
     except StaleStatus as e:
         log.info(f"{e}; reading it again")
         out.requeue_after = STALE_REQUEUE
@@ -188,15 +190,16 @@ def act(applier: Applier, state: ModelState, decision: Decision, writer: StatusW
         _run(action, applier, state, writer)
 
 
-def _report(writer: StatusWriter, state: ModelState, decision: Decision, progress: training.Fetch,
-            now: datetime, out: Outcome) -> None:
-    job = _job_progress(state, decision, progress)
+def _report(writer: StatusWriter, state: ModelState, decision: Decision,
+            fetch: tuple[training.Fetch, download.Fetch], now: datetime, out: Outcome) -> None:
+    job = _job_progress(state, decision, fetch[0])
     new = status.build_status(state, decision, job, now)
+    downloaded = download.apply(new, state, decision, fetch[1], now)   # a remote model's fetch
     event = status.phase_event(state, new)
-    out.events = decision.events + ([event] if event else [])
+    out.events = decision.events + ([event] if event else []) + downloaded
     out.phase = new["phase"]
     out.requeue_after = decision.requeue_after
-    if new["phase"] == ModelPhase.RUNNING:
+    if new["phase"] == ModelPhase.RUNNING or new.get("download"):
         out.requeue_after = min(out.requeue_after, training.POLL_SECONDS)
     if status.changed(state.status, new):
         writer.patch(new)
