@@ -145,6 +145,17 @@ def test_passes_over_an_s3_model_show_its_pods_fetching_then_done():
     assert c.status["download"] == [{"replica": 0, "bytesFetched": 2 << 30, "bytesTotal": 8 << 30, "percent": 25,
                                      "rate": 128 << 20}]
     assert c.condition("Downloading")["reason"] == "Fetching"
+    assert metric("shardwise_download_bytes_per_second", c) == 128 << 20
+    assert metric("shardwise_download_bytes_total", c) == 8 << 30
     events = pass_with(fetching(4 << 30, 4 << 30, done=True))
     assert "download" not in c.status and c.condition("Downloading")["status"] == "False"
     assert [e.reason for e in events] == ["Downloaded"]
+    assert metric("shardwise_download_bytes_per_second", c) == 0
+
+
+def metric(name, c):
+    from shardwise.operator.controller import metrics, report
+    from shardwise.operator.decide.state import parse_state
+    state = parse_state(c.body, list(c.pods.values()), c.configmap, "img:1", c.read_model)
+    report.record_metrics(state, c.decision, c.status, c.now)
+    return metrics.REGISTRY.get_sample_value(name, {"namespace": "ns", "model": "m"})
