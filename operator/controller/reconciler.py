@@ -25,18 +25,18 @@ from datetime import datetime
 from typing import Any, Callable, Mapping
 
 from shardwise.crds import names
-from shardwise.crds.models import ModelPhase, PlanSummary
+from shardwise.crds.models import ModelCache, ModelPhase, PlanSummary
 from shardwise.crds.status import group_records
 from shardwise.operator.decide import conditions, decisions
 from shardwise.operator.controller import metrics
 from shardwise.operator.decide import probe
 from shardwise.operator.decide import recovery
 from shardwise.operator.decide import status
-from shardwise.operator.render import renderer
+from shardwise.operator.render import renderer, source
 from shardwise.operator.controller import report
 from shardwise.operator.controller import download
 from shardwise.operator.controller import progress as training
-from shardwise.operator.controller.apply import Applier, ObjectConflict, StaleStatus
+from shardwise.operator.controller.apply import Applier, ObjectConflict, PodRefused, StaleStatus
 from shardwise.operator.decide.decisions import Decision, Event, World
 from shardwise.operator.controller.observe import observe
 from shardwise.operator.decide.state import ModelState
@@ -79,6 +79,9 @@ def reconcile(applier: Applier, namespace: str, name: str, nodes: Mapping[str, M
         except ObjectConflict as e:
             _conflict(writer, state, str(e), now(), out)
             return out
+        except PodRefused as e:
+            _conflict(writer, state, refused_message(state, str(e)), now(), out, reason="PodRefused")
+            return out
         _report(writer, state, decision, (progress, downloads), now(), out)
     except StaleStatus as e:
         log.info(f"{e}; reading it again")
@@ -106,17 +109,30 @@ class StatusWriter:
             self.version = stored["metadata"]["resourceVersion"]
 
 
-def _conflict(writer: StatusWriter, state: ModelState, message: str, now: datetime, out: Outcome) -> None:
-    """An object the model would make belongs to someone else: said in the Applied condition and an
-    Event; tried again at the steady pace (someone may remove or rename it)."""
+def _conflict(writer: StatusWriter, state: ModelState, message: str, now: datetime, out: Outcome,
+              reason: str = "ObjectConflict") -> None:
+    """An object the model would make belongs to someone else (ObjectConflict), or admission refused
+    one of its pods (PodRefused): said in the Applied condition and an Event; tried again at the
+    steady pace (someone may remove or rename it, or change the spec or the namespace)."""
     said = conditions.condition(state.status.get("conditions"), "Applied") or {}
-    if said.get("reason") != "ObjectConflict" or said.get("message") != message:
-        out.events.append(Event("Warning", "ObjectConflict", message))
+    if said.get("reason") != reason or said.get("message") != message:
+        out.events.append(Event("Warning", reason, message))
         writer.patch({
             "message": message,
             "conditions": conditions.set_condition(state.status.get("conditions"), "Applied", False,
-                                                   "ObjectConflict", message, recovery.iso(now))})
+                                                   reason, message, recovery.iso(now))})
     out.requeue_after = decisions.STEADY_REQUEUE
+
+
+def refused_message(state: ModelState, refusal: str) -> str:
+    """Admission's refusal of a pod, with what to change when it is the node cache's hostPath."""
+    model = state.model
+    cache_volume = f'"{source.VOLUME}"'   # admission names the volumes it refuses
+    if model is not None and cache_volume in refusal and model.spec.model.remote_scheme() and (
+            model.spec.model.cache in (None, ModelCache.NODE)):
+        return (f"{refusal}; a model fetched from {model.spec.model.remote_scheme()}:// in a namespace that "
+                f"enforces Pod Security baseline or restricted needs spec.model.cache: pod")
+    return refusal
 
 
 def _reserve(capacity: Any, state: ModelState, decision: Decision) -> None:

@@ -3,6 +3,7 @@ Event when a replica has the model; the reports read from a real HTTP server on 
 from __future__ import annotations
 
 import http.server
+import json
 import threading
 import time
 
@@ -159,3 +160,26 @@ def metric(name, c):
     state = parse_state(c.body, list(c.pods.values()), c.configmap, "img:1", c.read_model)
     report.record_metrics(state, c.decision, c.status, c.now)
     return metrics.REGISTRY.get_sample_value(name, {"namespace": "ns", "model": "m"})
+
+
+# ---------------------------------------------------------------- a pod Pod Security refuses
+
+def test_a_pod_security_refusal_is_one_line_saying_to_cache_in_the_pod():
+    from kubernetes.client.rest import ApiException
+
+    from shardwise.operator.controller import apply, reconciler
+    from shardwise.operator.decide.state import parse_state
+
+    said = ('pods "m-r0-s0-a0" is forbidden: violates PodSecurity "restricted:latest": '
+            'hostPath volumes (volume "model-cache"), runAsNonRoot != true (container "prepare-model-cache")')
+    error = ApiException(status=403, reason="Forbidden")
+    error.body = json.dumps({"kind": "Status", "status": "Failure", "reason": "Forbidden", "code": 403,
+                             "message": said})
+    assert apply.pod_refusal(error) == said
+    other = ApiException(status=403, reason="Forbidden")
+    other.body = json.dumps({"message": 'pods is forbidden: User "x" cannot create resource "pods"'})
+    assert apply.pod_refusal(other) == "", "RBAC is not admission: that error is raised as before"
+    body = {"metadata": {"name": "m", "namespace": "ns", "uid": "u", "generation": 1},
+            "spec": {"model": {"uri": URI, "parameters": 10**6, "layers": 4, "heads": 8}}}
+    message = reconciler.refused_message(parse_state(body, [], None, "img:1"), said)
+    assert message.startswith(said) and message.endswith("needs spec.model.cache: pod") and "\n" not in message
