@@ -51,7 +51,8 @@ class _Contract(BaseModel):
 
 class ModelContract(_Contract):
     path: str = Field(min_length=1, description=(
-        "the weights inside the pod: an HF folder, a .gguf file, or a built-in model name"))
+        "the weights inside the pod: an HF folder, a .gguf file, or a built-in model name; for a "
+        "remote model (see PodContract.source) its uri, fetched into source.cache_dir first"))
     format: ModelFormat = Field(description="spec.model.format; the worker detects the format from the files")
     dtype: Dtype = Field(description="spec.dtype as asked (auto included); the worker resolves auto")
 
