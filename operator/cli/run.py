@@ -164,6 +164,11 @@ def _render_settings(args: argparse.Namespace):
     cache = args.model_cache_host_path
     if cache and (not cache.startswith("/") or ".." in cache.split("/")):
         raise _Refused(f"--model-cache-host-path {cache} must be an absolute path without '..'")
+    for root in roots if cache else []:
+        a, b = localtier.normalised(cache).rstrip("/") + "/", root.rstrip("/") + "/"
+        if a.startswith(b) or b.startswith(a):
+            raise _Refused(f"--model-cache-host-path {cache} overlaps --local-checkpoint-root {root}: a "
+                           f"namespace's cache directory could be another model's checkpoints; give them apart")
     try:
         budget = parse_quantity(args.model_cache_budget)
     except ValueError as e:

@@ -131,3 +131,32 @@ def test_the_operator_never_reads_a_remote_uri_itself_even_under_its_model_root(
     (tmp_path / "hf:").mkdir()   # a folder the uri would name if it were taken for a path
     spec = ShardedModelSpec.model_validate({"model": {"uri": "hf://org/name"}})
     assert modelroot.read(spec, root=str(tmp_path)) is None, "no facts, no error: the probe pod reads it"
+
+
+@pytest.mark.parametrize("argv, refused", [
+    (["--model-cache-host-path=/var/lib/shardwise", "--local-checkpoint-root=/var/lib/shardwise/checkpoints"],
+     "overlaps --local-checkpoint-root"),
+    (["--model-cache-host-path=/data/ckpt/cache", "--local-checkpoint-root=/data/ckpt"], "overlaps"),
+    (["--model-cache-host-path=var/cache"], "must be an absolute path without '..'"),
+    (["--model-cache-host-path=/var/../etc"], "must be an absolute path without '..'"),
+    (["--model-cache-budget=lots"], "--model-cache-budget: 'lots' is not a quantity"),
+])
+def test_the_operator_refuses_a_cache_root_that_could_expose_checkpoints_in_one_line(argv, refused):
+    import argparse
+
+    from shardwise.operator.cli import run
+    parser = argparse.ArgumentParser()
+    run.add_arguments(parser)
+    with pytest.raises(run._Refused) as e:
+        run._render_settings(parser.parse_args(["run", *argv]))
+    assert refused in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_operator_takes_a_cache_root_apart_from_the_checkpoint_roots():
+    import argparse
+
+    from shardwise.operator.cli import run
+    parser = argparse.ArgumentParser()
+    run.add_arguments(parser)
+    got = run._render_settings(parser.parse_args(["run", "--model-cache-host-path=/mnt/cache//", "--model-cache-budget=2Ti"]))
+    assert (got.model_cache_host_path, got.model_cache_budget) == ("/mnt/cache", 2 << 40)
