@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from shardwise.crds.download import STALL_SECONDS, DownloadReport, replica_download
-from shardwise.crds.status import STATUS_MAX_DOWNLOADS, ConditionType, DownloadReason
+from shardwise.crds.status import STATUS_MAX_DOWNLOADS, ConditionType, DownloadReason, ReplicaDownload
 from shardwise.operator.decide.actions import Event
 from shardwise.operator.decide.conditions import condition, set_condition
 
@@ -37,9 +37,11 @@ def _stalled(replica: int, reports: list[DownloadReport], uri: str) -> str:
 
 
 def decide(status: Mapping[str, Any], conditions: list[dict], reports: Mapping[int, list[DownloadReport]],
-           uri: str, stamp: str) -> tuple[list[dict], list[dict], list[Event]]:
+           uri: str, stamp: str, kept: list[dict] | None = None) -> tuple[list[dict], list[dict], list[Event]]:
     """(status.download, the conditions with Downloading set, Events) after this pass.
-    `status`: the status before it; `conditions`: the pass's conditions so far."""
+    `status`: the status before it; `conditions`: the pass's conditions so far; `reports`: the
+    replicas read whole this pass; `kept`: status.download entries of replicas still fetching that
+    were not (listed as they are, counted as fetching)."""
     fetching, stalled, events = [], [], []
     before = {d.get("replica") for d in status.get("download") or [] if isinstance(d, Mapping)}
     for replica in sorted(reports):
@@ -56,6 +58,8 @@ def decide(status: Mapping[str, Any], conditions: list[dict], reports: Mapping[i
             continue
         fetching.append(summed)
         stalled.append(_stalled(replica, found, uri))
+    fetching += [ReplicaDownload.model_validate(d) for d in kept or []]
+    fetching.sort(key=lambda d: d.replica)
     listed = [d.to_api() for d in fetching[:STATUS_MAX_DOWNLOADS]]
     if fetching:
         stuck = [s for s in stalled if s]

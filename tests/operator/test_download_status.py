@@ -183,3 +183,52 @@ def test_a_pod_security_refusal_is_one_line_saying_to_cache_in_the_pod():
             "spec": {"model": {"uri": URI, "parameters": 10**6, "layers": 4, "heads": 8}}}
     message = reconciler.refused_message(parse_state(body, [], None, "img:1"), said)
     assert message.startswith(said) and message.endswith("needs spec.model.cache: pod") and "\n" not in message
+
+
+def _fetching_model(replicas: int, pipeline: int):
+    from tests.operator.builders import k8s_node
+    from tests.operator.test_decide import LLAMA_8B, Cluster
+
+    c = Cluster({"model": {**LLAMA_8B, "uri": URI},
+                 "parallelism": {"tensor": 8, "pipeline": pipeline, "replicas": replicas}},
+                [k8s_node(f"n{i}") for i in range(replicas * pipeline)])
+    c.reconcile()
+    c.reconcile()
+    for p in c.replica_pods():
+        p["spec"]["nodeName"] = p["metadata"]["annotations"][names.ANNOTATION_PLANNED_NODE]
+        p["status"] = {"phase": "Running", "podIP": "10.0.0.1"}
+    return c
+
+
+def _state(c):
+    from shardwise.operator.decide.state import parse_state
+    return parse_state(c.body, list(c.pods.values()), c.configmap, "img:1", c.read_model)
+
+
+def test_a_replica_whose_pods_did_not_all_answer_is_never_called_done():
+    c = _fetching_model(1, 2)
+    answers = iter([fetching(10, 10, done=True), None])   # stage 0 done, stage 1 silent
+    new = {"conditions": []}
+    events = reader.apply(new, _state(c), c.decision, lambda pod: next(answers), c.now)
+    assert events == [] and new["download"][0]["percent"] == 99
+    assert new["conditions"][0]["reason"] == "Fetching"
+
+
+def test_every_replica_has_its_turn_however_many_fetch_at_once():
+    from datetime import timedelta
+    c = _fetching_model(40, 1)
+    asked: set = set()
+    for period in range(4):
+        calls = []
+
+        def fetch(pod):
+            calls.append(pod)
+            return fetching(1, 10)
+        new = {"conditions": []}
+        reader.apply(new, _state(c), c.decision, fetch,
+                     c.now + timedelta(seconds=period * progress.POLL_SECONDS))
+        assert len(calls) <= reader.MAX_PODS_PER_PASS
+        asked |= {p["metadata"]["labels"][names.LABEL_REPLICA] for p in calls}
+        c.body["status"]["download"] = new["download"]
+        assert len(new["download"]) >= len(asked) - 1   # what a pass did not read keeps its last entry
+    assert len(asked) == 40
