@@ -30,6 +30,8 @@ from shardwise.crds.names import (LOCAL_CHECKPOINT_ROOT, MAX_MODEL_NAME, MAX_PIP
                                   MAX_REPLICAS, MODEL_NAME_PATTERN, RACK_LABEL, ZONE_LABEL)
 from shardwise.crds.speculative import (DRAFT_TOKENS, DRAFT_TOKENS_MAX, NGRAM_LIMIT, NGRAM_MAX,  # noqa: F401
                                       NGRAM_MIN, Speculative, SpeculativeMethod)
+from shardwise.crds import sourcespec
+from shardwise.crds.sourcespec import ENDPOINT_PATTERN, REGION_PATTERN, CredentialsRef, ModelCache
 from shardwise.crds.schedules import DEFAULT_SCHEDULE, INTERLEAVED_MICRO_BATCHES, PipelineSchedule, micro_batches_fit
 from shardwise.crds.status import (PHASES, Condition, GroupPhase, LastCheckpoint, ModelFactsStatus, ModelPhase,
                                    PlacementSummary, PlanSummary, ReplicaGroupStatus, ShardedModelStatus,
@@ -81,11 +83,14 @@ class ModelSource(ApiModel):
         pvc_rule("uri", MODEL_URI_PVC),
         ("!has(self.heads) || !has(self.kvHeads) || self.heads % self.kvHeads == 0",
          "model.heads must be a multiple of model.kvHeads", ".kvHeads"),
+        *sourcespec.cel_rules(),
     ))
 
     uri: str = Field(min_length=1, max_length=4096, description=(
         "The weights: a path inside the pod (an HF-format directory with config.json and "
-        "*.safetensors, or a .gguf file), or pvc://<claim>/<path> to mount a PersistentVolumeClaim."))
+        "*.safetensors, or a .gguf file), pvc://<claim>/<path> to mount a PersistentVolumeClaim, or "
+        "where the model lives, fetched by the pods into a node-local cache: hf://<org>/<name>[@<revision>]"
+        "[/<file>.gguf], s3://<bucket>/<prefix>, oci://<registry>/<repository>:<tag>."))
     format: Literal["auto", "safetensors", "gguf"] = Field(
         "auto", description="auto: gguf when the uri ends in .gguf, safetensors otherwise.")
     parameters: Optional[int] = Field(None, ge=1, le=MODEL_FACT_LIMITS["params"], description=(
@@ -97,11 +102,31 @@ class ModelSource(ApiModel):
     intermediate_size: Optional[int] = Field(None, ge=1, le=MODEL_FACT_LIMITS["intermediate"],
                                              description="MLP intermediate size (hint).")
     vocab_size: Optional[int] = Field(None, ge=1, le=MODEL_FACT_LIMITS["vocab"], description="Vocabulary size (hint).")
+    # A remote source's options (crds/sourcespec.py); all unset by default, so that a model made
+    # before they existed keeps its spec hash (and its pods).
+    endpoint: Optional[str] = Field(None, max_length=2048, pattern=ENDPOINT_PATTERN, description=(
+        "s3:// only: the S3-compatible endpoint, http(s)://host[:port][/path] (no credentials in it). "
+        "Omitted: AWS S3."))
+    region: Optional[str] = Field(None, max_length=64, pattern=REGION_PATTERN,
+                                  description="s3:// only: the bucket's region.")
+    path_style: Optional[bool] = Field(None, description=(
+        "s3:// only: address the bucket as <endpoint>/<bucket> rather than <bucket>.<endpoint> "
+        "(MinIO and most S3-compatible stores)."))
+    credentials_ref: Optional[CredentialsRef] = Field(None, description=(
+        "hf://, s3://, oci://: the Secret whose keys the pods fetch with (see its name field)."))
+    cache: Optional[ModelCache] = Field(None, description=(
+        "hf://, s3://, oci://: where the pods keep the fetched files. node (default): the node-local "
+        "cache the operator is configured with, shared by the namespace's pods on the node (a "
+        "hostPath: refused where Pod Security enforces baseline or restricted); pod: an emptyDir of "
+        "each pod, fetched again by every pod."))
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "ModelSource":
         if self.format == "gguf" and not self.uri.endswith(".gguf"):
             raise ValueError("model.uri must name a .gguf file when model.format is gguf")
+        source_problem = sourcespec.problem(self.uri, self.format, self.endpoint, self.region, self.path_style)
+        if source_problem:
+            raise ValueError(source_problem)
         if malformed_pvc(self.uri):
             raise ValueError(MODEL_URI_PVC)
         if self.heads and self.kv_heads and self.heads % self.kv_heads:
@@ -112,6 +137,10 @@ class ModelSource(ApiModel):
         if self.format != "auto":
             return self.format
         return "gguf" if self.uri.endswith(".gguf") else "safetensors"
+
+    def remote_scheme(self) -> str:
+        """hf, s3 or oci for a model the pods fetch; "" for a path or pvc://."""
+        return sourcespec.scheme(self.uri) if sourcespec.is_remote(self.uri) else ""
 
     def pvc(self) -> tuple[str, str] | None:
         """(claim, path inside the claim) for a pvc:// uri, None otherwise."""

@@ -59,6 +59,29 @@ class ObjectConflict(Exception):
     operator leaves it alone rather than take it over. str(): one line naming it."""
 
 
+class PodRefused(Exception):
+    """The API server's admission refused a pod the model makes (Pod Security: a hostPath in a
+    namespace enforcing baseline or restricted). str(): the API server's one line."""
+
+
+POD_MESSAGE_MAX = 512   # what of the API server's refusal is kept (it lists every violation)
+
+
+def pod_refusal(error: ApiException) -> str:
+    """The one line saying why admission refused a pod ("" for any other error): a 403 whose Status
+    says the pod violates PodSecurity."""
+    if error.status != 403:
+        return ""
+    try:
+        message = str(json.loads(error.body or "{}").get("message") or "")
+    except (ValueError, AttributeError):
+        return ""
+    if "violates PodSecurity" not in message:
+        return ""
+    line = " ".join(message.split())
+    return line if len(line) <= POD_MESSAGE_MAX else line[:POD_MESSAGE_MAX - 1] + "…"
+
+
 def owned_by(obj: Mapping[str, Any], uid: str) -> bool:
     return any(ref.get("uid") == uid for ref in (obj.get("metadata") or {}).get("ownerReferences") or [])
 
@@ -147,6 +170,9 @@ class Applier:
         except ApiException as e:
             if e.status == 409:
                 return False
+            refused = pod_refusal(e)
+            if refused:
+                raise PodRefused(refused) from None
             raise
 
     def apply(self, obj: Mapping[str, Any]) -> None:

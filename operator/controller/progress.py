@@ -74,19 +74,24 @@ def fetch_progress(pod: Mapping[str, Any]) -> dict | None:
     ip = (pod.get("status") or {}).get("podIP")
     if not ip:
         return None
-    port = DEFAULT_PORT
-    for c in (pod.get("spec") or {}).get("containers") or []:
-        for p in c.get("ports") or []:
-            if p.get("name") == "http":
-                port = int(p["containerPort"])
     try:
-        return boundedjson.loads(_get(str(ip), port, "/progress", time.monotonic() + PROGRESS_TIMEOUT),
+        return boundedjson.loads(http_get(str(ip), http_port(pod), "/progress", time.monotonic() + PROGRESS_TIMEOUT),
                                 PROGRESS_DEPTH)
     except (OSError, ValueError, http.client.HTTPException):
         return None
 
 
-def _get(host: str, port: int, path: str, deadline: float) -> bytes:
+def http_port(pod: Mapping[str, Any]) -> int:
+    """The port a worker pod names `http` (its serving port, where it reports progress)."""
+    port = DEFAULT_PORT
+    for c in (pod.get("spec") or {}).get("containers") or []:
+        for p in c.get("ports") or []:
+            if p.get("name") == "http":
+                port = int(p["containerPort"])
+    return port
+
+
+def http_get(host: str, port: int, path: str, deadline: float, limit: int = PROGRESS_MAX_BYTES) -> bytes:
     """The body of a 200 answer, read under one deadline and one size cap (ValueError otherwise). A
     watchdog shuts the socket at the deadline: a per-read timeout alone lets a pod that drips a byte
     a second (in its headers or its body) hold the pass forever."""
@@ -100,12 +105,12 @@ def _get(host: str, port: int, path: str, deadline: float) -> bytes:
         if resp.status != 200:   # a redirect included: it is not followed
             raise ValueError(f"status {resp.status}")
         body = b""
-        while len(body) <= PROGRESS_MAX_BYTES:
-            chunk = resp.read1(PROGRESS_MAX_BYTES + 1 - len(body))
+        while len(body) <= limit:
+            chunk = resp.read1(limit + 1 - len(body))
             if not chunk:
                 break
             body += chunk
-        if len(body) > PROGRESS_MAX_BYTES:
+        if len(body) > limit:
             raise ValueError("progress report too large")
         if time.monotonic() >= deadline:
             raise TimeoutError("progress read past its deadline")

@@ -229,6 +229,19 @@ def test_network_policy_and_local_checkpoint_roots_reach_the_operator(tmp_path, 
     assert settings.local_checkpoint_roots == ()
 
 
+def test_the_model_cache_values_reach_the_operator(tmp_path):
+    _, settings = _operator_settings(render())
+    assert (settings.model_cache_host_path, settings.model_cache_budget, settings.prepare_model_cache) == (
+        "/var/lib/shardwise/model-cache", 200 << 30, True)
+    values = {"operator": {"modelCache": {"hostPath": "/mnt/nvme/cache/", "budget": "1500G", "prepareAsRoot": False}}}
+    _, settings = _operator_settings(render(values=values, tmp_path=tmp_path))
+    assert (settings.model_cache_host_path, settings.model_cache_budget, settings.prepare_model_cache) == (
+        "/mnt/nvme/cache", 1500 * 10**9, False)
+    values["operator"]["modelCache"]["hostPath"] = ""   # off: every pod fetches into its own emptyDir
+    _, settings = _operator_settings(render(values=values, tmp_path=tmp_path))
+    assert settings.model_cache_host_path == ""
+
+
 # ------------------------------------------------------------------------------------ values schema
 
 @pytest.mark.parametrize("setting, named", [
@@ -246,6 +259,8 @@ def test_network_policy_and_local_checkpoint_roots_reach_the_operator(tmp_path, 
     ("resources.limits.memory=lots", "memory"),
     ("operator.localCheckpoints.roots[0]=var/lib", "roots"),
     ("operator.networkPolicy=maybe", "networkPolicy"),
+    ("operator.modelCache.hostPath=var/cache", "hostPath"),
+    ("operator.modelCache.budget=lots", "budget"),
 ])
 def test_schema_rejects_bad_values_naming_the_key(setting, named):
     proc = helm("template", "sw", str(CHART), "--kube-version", KUBE_VERSION, "--set", setting, check=False)
