@@ -118,6 +118,13 @@ _OCI_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 _OCI_DIGEST = re.compile(r"^sha256:[a-f0-9]{64}$")
 
 
+def scheme_of(uri: str) -> str:
+    """The scheme a uri is written with ("s3", "pvc", ... or "" for a path), before any other check:
+    what the API's rules (crds/sourcespec.py) branch on."""
+    m = _SCHEME.match(uri) if isinstance(uri, str) else None
+    return m.group(1) if m else ""
+
+
 def parse_model_uri(uri: str) -> ParsedUri:
     """The parsed form of `uri`; ModelUriError (one line) when it is not a model this project reads."""
     if not isinstance(uri, str) or not uri:

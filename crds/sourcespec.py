@@ -17,6 +17,7 @@ from pydantic import Field
 
 from shardwise.crds.access import DNS_SUBDOMAIN_PATTERN
 from shardwise.crds.apimodel import ApiModel
+from shardwise.crds.modelsource import ModelUriError, parse_model_uri, scheme_of
 
 # The schemes whose models the pods fetch (into the node-local cache) before loading them.
 REMOTE_SCHEMES = ("hf", "s3", "oci")
@@ -47,9 +48,8 @@ REGION_PATTERN = r"^[a-z0-9][-a-z0-9]*$"
 
 
 def scheme(uri: str) -> str:
-    """The uri's scheme ("hf", "s3", ...; "" for a path).  # replaced by crds.modelsource.parse"""
-    match = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*)://", uri)
-    return match.group(1) if match else ""
+    """The uri's scheme ("hf", "s3", ...; "" for a path): the uri parser's reading of it."""
+    return scheme_of(uri)
 
 
 def is_remote(uri: str) -> bool:
@@ -96,4 +96,9 @@ def problem(uri: str, fmt: str, endpoint: Optional[str], region: Optional[str],
         return S3_ONLY
     if fmt == "gguf" and found == "hf" and not re.match(HF_GGUF, uri):
         return HF_GGUF_FILE
+    if found in REMOTE_SCHEMES:
+        try:    # beyond the API server's rules: the whole grammar of the scheme (offline only)
+            parse_model_uri(uri)
+        except ModelUriError as e:
+            return str(e)
     return ""

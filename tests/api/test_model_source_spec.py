@@ -107,3 +107,17 @@ def test_cel_rules_accept_what_python_accepts(model):
 @pytest.mark.parametrize("model, message", [r for r in REFUSED if not r[1].startswith("spec.")])
 def test_cel_rules_refuse_with_the_same_words(model, message):
     assert message in _cel_refusal({"format": "auto", **model})
+
+
+@pytest.mark.parametrize("uri,words", [
+    ("s3://models/a/../b", "'..'"),
+    ("hf://org/name@bad~rev", "revision"),
+    ("oci://registry.local/Models/x:v1", "repository"),
+])
+def test_offline_the_whole_grammar_of_a_scheme_is_checked_beyond_the_api_servers_shape(uri, words):
+    """The CEL rules check a uri's shape; `shardwise plan -f` also runs the uri parser, so a uri the
+    pods could never fetch is refused before it is applied, in the parser's one line."""
+    assert _cel_refusal({"format": "auto", "uri": uri}) == ""       # the API server's shape holds
+    with pytest.raises(ValueError) as e:
+        load_manifest(manifest(uri=uri))
+    assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
