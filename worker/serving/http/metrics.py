@@ -1,7 +1,10 @@
 """The server's Prometheus collectors: request latency and time to first token, token counts and
 rate, the ranks' weight bytes and communication time, the engine's queue, and, read at scrape
 time, the KV cache's blocks (KVCacheUse), the queue's bound and refusals (Admission), speculative
-decoding's drafts and acceptance (Speculation) and a mixture-of-experts model's load (ExpertLoad)."""
+decoding's drafts and acceptance (Speculation), a mixture-of-experts model's load (ExpertLoad),
+and the same engine's queue, running requests and KV-cache use again under the names of the
+Gateway API Inference Extension's model-server protocol (ModelServerProtocol), which gateways and
+endpoint pickers scrape."""
 from __future__ import annotations
 
 import threading
@@ -112,6 +115,49 @@ class Speculation(_EngineCollector):
         ]
 
 
+# The Gateway API Inference Extension's model-server protocol (kubernetes-sigs/
+# gateway-api-inference-extension, docs/proposals/003-model-server-protocol/README.md): the metrics an
+# endpoint picker scrapes, named as vLLM names them (the reference picker's defaults). KV-cache use is
+# a 0-1 ratio under both names vLLM has used for it (gpu_cache_usage_perc, renamed
+# kv_cache_usage_perc in vLLM 0.10), so pickers configured either way read it.
+PROTOCOL_QUEUED = "vllm:num_requests_waiting"
+PROTOCOL_RUNNING = "vllm:num_requests_running"
+PROTOCOL_KV_CACHE = ("vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc")
+PROTOCOL_LORA = "vllm:lora_requests_info"
+LORA_LABELS = ("max_lora", "running_lora_adapters", "waiting_lora_adapters")
+
+
+def kv_cache_utilization(pool) -> float:
+    """Blocks held by requests over all blocks, 0-1 (cached reusable blocks count as free: a new
+    request may take them)."""
+    return min(1.0, max(0.0, pool.used / pool.num_blocks)) if pool.num_blocks else 0.0
+
+
+class ModelServerProtocol(_EngineCollector):
+    """The engine's queue, running requests and KV-cache use under the protocol's names, read at
+    scrape time from the same engine state as shardwise_waiting_requests, shardwise_running_requests
+    and shardwise_kv_cache_blocks. No LoRA adapters are served: the LoRA info gauge says so (max_lora
+    0, empty adapter lists), its value the time the server started, as the protocol asks."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.started = time.time()
+
+    def families(self, engine) -> list:
+        from prometheus_client.core import GaugeMetricFamily
+        out = [GaugeMetricFamily(PROTOCOL_QUEUED, "Requests waiting in the queue (TotalQueuedRequests)",
+                                 value=len(engine.waiting)),
+               GaugeMetricFamily(PROTOCOL_RUNNING, "Requests being decoded (TotalRunningRequests)",
+                                 value=engine.running)]
+        use = kv_cache_utilization(engine.pool)
+        out += [GaugeMetricFamily(name, "KV-cache blocks in use over all blocks, 0-1 (KVCacheUtilization)",
+                                  value=use) for name in PROTOCOL_KV_CACHE]
+        lora = GaugeMetricFamily(PROTOCOL_LORA, "LoRA adapters (none served); value: when last updated",
+                                 labels=list(LORA_LABELS))
+        lora.add_metric(["0", "", ""], self.started)
+        return out + [lora]
+
+
 class Metrics:
     """The registry /metrics renders; `token()` is called once per generated token."""
 
@@ -141,6 +187,7 @@ class Metrics:
         r.register(KVCacheUse(lambda: self.engine))
         r.register(Admission(lambda: self.engine))
         r.register(Speculation(lambda: self.engine))
+        r.register(ModelServerProtocol(lambda: self.engine))
         self._window: deque = deque()
         self._lock = threading.Lock()
 
