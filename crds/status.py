@@ -16,6 +16,7 @@ from typing import Any, Iterable, Literal, Optional
 from pydantic import ConfigDict, Field, field_validator
 
 from shardwise.crds.apimodel import ApiModel
+from shardwise.crds.autoscaling import AutoscalingStatus
 
 
 class ModelPhase(str, Enum):
@@ -188,3 +189,4 @@ class ShardedModelStatus(ApiModel):
     training: Optional[TrainingProgress] = None
     groups: list[ReplicaGroupStatus] = Field(default_factory=list, description="one record per replica group")
     model_facts: Optional[ModelFactsStatus] = Field(None, description="the model's shape as the operator read it")
+    autoscaling: Optional[AutoscalingStatus] = Field(None, description="the autoscaler's last decision (spec.autoscaling)")

@@ -11,6 +11,8 @@ import threading
 import time
 from collections import deque
 
+from shardwise.crds import names
+
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -115,15 +117,9 @@ class Speculation(_EngineCollector):
         ]
 
 
-# The Gateway API Inference Extension's model-server protocol (kubernetes-sigs/
-# gateway-api-inference-extension, docs/proposals/003-model-server-protocol/README.md): the metrics an
-# endpoint picker scrapes, named as vLLM names them (the reference picker's defaults). KV-cache use is
-# a 0-1 ratio under both names vLLM has used for it (gpu_cache_usage_perc, renamed
-# kv_cache_usage_perc in vLLM 0.10), so pickers configured either way read it.
-PROTOCOL_QUEUED = "vllm:num_requests_waiting"
-PROTOCOL_RUNNING = "vllm:num_requests_running"
-PROTOCOL_KV_CACHE = ("vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc")
-PROTOCOL_LORA = "vllm:lora_requests_info"
+# The model-server protocol's names: crds/names.py (the operator's autoscaler reads them too).
+PROTOCOL_QUEUED, PROTOCOL_RUNNING = names.METRIC_QUEUED, names.METRIC_RUNNING
+PROTOCOL_KV_CACHE, PROTOCOL_LORA = names.METRIC_KV_CACHE, names.METRIC_LORA
 LORA_LABELS = ("max_lora", "running_lora_adapters", "waiting_lora_adapters")
 
 
@@ -166,7 +162,7 @@ class Metrics:
         r = self.registry = CollectorRegistry()
         self.latency = Histogram("shardwise_request_latency_seconds", "Time from request to last token",
                                  ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("shardwise_time_to_first_token_seconds", "Time from request to first token",
+        self.ttft = Histogram(names.METRIC_TTFT, "Time from request to first token",
                               ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
         self.requests = Counter("shardwise_requests_total", "HTTP requests by endpoint and status code",
                                 ["endpoint", "code"], registry=r)
