@@ -110,6 +110,26 @@ class Applier:
                 raise StaleStatus(f"ShardedModel {namespace}/{name} changed since it was read") from None
             raise
 
+    def scale(self, namespace: str, name: str, replicas: int) -> None:
+        """Set spec.parallelism.replicas through the scale subresource (as `kubectl scale` does)."""
+        self.fence()
+        self._count("patch", "ShardedModel/scale")
+        self.custom.patch_namespaced_custom_object_scale(GROUP, VERSION, namespace, PLURAL, name,
+                                                         {"spec": {"replicas": replicas}}, _preload_content=False)
+
+    def patch_autoscaling_status(self, namespace: str, name: str, autoscaling: Mapping[str, Any]) -> None:
+        """Merge-patch status.autoscaling alone (the autoscaler's own field: no other writer's, so
+        no version condition); gone meanwhile is fine."""
+        self.fence()
+        self._count("patch", "ShardedModel/status")
+        try:
+            self.custom.patch_namespaced_custom_object_status(
+                GROUP, VERSION, namespace, PLURAL, name, {"status": {"autoscaling": dict(autoscaling)}},
+                _preload_content=False)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+
     # --- reads -----------------------------------------------------------------------------------
 
     def list_model_pods(self, namespace: str, model: str) -> list[dict]:
