@@ -11,6 +11,8 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from shardwise.crds import names
+
 from .serve_process import serve_process
 from .test_http_admission import LONG, _post
 
@@ -65,3 +67,6 @@ def test_a_loaded_server_reports_queue_running_and_kv_use_under_the_protocol_nam
         after = _scrape(base)
         assert _value(after, "vllm:num_requests_waiting") == 0 and _value(after, "vllm:num_requests_running") == 0
         assert _value(after, "vllm:gpu_cache_usage_perc") == 0
+        # the histogram the operator's autoscaler reads for ttftP90Seconds, every request counted
+        ttft = after[names.METRIC_TTFT + "_bucket"]
+        assert sum(s.value for s in ttft if s.labels["le"] == "+Inf") >= LOAD

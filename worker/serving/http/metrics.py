@@ -162,7 +162,8 @@ class Metrics:
         r = self.registry = CollectorRegistry()
         self.latency = Histogram("shardwise_request_latency_seconds", "Time from request to last token",
                                  ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram(names.METRIC_TTFT, "Time from request to first token",
+        self.ttft = Histogram("shardwise_time_to_first_token_seconds",   # names.METRIC_TTFT
+                              "Time from request to first token",
                               ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
         self.requests = Counter("shardwise_requests_total", "HTTP requests by endpoint and status code",
                                 ["endpoint", "code"], registry=r)
