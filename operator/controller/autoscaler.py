@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 from shardwise.crds import names
 from shardwise.crds.capacity import MAX_SEQUENCES, MAX_WAITING
 from shardwise.crds.contract import SERVING_GRACE_SECONDS
-from shardwise.crds.models import ShardedModel, Workload
+from shardwise.crds.models import ShardedModelSpec, Workload
 from shardwise.operator.controller import podhttp
 from shardwise.operator.controller.apply import Applier
 from shardwise.operator.decide import autoscaling, recovery
@@ -150,13 +150,13 @@ class Autoscaler:
         if body is None or body["metadata"].get("deletionTimestamp"):
             return [], None
         try:
-            model = ShardedModel.model_validate(body)
+            model = ShardedModelSpec.model_validate(body.get("spec") or {})
         except ValueError:
             return [], None    # the reconciler says why in status
-        spec = model.spec.autoscaling
-        if spec is None or model.spec.workload == Workload.TRAINING:
+        spec = model.autoscaling
+        if spec is None or model.workload == Workload.TRAINING:
             return [], None
-        replicas = model.spec.parallelism.replicas
+        replicas = model.parallelism.replicas
         pods = applier.list_model_pods(namespace, name)
         loads = self.loads(stage0_pods(pods, replicas))
         self.forget(pods)

@@ -6,14 +6,18 @@ so a steady pass costs no request for it."""
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from typing import Optional
 
-from shardwise.operator.controller.apply import Applier
+from kubernetes.client.rest import ApiException
+
+from shardwise.operator.controller.apply import Applier, ObjectConflict
 from shardwise.operator.decide.state import ModelState
 from shardwise.operator.render import inferencepool
 
+log = logging.getLogger("shardwise.operator")
 DISCOVERY_SECONDS = 10.0
 REAPPLY_SECONDS = 300.0
 
@@ -47,7 +51,14 @@ class Pools:
             last = self.applied.get(key)
         if last is not None and last[1] == what and time.monotonic() - last[0] < REAPPLY_SECONDS:
             return
-        applier.apply(pool)
+        try:
+            applier.apply(pool)
+        except (ObjectConflict, ApiException) as e:
+            # The pool is an extra: a pool of that name that is someone else's, or no right to make
+            # one (an older chart's RBAC), must not stop the model's reconcile. Said once per
+            # REAPPLY_SECONDS, then tried again.
+            reason = str(e) if isinstance(e, ObjectConflict) else f"{e.status} {e.reason}"
+            log.warning(f"no InferencePool for {state.namespace}/{state.name}: {reason}")
         with self.lock:
             self.applied[key] = (time.monotonic(), what)
 
