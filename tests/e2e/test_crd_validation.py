@@ -244,8 +244,9 @@ def test_training_layout_fields_are_accepted_with_defaults_and_kept_by_scaling(k
 
 
 def test_autoscaling_is_accepted_with_its_defaults(kubectl):
-    body = manifest("scaled", autoscaling={"minReplicas": 0, "maxReplicas": 3})
-    spec = yaml.safe_load(kubectl("create", "-o", "yaml", "-f", "-", input=yaml.safe_dump(body)))["spec"]
+    body = manifest("autoscaled", autoscaling={"minReplicas": 0, "maxReplicas": 3})
+    spec = yaml.safe_load(kubectl("create", "--dry-run=server", "-o", "yaml", "-f", "-",
+                                  input=yaml.safe_dump(body)))["spec"]
     assert spec["autoscaling"] == {"minReplicas": 0, "maxReplicas": 3, "target": "queueDepthPerReplica",
                                    "scaleDownDelaySeconds": 300, "scaleUpStabilizationSeconds": 0,
                                    "periodSeconds": 15}
