@@ -23,6 +23,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from shardwise.crds.apimodel import (LABEL_KEY_PATTERN, QUANTITY_PATTERN, ApiModel, cel, describe_validation_error,
                                      malformed_pvc, parse_pvc, parse_quantity, pvc_rule)
+from shardwise.crds.autoscaling import Autoscaling
 from shardwise.crds.capacity import DecodeMode, ServingCapacity
 from shardwise.crds.access import (DNS_SUBDOMAIN_PATTERN, LABEL_VALUE_PATTERN, PEER_NEEDS_SELECTOR,  # noqa: F401
                                    LabelSelector, NetworkPeer, SecretKeyRef, ServingAuth)
@@ -423,6 +424,7 @@ _DP = "self.training.dataParallel"
 DP_PRODUCT = "training.dataParallel: shard x replicate must equal parallelism.replicas"
 DP_DIVIDES = "training.dataParallel.{axis} must divide parallelism.replicas"
 MIN_REPLICAS = "training.minReplicas must not exceed parallelism.replicas"
+AUTOSCALING_SERVING_ONLY = "spec.autoscaling is only for workload: inference"
 _TRAINING_LAYOUT_RULES = (
     (f"!has(self.training) || !has({_DP}) || !has({_DP}.shard) || !has({_DP}.replicate) || "
      f"self.parallelism.replicas == 0 || {_DP}.shard * {_DP}.replicate == self.parallelism.replicas",
@@ -459,6 +461,7 @@ class ShardedModelSpec(ApiModel):
          ".checkpoint"),
         ("!has(self.training) || self.workload == 'training'",
          "spec.training is only for workload: training", ".training"),
+        ("!has(self.autoscaling) || self.workload != 'training'", AUTOSCALING_SERVING_ONLY, ".autoscaling"),
         *_TRAINING_LAYOUT_RULES,
     ))
 
@@ -474,6 +477,9 @@ class ShardedModelSpec(ApiModel):
     checkpoint: Optional[Checkpoint] = Field(None, description="Sharded checkpoints (training; resume after failure).")
     recovery: Recovery = Field(default_factory=Recovery, json_schema_extra={"default": {}})
     serving: Serving = Field(default_factory=Serving, json_schema_extra={"default": {}})
+    autoscaling: Optional[Autoscaling] = Field(None, description=(
+        "Serving: size parallelism.replicas from the replicas' load (docs/operator.md, Autoscaling). Omitted: "
+        "replicas are the user's (`kubectl scale`, or an HPA on the scale subresource)."))
     image: Optional[str] = Field(None, max_length=1024, description="Worker image; the operator's default when omitted.")
     resources: Optional[Resources] = None
 
@@ -495,6 +501,8 @@ class ShardedModelSpec(ApiModel):
                                  "pod writes its shards to")
         elif self.training is not None:
             raise ValueError("spec.training is only for workload: training")
+        if self.autoscaling is not None and self.workload == Workload.TRAINING:
+            raise ValueError(AUTOSCALING_SERVING_ONLY)
         if self.training is not None:
             self._training_checks(self.training, self.parallelism)
         return self

@@ -50,6 +50,17 @@ LOCAL_CHECKPOINT_ROOT = "/var/lib/shardwise/checkpoints"
 # which the tier's directory is handed to, so a worker of any non-root uid can write it.
 WORKER_GID = 10001
 
+# --- the serving metrics the operator's autoscaler reads (worker/serving/http/metrics.py exports) --
+# The Gateway API Inference Extension's model-server protocol (kubernetes-sigs/
+# gateway-api-inference-extension, docs/proposals/003-model-server-protocol/README.md): the metrics an
+# endpoint picker scrapes, named as vLLM names them (the reference picker's defaults). KV-cache use is
+# a 0-1 ratio under both names vLLM has used for it (gpu_cache_usage_perc, later kv_cache_usage_perc).
+METRIC_QUEUED = "vllm:num_requests_waiting"
+METRIC_RUNNING = "vllm:num_requests_running"
+METRIC_KV_CACHE = ("vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc")
+METRIC_LORA = "vllm:lora_requests_info"
+METRIC_TTFT = "shardwise_time_to_first_token_seconds"     # a histogram, by endpoint
+
 # --- a worker pod's environment: all that differs between the pods sharing one contract -----------
 ENV_REPLICA = "SHARDWISE_REPLICA"
 ENV_STAGE = "SHARDWISE_STAGE"

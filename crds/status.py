@@ -16,6 +16,7 @@ from typing import Any, Iterable, Literal, Optional
 from pydantic import ConfigDict, Field, field_validator
 
 from shardwise.crds.apimodel import ApiModel
+from shardwise.crds.autoscaling import AutoscalingStatus
 
 
 class ModelPhase(str, Enum):
@@ -224,3 +225,4 @@ class ShardedModelStatus(ApiModel):
     model_facts: Optional[ModelFactsStatus] = Field(None, description="the model's shape as the operator read it")
     download: list[ReplicaDownload] = Field(default_factory=list, max_length=STATUS_MAX_DOWNLOADS, description=(
         "a remote model (hf://, s3://, oci://): each replica still fetching it, as its pods report"))
+    autoscaling: Optional[AutoscalingStatus] = Field(None, description="the autoscaler's last decision (spec.autoscaling)")

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from shardwise.crds import names
 from shardwise.crds.status import ReplicaDownload
 from shardwise.crds.download import REPORT_MAX_BYTES, DownloadReport, parse_report, replica_download
-from shardwise.operator.controller import progress
+from shardwise.operator.controller import podhttp, progress
 from shardwise.operator.decide import download, recovery
 from shardwise.operator.decide.actions import Event
 from shardwise.operator.decide.decisions import Decision
@@ -36,13 +36,12 @@ Fetch = Callable[[Mapping[str, Any]], "DownloadReport | None"]
 def fetch_download(pod: Mapping[str, Any]) -> DownloadReport | None:
     """GET http://<pod IP>:<http port>/download: the pod's report, or None (no answer, not 200,
     too long, too slow, not a report)."""
-    ip = (pod.get("status") or {}).get("podIP")
-    if not ip:
+    address = podhttp.http_address(pod)
+    if address is None:
         return None
-    port = progress.http_port(pod)
     try:
-        body = progress.http_get(str(ip), port, names.DOWNLOAD_PROGRESS_PATH,
-                             time.monotonic() + progress.PROGRESS_TIMEOUT, REPORT_MAX_BYTES)
+        body = podhttp.get(*address, names.DOWNLOAD_PROGRESS_PATH,
+                           time.monotonic() + progress.PROGRESS_TIMEOUT, REPORT_MAX_BYTES)
     except (OSError, ValueError, http.client.HTTPException):
         return None
     return parse_report(body)

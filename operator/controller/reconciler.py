@@ -35,6 +35,7 @@ from shardwise.operator.decide import status
 from shardwise.operator.render import renderer, source
 from shardwise.operator.controller import report
 from shardwise.operator.controller import download
+from shardwise.operator.controller.inferencepool import POOLS
 from shardwise.operator.controller import progress as training
 from shardwise.operator.controller.apply import Applier, ObjectConflict, PodRefused, StaleStatus
 from shardwise.operator.decide.decisions import Decision, Event, World
@@ -69,6 +70,7 @@ def reconcile(applier: Applier, namespace: str, name: str, nodes: Mapping[str, M
         state = observe(applier, namespace, name, default_image)
         if state is None:
             metrics.forget(namespace, name)
+            POOLS.forget(namespace, name)
             return out
         with capacity.lock:
             decision = decisions.decide(state, World(nodes, capacity.pods(set())), now())
@@ -82,6 +84,8 @@ def reconcile(applier: Applier, namespace: str, name: str, nodes: Mapping[str, M
         except PodRefused as e:
             _conflict(writer, state, refused_message(state, str(e)), now(), out, reason="PodRefused")
             return out
+        if decision.plan is not None:
+            POOLS.ensure(applier, state)     # the inference gateway's pool, when the cluster has the API
         _report(writer, state, decision, (progress, downloads), now(), out)
     except StaleStatus as e:
         log.info(f"{e}; reading it again")
