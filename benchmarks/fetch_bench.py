@@ -6,7 +6,7 @@ a warm start from the cache, and one pipeline stage's share, in one run.
 Writes a random Llama of the given shape (float32, one safetensors file per layer plus the
 embedding's and the head's, with its index), uploads it in single-part objects (so each ETag is the
 MD5 the cache verifies), and fetches it three times into fresh or warm cache folders. Needs the
-MinIO binary (`python -m shardwise.e2e.s3server`).
+MinIO binary (`shardwise dev build-s3`).
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ it as a sharded safetensors folder.
 
 Fixtures
   s3_server (session)   MinIO on a loopback port, a temporary data folder, random credentials;
-                        skipped when the binary is not built (`python -m shardwise.e2e.s3server`)
+                        skipped when the binary is not built (`shardwise dev build-s3`)
                         unless SHARDWISE_REQUIRE_CLUSTER is set
   s3_client (session)   a boto3 client signed with the server's credentials (uploads, rewrites)
   sharded_model (session)  a 4-layer tiny model split into one safetensors file per layer, one for
@@ -26,7 +26,7 @@ from shardwise.worker.fetch.s3 import S3Config, make_client
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     if not os.access(s3server.minio_path(), os.X_OK) and not os.environ.get("SHARDWISE_REQUIRE_CLUSTER"):
-        pytest.skip("the S3 server is not built: python -m shardwise.e2e.s3server")
+        pytest.skip("the S3 server is not built: shardwise dev build-s3")
     with s3server.running_s3_server(tmp_path_factory.mktemp("minio")) as server:
         yield server
 
