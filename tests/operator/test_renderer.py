@@ -135,6 +135,8 @@ def test_spec_hash_ignores_replicas_recovery_placement_and_written_out_defaults(
     base = renderer.spec_hash(_model().spec)
     assert renderer.spec_hash(_model(parallelism={"tensor": 2, "pipeline": 2, "replicas": 5},
                                     recovery={"maxRestarts": 9}, placement={"nodeSelector": {"a": "b"}}).spec) == base
+    # autoscaling only sets the replica count: turning it on or tuning it rolls no pod
+    assert renderer.spec_hash(_model(autoscaling={"minReplicas": 1, "maxReplicas": 4}).spec) == base
     assert renderer.spec_hash(_model(serving={"port": 8080, "kvCacheTokens": 8192}, dtype="auto").spec) == base
     assert renderer.spec_hash(_model(dtype="float16").spec) != base
     assert renderer.spec_hash(_model().spec, "other/image:1") != base
