@@ -18,7 +18,7 @@ from aiohttp import web
 
 from shardwise.operator.router.migration import Event, StreamState, migratable, with_token_ids
 
-__all__ = ["migratable", "stream", "whole"]
+__all__ = ["migratable", "passthrough", "stream", "whole"]
 
 MAX_ANSWER_BYTES = 64 * 1024 * 1024     # a whole (not streamed) answer read from a replica
 MAX_EVENT_BYTES = 4 * 1024 * 1024       # one SSE event from a replica
@@ -72,6 +72,41 @@ async def whole(router, request: web.Request, path: str, body: dict | None, hash
             continue
         return resp, completion_tokens(data) if status == 200 else 0
     return last or router.unavailable(), 0
+
+
+async def passthrough(router, request: web.Request, path: str, body: dict, hashes: list[bytes],
+                      t0: float) -> web.StreamResponse:
+    """A stream that cannot move (several choices): relayed byte for byte, sent again to another
+    replica only when its replica fails before answering."""
+    client = Client(request)
+    payload = json.dumps(body).encode()
+    for attempt in range(router.settings.max_attempts):
+        replica = await router.pick(hashes)
+        if replica is None:
+            break
+        router.routed(replica, hashes)
+        if attempt == 0:
+            router.metrics.added.observe(time.perf_counter() - t0)
+        replica.running += 1
+        try:
+            async with router.session.post(replica.address + path, data=payload,
+                                           headers=upstream_headers(request)) as up:
+                if up.status >= 500:
+                    raise aiohttp.ClientResponseError(up.request_info, (), status=up.status)
+                if up.status != 200:
+                    data = await up.content.read(MAX_ANSWER_BYTES)
+                    return web.Response(status=up.status, body=data, headers={
+                        "Content-Type": up.headers.get("Content-Type", "application/json")})
+                async for got in up.content.iter_any():
+                    await client.send(got)
+                return client.resp
+        except FAILED as e:
+            if client.gone or client.resp is not None:
+                return client.resp      # bytes were given: this stream cannot start again
+            failed(router, replica, e)
+        finally:
+            replica.running -= 1
+    return client.resp or router.unavailable()
 
 
 def completion_tokens(data: bytes) -> int:
@@ -178,25 +213,36 @@ async def relay(router, request, replica, path: str, payload: dict, state: Strea
 
 
 async def events(up: aiohttp.ClientResponse, state: StreamState, client: Client) -> web.StreamResponse | None:
-    """The replica's events passed on (rewritten by `state`) until [DONE]; None when it failed."""
-    data = b""
+    """The replica's events passed on (rewritten by `state`) until [DONE]; None when it failed.
+    What arrives in one read is passed on in one write (a replica that sends several tokens at
+    once costs one system call here, not one per token)."""
+    buf = b""
     while True:
-        line = await up.content.readline()
-        if not line:
+        got = await up.content.readany()
+        if not got:
             return None                 # EOF before [DONE]
-        if len(data) + len(line) > MAX_EVENT_BYTES:
+        buf += got
+        if len(buf) > MAX_EVENT_BYTES:
             return None
-        if line.startswith(b"data:"):
-            data += line[5:].strip()
+        *complete, buf = buf.replace(b"\r\n", b"\n").split(b"\n\n")
+        out = []
+        for raw in complete:
+            data = b"".join(line[5:].strip() for line in raw.split(b"\n") if line.startswith(b"data:"))
+            if not data:
+                continue
+            event, obj = state.feed(data)
+            if event == Event.FAILED:
+                break
+            if event == Event.DONE:
+                out.append(b"data: [DONE]\n\n")
+                await client.send(b"".join(out))
+                return client.resp
+            if event == Event.CHUNK:
+                out.append(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
+        else:
+            if out:
+                await client.send(b"".join(out))
             continue
-        if line.strip() or not data:
-            continue
-        event, obj = state.feed(data)
-        data = b""
-        if event == Event.FAILED:
-            return None
-        if event == Event.DONE:
-            await client.send(b"data: [DONE]\n\n")
-            return client.resp
-        if event == Event.CHUNK:
-            await client.send(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
+        if out:
+            await client.send(b"".join(out))
+        return None

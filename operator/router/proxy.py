@@ -184,6 +184,8 @@ class Router:
         hashes = block_hashes(prompt_text(body, path == CHAT))
         if forward.migratable(body):
             resp, tokens = await forward.stream(self, request, path, body, hashes, t0)
+        elif body.get("stream") is True:
+            resp, tokens = await forward.passthrough(self, request, path, body, hashes, t0), 0
         else:
             resp, tokens = await forward.whole(self, request, path, body, hashes, t0)
         self.charge(key, tokens)

@@ -142,3 +142,46 @@ def test_requests_sharing_a_system_prompt_go_to_the_replica_that_holds_it(pair, 
         assert sorted(routed.values()) == [6.0] and all(c > 0 for c in cached[1:])
     else:
         assert sorted(routed.values()) == [3.0, 3.0] and cached[1] == 0
+
+
+def test_replicas_from_a_file_that_changes(pair, tmp_path):
+    """A replicas file re-read when it changes: requests held while it names no live replica are
+    served once it names one; a stream of several choices goes through as is."""
+    a, _ = pair
+    listing = tmp_path / "replicas"
+    listing.write_text(f"http://127.0.0.1:{free_port()}\n")
+    with router_process(["--replicas-file", str(listing), "--hold-seconds", "60"]) as (router, _, _):
+        got: list = []
+        body = {"prompt": "the quick", "max_tokens": 6, "temperature": 0}
+        waiting = threading.Thread(target=lambda: got.append(post(router, "/v1/completions", body)))
+        waiting.start()
+        wait_until(lambda: metric(router, "shardwise_router_holds_total").get("", 0) >= 1)
+        listing.write_text(f"# rendered by the operator\n{a}\n")
+        waiting.join(60)
+        assert got[0][0] == 200 and got[0][2]["choices"][0]["text"] == post(a, "/v1/completions", body)[2]["choices"][0]["text"]
+        text, end = stream(router, "/v1/completions", {**body, "n": 2})
+        assert end == "done" and text
+
+
+def test_a_replica_gives_the_settled_token_ids_a_continuation_needs(pair):
+    """return_token_ids (the worker's side of migration): the first chunk has the prompt's ids and
+    the completion bound, the chunks' ids are every generated token, and continuing from a prefix
+    of them gives the rest of the same greedy text."""
+    import urllib.request as ur
+    a, _ = pair
+    body = {"prompt": "the quick brown fox", "max_tokens": 30, "temperature": 0, "stream": True,
+            "return_token_ids": True, "stream_options": {"include_usage": True}}
+    req = ur.Request(a + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    chunks = []
+    with ur.urlopen(req, timeout=60) as r:
+        for line in r:
+            if line.startswith(b"data: {"):
+                chunks.append(json.loads(line[6:]))
+    assert chunks[0]["max_tokens"] == 30 and chunks[0]["prompt_token_ids"]
+    ids = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids", [])]
+    assert len(ids) == chunks[-1]["usage"]["completion_tokens"] == 30
+    assert len(chunks[0]["prompt_token_ids"]) == chunks[-1]["usage"]["prompt_tokens"]
+    whole = "".join(ch["text"] for c in chunks for ch in c["choices"])
+    code, _, rest = post(a, "/v1/completions", {"prompt": chunks[0]["prompt_token_ids"] + ids[:10],
+                                                 "max_tokens": 20, "temperature": 0})
+    assert whole.endswith(rest["choices"][0]["text"]) and len(rest["choices"][0]["text"]) > 0
