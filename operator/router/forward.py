@@ -228,6 +228,7 @@ async def events(up: aiohttp.ClientResponse, state: StreamState, client: Client)
         out = []
         for raw in complete:
             data = b"".join(line[5:].strip() for line in raw.split(b"\n") if line.startswith(b"data:"))
+            # one data line is the rule; several are joined, as SSE says
             if not data:
                 continue
             event, obj = state.feed(data)
@@ -238,7 +239,7 @@ async def events(up: aiohttp.ClientResponse, state: StreamState, client: Client)
                 await client.send(b"".join(out))
                 return client.resp
             if event == Event.CHUNK:
-                out.append(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
+                out.append(b"data: " + obj + b"\n\n")
         else:
             if out:
                 await client.send(b"".join(out))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 from dataclasses import dataclass, field
 
 TOKEN_FIELDS = ("prompt_token_ids", "max_tokens")
@@ -41,6 +42,17 @@ def with_token_ids(body: dict) -> dict:
     return {**body, "return_token_ids": True}
 
 
+# The first replica's chunks are passed on without being decoded (the hot path): the fields the
+# router needs are found, and its own fields cut out, by these patterns. They cannot match inside a
+# JSON string, where every quote is escaped (`\"`), so a text that spells a field changes nothing.
+IDS = re.compile(rb',\s*"token_ids"\s*:\s*\[([0-9,\s]*)\]')
+FINISHED = re.compile(rb'"finish_reason"\s*:\s*"')
+
+
+def _numbers(raw: bytes) -> list[int]:
+    return [int(x) for x in raw.replace(b",", b" ").split()]
+
+
 @dataclass
 class StreamState:
     """One streamed answer as the client has seen it.
@@ -48,37 +60,51 @@ class StreamState:
     A replica reports a token's id once all of its text has been given out and nothing after it
     (its text is "settled"); text after the last settled token (an incomplete character, a tail held
     back for stop strings) may still change. So a continuation starts from the settled tokens, and
-    the text the client saw beyond them (`sent - settled_chars` characters) is dropped from the
-    start of the continuation's text, which repeats it exactly for a greedy answer."""
+    the text the client saw beyond them (`unsettled` characters) is dropped from the start of the
+    continuation's text, which repeats it exactly for a greedy answer."""
     chat: bool
     client_ids: bool = False        # the client asked for return_token_ids itself
-    include_usage: bool = False
     prompt_ids: list[int] | None = None
     max_tokens: int | None = None
     generated: list[int] = field(default_factory=list)     # settled tokens' ids
     finished: bool = False          # a finish_reason was given
     migrations: int = 0
     head: dict | None = None        # the first chunk's id, created, model, object
-    sent: int = 0                   # characters of text the client has seen
-    settled_chars: int = 0          # of which the settled tokens' text
-    base: int = 0                   # where the serving replica's text starts in the answer
-    replica_chars: int = 0          # characters the serving replica has given
-    skip: int = 0                   # characters of its text the client has already seen
+    unsettled: int = 0              # characters the client saw beyond the settled tokens' text
+    unsettled_raw: list[bytes] = field(default_factory=list)   # undecoded chunks of those characters
+    skip: int = 0                   # characters of the serving replica's text the client already saw
 
     @classmethod
     def of(cls, body: dict, chat: bool) -> "StreamState":
-        opts = body.get("stream_options")
-        return cls(chat, client_ids=body.get("return_token_ids") is True,
-                   include_usage=isinstance(opts, dict) and opts.get("include_usage") is True)
+        return cls(chat, client_ids=body.get("return_token_ids") is True)
 
     @property
     def can_continue(self) -> bool:
         return self.prompt_ids is not None and self.max_tokens is not None and not self.finished
 
-    def feed(self, data: bytes) -> tuple[Event, dict | None]:
-        """One SSE event's data from the replica now serving the stream."""
-        if data.strip() == b"[DONE]":
+    def feed(self, data: bytes) -> tuple[Event, bytes | None]:
+        """One SSE event's data from the replica now serving the stream: what to do, and the data
+        to give the client."""
+        if data == b"[DONE]":
             return Event.DONE, None
+        m = IDS.search(data)
+        if self.head is None or self.migrations or (m is None and b'"token_ids"' in data):
+            return self._decoded(data)
+        if data.startswith(b'{"error"'):
+            return Event.FAILED, None
+        if m and m.group(1).strip():
+            self.generated.extend(_numbers(m.group(1)))
+            self.unsettled, self.unsettled_raw = 0, []
+        else:
+            self.unsettled_raw.append(data)
+        if FINISHED.search(data):
+            self.finished = True
+        if not self.client_ids and m:
+            data = IDS.sub(b"", data)
+        return Event.CHUNK, data
+
+    def _decoded(self, data: bytes) -> tuple[Event, bytes | None]:
+        """The first chunk, and a continuation's: decoded, rewritten, encoded."""
         try:
             obj = json.loads(data)
         except ValueError:
@@ -99,31 +125,40 @@ class StreamState:
             self._account(c)
         if self.migrations and not obj["choices"] and not obj.get("usage") and len(self.generated) == before:
             return Event.SKIP, None
-        return Event.CHUNK, self._strip(obj)
+        return Event.CHUNK, json.dumps(self._strip(obj), separators=(",", ":")).encode()
+
+    def _text(self, c: dict) -> tuple[str, dict | None, str]:
+        key, holder = ("content", c.get("delta")) if self.chat else ("text", c)
+        text = holder.get(key) if isinstance(holder, dict) else None
+        return (text if isinstance(text, str) else ""), holder, key
 
     def _account(self, c: dict) -> None:
         """Count a choice's text and ids; cut what the client already saw (a continuation's start)."""
-        key, holder = ("content", c.get("delta")) if self.chat else ("text", c)
-        text = holder.get(key) if isinstance(holder, dict) else None
-        text = text if isinstance(text, str) else ""
-        self.replica_chars += len(text)
-        if self.skip and text:
-            cut = min(self.skip, len(text))
-            self.skip -= cut
-            holder[key] = text = text[cut:]
-        self.sent += len(text)
+        text, holder, key = self._text(c)
+        visible = text[self.skip:]
+        self.skip = max(0, self.skip - len(text))
+        if visible != text:
+            holder[key] = visible
         ids = c.get("token_ids")
         if isinstance(ids, list) and ids:
             self.generated.extend(t for t in ids if isinstance(t, int))
-            self.settled_chars = self.base + self.replica_chars
+            self.unsettled = self.skip      # what the client saw beyond this chunk's end
+        else:
+            self.unsettled += len(visible)
         if c.get("finish_reason"):
             self.finished = True
 
     def moved(self) -> None:
         """The stream goes on elsewhere, from the settled tokens."""
+        for raw in self.unsettled_raw:      # the first replica's undecoded chunks
+            try:
+                choices = json.loads(raw).get("choices") or []
+            except (ValueError, AttributeError):
+                continue
+            self.unsettled += sum(len(self._text(c)[0]) for c in choices if isinstance(c, dict))
+        self.unsettled_raw = []
         self.migrations += 1
-        self.base, self.replica_chars = self.settled_chars, 0
-        self.skip = self.sent - self.settled_chars
+        self.skip = self.unsettled
 
     def _strip(self, obj: dict) -> dict:
         if not self.client_ids:

@@ -103,14 +103,20 @@ def test_a_completion_continues_from_its_settled_tokens_and_skips_what_the_clien
     assert migratable(body) and not migratable({**body, "n": 2}) and not migratable({**body, "stream": False})
     s = StreamState.of(body, chat=False)
     ev, out = s.feed(_chunk("ab", [1, 2], prompt_token_ids=[7, 8], max_tokens=10))
+    out = json.loads(out)
     assert ev == Event.CHUNK and out["choices"][0] == {"index": 0, "text": "ab", "logprobs": None, "finish_reason": None}
     assert "prompt_token_ids" not in out            # the client did not ask for ids
+    ev, out = s.feed(_chunk("\"token_ids\": [5]", []))    # the hot path: a text that spells a field
+    assert json.loads(out)["choices"][0]["text"] == '"token_ids": [5]' and s.generated == [1, 2]
+    ev, out = s.feed(_chunk("e", [3]))
+    assert s.generated == [1, 2, 3] and "token_ids" not in json.loads(out)["choices"][0]
     s.feed(_chunk("c"))                             # text of a token not settled yet (held back)
     cont = s.continuation(body)
-    assert cont == {"prompt": [7, 8, 1, 2], "max_tokens": 8, "stream": True, "return_token_ids": True,
+    assert cont == {"prompt": [7, 8, 1, 2, 3], "max_tokens": 7, "stream": True, "return_token_ids": True,
                     "temperature": 0, "stop": ["zz"]}
     s.moved()
-    ev, out = s.feed(_chunk("cd", [3, 4], id="other", prompt_token_ids=[7, 8, 1, 2], max_tokens=8))
+    ev, out = s.feed(_chunk("cd", [4, 5], id="other", prompt_token_ids=[7, 8, 1, 2, 3], max_tokens=7))
+    out = json.loads(out)
     assert out["choices"][0]["text"] == "d" and out["id"] == "cmpl-1"       # "c" was seen already
     ev, out = s.feed(_chunk("", [], finish="length"))
     assert s.finished and s.continuation(body) is None and s.feed(b"[DONE]")[0] == Event.DONE
@@ -126,7 +132,29 @@ def test_a_chat_stream_continues_through_completions_as_chat_deltas():
     assert s.continuation({"messages": [], "stream": True})["prompt"] == [5, 6, 9]
     s.moved()
     ev, out = s.feed(_chunk(" there", [10]))
+    out = json.loads(out)
     assert out["object"] == "chat.completion.chunk" and out["choices"][0]["delta"] == {"content": " there"}
     ev, out = s.feed(_chunk("", [11], finish="length"))
+    out = json.loads(out)
     assert out["choices"][0]["delta"] == {} and out["choices"][0]["finish_reason"] == "length"
     assert s.generated == [9, 10, 11]
+
+
+def test_a_stream_moved_twice_gives_each_character_once():
+    body = {"prompt": "p", "max_tokens": 10, "stream": True}
+    s = StreamState.of(body, chat=False)
+    seen = []
+
+    def feed(*args, **kw):
+        ev, out = s.feed(_chunk(*args, **kw))
+        seen.append(json.loads(out)["choices"][0]["text"] if ev == Event.CHUNK else "")
+    feed("ab", [1, 2], prompt_token_ids=[7], max_tokens=10)
+    feed("cd")                                  # seen, not settled
+    s.moved()
+    assert s.continuation(body)["prompt"] == [7, 1, 2]
+    feed("c", [3])                              # settles "c"; "d" was seen beyond it
+    s.moved()
+    assert s.continuation(body)["prompt"] == [7, 1, 2, 3] and s.skip == 1
+    feed("d", [4])
+    feed("e", [5])
+    assert "".join(seen) == "abcde" and s.generated == [1, 2, 3, 4, 5]
