@@ -99,6 +99,13 @@ async def throughput(session, url: str, concurrency: int, seconds: float) -> flo
     return done / (time.perf_counter() - t0)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
@@ -122,9 +129,10 @@ def throughput_clients(url: str, args) -> float:
                             [args.seconds] * args.clients))
 
 
-async def measure(args, direct: str, routed: str) -> dict:
+async def measure(args, direct: str, routed: str, router_pid: int) -> dict:
     import aiohttp
     out: dict = {"direct": {"p50": [], "p99": [], "rps": []}, "router": {"p50": [], "p99": [], "rps": []}}
+    cpu_ms = []         # the router's CPU per stream in its throughput rounds: a figure the load moves less
     conn = aiohttp.TCPConnector(limit=args.concurrency * 2)
     async with aiohttp.ClientSession(connector=conn) as session:
         for _ in range(args.rounds):
@@ -132,13 +140,19 @@ async def measure(args, direct: str, routed: str) -> dict:
                 xs = await ttft(session, url, args.requests)
                 out[name]["p50"].append(pct(xs, 0.5))
                 out[name]["p99"].append(pct(xs, 0.99))
-                out[name]["rps"].append(await asyncio.get_running_loop().run_in_executor(
-                    None, throughput_clients, url, args))
+                c0, t0 = cpu_seconds(router_pid), time.perf_counter()
+                rps = await asyncio.get_running_loop().run_in_executor(None, throughput_clients, url, args)
+                out[name]["rps"].append(rps)
+                if name == "router":
+                    cpu_ms.append((cpu_seconds(router_pid) - c0) * 1e3 / (rps * (time.perf_counter() - t0)))
     best = {n: {"ttft_p50_ms": min(v["p50"]) * 1e3, "ttft_p99_ms": min(v["p99"]) * 1e3, "streams_per_s": max(v["rps"])}
             for n, v in out.items()}
     d, r = best["direct"], best["router"]
     best["added"] = {"ttft_p50_ms": r["ttft_p50_ms"] - d["ttft_p50_ms"], "ttft_p99_ms": r["ttft_p99_ms"] - d["ttft_p99_ms"]}
     best["ratio_router_over_direct"] = {k: r[k] / d[k] for k in d}
+    # the router is one process on one event loop: one core's worth of streams at this CPU cost
+    best["router_cpu_ms_per_stream"] = min(cpu_ms)
+    best["router_streams_per_core_s"] = 1e3 / min(cpu_ms)
     return best
 
 
@@ -171,7 +185,8 @@ def main() -> int:
                 break
         assert base, "the router did not start"
         time.sleep(1.5)
-        best = asyncio.run(measure(args, f"http://127.0.0.1:{port}/v1/completions", base + "/v1/completions"))
+        best = asyncio.run(measure(args, f"http://127.0.0.1:{port}/v1/completions", base + "/v1/completions",
+                                   router.pid))
     finally:
         for proc in (router, stub):
             proc.terminate()
@@ -183,6 +198,8 @@ def main() -> int:
     print(f"TTFT p99: direct {d['ttft_p99_ms']:.3f} ms, router {r['ttft_p99_ms']:.3f} ms (+{best['added']['ttft_p99_ms']:.3f} ms)")
     print(f"streams/s: direct {d['streams_per_s']:.0f}, router {r['streams_per_s']:.0f} "
           f"(ratio {best['ratio_router_over_direct']['streams_per_s']:.2f})")
+    print(f"router CPU per stream: {best['router_cpu_ms_per_stream']:.3f} ms, i.e. "
+          f"{best['router_streams_per_core_s']:.0f} streams/s per core it has to itself")
     if args.json:
         print(json.dumps(best))
     return 0

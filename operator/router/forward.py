@@ -137,6 +137,15 @@ class Client:
                                                                 "Cache-Control": "no-cache"})
             await self.resp.prepare(self.request)
 
+    async def finish(self, payload: bytes) -> None:
+        """The last events and the end of the response in one write (one system call)."""
+        await self.open()
+        try:
+            await self.resp.write_eof(payload)
+        except (ConnectionError, aiohttp.ClientConnectionResetError):
+            self.gone = True
+            raise
+
     async def send(self, payload: bytes) -> None:
         await self.open()
         try:
@@ -236,7 +245,7 @@ async def events(up: aiohttp.ClientResponse, state: StreamState, client: Client)
                 break
             if event == Event.DONE:
                 out.append(b"data: [DONE]\n\n")
-                await client.send(b"".join(out))
+                await client.finish(b"".join(out))
                 return client.resp
             if event == Event.CHUNK:
                 out.append(b"data: " + obj + b"\n\n")
