@@ -96,6 +96,7 @@ def test_requests_are_held_until_a_replica_is_ready_then_503_past_the_bound(tiny
         code, headers, body = post(router, "/v1/completions", {"prompt": "x", "max_tokens": 2})
         assert code == 503 and int(headers["Retry-After"]) >= 1 and body["error"]["code"] == "no_replica_ready"
         assert 0.9 < time.monotonic() - t0 < 10
+        _bounds(router)
     with router_process(["--replicas", f"http://127.0.0.1:{port}", "--hold-seconds", "180"]) as (router, _, _):
         got: list = []
         waiting = threading.Thread(target=lambda: got.append(
@@ -185,3 +186,24 @@ def test_a_replica_gives_the_settled_token_ids_a_continuation_needs(pair):
     code, _, rest = post(a, "/v1/completions", {"prompt": chunks[0]["prompt_token_ids"] + ids[:10],
                                                  "max_tokens": 20, "temperature": 0})
     assert whole.endswith(rest["choices"][0]["text"]) and len(rest["choices"][0]["text"]) > 0
+
+
+def _bounds(router: str) -> None:
+    """What the router refuses before any replica is asked: bodies over 4 MiB, bodies that are not
+    a JSON object, more than 64 headers; each one line of OpenAI's error shape."""
+    import urllib.error
+    import urllib.request as ur
+
+    def send(data: bytes, headers: dict | None = None) -> tuple[int, bytes]:
+        req = ur.Request(router + "/v1/completions", data=data, headers={"Content-Type": "application/json", **(headers or {})})
+        try:
+            with ur.urlopen(req, timeout=30) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+    code, body = send(b'{"prompt": "' + b"x" * (5 * 1024 * 1024) + b'"}')
+    assert code == 413
+    code, body = send(b"[1, 2]")
+    assert code == 400 and json.loads(body)["error"]["message"] == "the request body must be a JSON object"
+    code, _ = send(b"{}", {f"X-H{i}": "1" for i in range(80)})
+    assert code == 400
