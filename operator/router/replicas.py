@@ -4,6 +4,7 @@ until its check passes again)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 from urllib.parse import urlsplit
@@ -17,6 +18,23 @@ log = logging.getLogger("shardwise.router")
 MAX_REPLICAS = 256          # addresses taken from flags or the file
 MAX_FILE_BYTES = 64 * 1024  # the replicas file
 CHECK_TIMEOUT = 2.0         # seconds a /healthz check may take
+MAX_HEALTH_BYTES = 4096     # of a /healthz answer read
+MAX_REPORTED = 1 << 20      # a replica's reported running or waiting count believed at most
+
+
+def reported_load(body: bytes) -> tuple[int, int]:
+    """(running, waiting) from a replica's /healthz answer; 0 for what is missing or absurd."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return 0, 0
+    if not isinstance(obj, dict):
+        return 0, 0
+
+    def count(key: str) -> int:
+        v = obj.get(key)
+        return v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_REPORTED else 0
+    return count("running"), count("waiting")
 
 
 def parse_addresses(text: str) -> list[str]:
@@ -91,9 +109,10 @@ class ReplicaSet:
         try:
             async with session.get(r.address + "/healthz", timeout=aiohttp.ClientTimeout(total=CHECK_TIMEOUT)) as resp:
                 ok = resp.status == 200
-                await resp.read()
+                body = await resp.content.read(MAX_HEALTH_BYTES)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            ok = False
+            ok, body = False, b""
+        r.reported_running, r.waiting = reported_load(body) if ok else (0, 0)
         became = ok and not r.ready
         r.ready = ok
         return became

@@ -71,12 +71,14 @@ class Replica:
     address: str                    # base URL, http://host:port
     ready: bool = False             # its /healthz answered 200 on the last check
     running: int = 0                # requests this router has in flight on it
-    waiting: int = 0                # the queue depth it reported (shardwise_waiting), when known
+    reported_running: int = 0       # what its last /healthz said it runs (all routers' requests)
+    waiting: int = 0                # and what it said it has queued
     index: PrefixIndex = field(default_factory=PrefixIndex)
 
     @property
     def load(self) -> int:
-        return self.running + self.waiting
+        # this router's own count is current; the replica's covers other router replicas too
+        return max(self.running, self.reported_running) + self.waiting
 
 
 def score(replica: Replica, hashes: list[bytes]) -> float:

@@ -8,7 +8,7 @@ import pytest
 
 from shardwise.operator.router.limits import Buckets, RateLimit, Unit
 from shardwise.operator.router.migration import Event, StreamState, migratable
-from shardwise.operator.router.replicas import parse_addresses
+from shardwise.operator.router.replicas import parse_addresses, reported_load
 from shardwise.operator.router.routing import (BLOCK_CHARS, BLOCKS_PER_REQUEST, Policy, PrefixIndex, Replica,
                                                block_hashes, choose, prompt_text)
 
@@ -82,6 +82,14 @@ def test_rate_limits_parse_and_refill():
     assert t.take(0, 0.0) == 0
     t.charge(0, 50, 0.0)                                 # 20 - 50: a debt of 30 tokens
     assert t.take(0, 0.0) == pytest.approx(3.0, rel=1e-6)
+
+
+def test_a_replica_s_reported_load_counts_and_absurd_reports_do_not():
+    assert reported_load(b'{"status": "ok", "running": 3, "waiting": 5}') == (3, 5)
+    assert reported_load(b'{"running": -1, "waiting": true}') == (0, 0)
+    assert reported_load(b'{"running": 10000000000}') == (0, 0) and reported_load(b"<html>") == (0, 0)
+    r = Replica("http://a", running=2, reported_running=5, waiting=1)
+    assert r.load == 6          # the replica's own count covers other routers' requests
 
 
 def test_replica_addresses():

@@ -125,7 +125,9 @@ class Handler(BaseHTTPRequestHandler):
         if app.draining.is_set():      # unready first, so that the endpoints drop this pod
             self._json(503, {"status": "draining", "running": app.engine.running if app.engine else 0}, "/healthz")
         elif app.ready.is_set():
-            self._json(200, {"status": "ok", "model": app.model_name, "ranks": len(app.loaded)}, "/healthz")
+            # running and waiting: the load a router in front of several replicas weighs
+            self._json(200, {"status": "ok", "model": app.model_name, "ranks": len(app.loaded),
+                             "running": app.engine.running, "waiting": len(app.engine.waiting)}, "/healthz")
         else:
             self._json(503, {"status": "failed" if app.failed else "loading",
                              **({"error": app.failed} if app.failed else {})}, "/healthz")
