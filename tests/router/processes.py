@@ -60,16 +60,22 @@ def post(base: str, path: str, body: dict, key: str | None = None, timeout: floa
         return e.code, dict(e.headers), json.loads(e.read())
 
 
-def stream(base: str, path: str, body: dict, on_chunk=None, timeout: float = 120) -> tuple[str, str]:
+def stream(base: str, path: str, body: dict, on_chunk=None, timeout: float = 120, stalls: list | None = None
+           ) -> tuple[str, str]:
     """(the streamed text, how the stream ended: done, error ..., or eof) of a streamed answer;
-    `on_chunk(n)` after each chunk."""
+    `on_chunk(n)` after each chunk; with `stalls`, a one-item list appended to it holds the longest
+    wait for a chunk (the first one's included)."""
     req = urllib.request.Request(base + path, data=json.dumps({**body, "stream": True}).encode(),
                                  headers={"Content-Type": "application/json"})
-    text, n = [], 0
+    text, n, last = [], 0, time.monotonic()
+    longest = [0.0]
+    if stalls is not None:
+        stalls.append(longest)
     with urllib.request.urlopen(req, timeout=timeout) as r:
         for line in r:
             if not line.startswith(b"data: "):
                 continue
+            longest[0], last = max(longest[0], time.monotonic() - last), time.monotonic()
             data = line[6:].strip()
             if data == b"[DONE]":
                 return "".join(text), "done"

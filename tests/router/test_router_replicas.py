@@ -66,9 +66,11 @@ def test_a_replica_killed_mid_stream_loses_no_stream(tiny_serving_model, pair):
         with router_process(["--replicas", f"{victim},{survivor}", "--policy", "round-robin"]) as (router, _, _):
             started = [threading.Event() for _ in bodies]
             results: list = [None] * len(bodies)
+            stalls: list[list[float]] = []
 
             def run(i, path, body):
-                results[i] = stream(router, path, body, on_chunk=lambda n: n >= 5 and started[i].set())
+                results[i] = stream(router, path, body, on_chunk=lambda n: n >= 5 and started[i].set(),
+                                    stalls=stalls)
             threads = [threading.Thread(target=run, args=(i, p, b)) for i, (p, b) in enumerate(bodies)]
             for t in threads:
                 t.start()
@@ -80,6 +82,7 @@ def test_a_replica_killed_mid_stream_loses_no_stream(tiny_serving_model, pair):
             assert [r[1] for r in results] == ["done"] * len(bodies)
             assert [r[0] for r in results] == undisturbed
             assert metric(router, "shardwise_router_migrations_total")[""] >= 1
+            print(f"longest stall of a stream: {max(x[0] for x in stalls) * 1e3:.0f} ms")
 
 
 def _pid_listening(port: int) -> int:
