@@ -119,5 +119,8 @@ class ReplicaSet:
 
     async def run(self, session: aiohttp.ClientSession) -> None:
         while True:
-            await self.check(session)
+            try:
+                await self.check(session)
+            except Exception as e:  # noqa: BLE001 - the checks must go on whatever one pass met
+                log.warning("health checks: %s: %s", type(e).__name__, e)
             await asyncio.sleep(self.interval)
