@@ -17,12 +17,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
 
 from shardwise.crds import compressed
 from shardwise.crds.models import (Checkpoint, ModelSource, Serving, ShardedModelSpec, Training, Workload,
                                    describe_validation_error)
 from shardwise.crds.plan import ShardPlan
+from shardwise.crds.sourcespec import ModelCache
 
 # A serving pod's terminationGracePeriodSeconds, and how long of it the worker spends draining: on
 # SIGTERM it turns unready and finishes its in-flight requests for up to DRAIN_SECONDS, then ends
@@ -50,9 +51,26 @@ class _Contract(BaseModel):
 
 class ModelContract(_Contract):
     path: str = Field(min_length=1, description=(
-        "the weights inside the pod: an HF folder, a .gguf file, or a built-in model name"))
+        "the weights inside the pod: an HF folder, a .gguf file, or a built-in model name; for a "
+        "remote model (see PodContract.source) its uri, fetched into source.cache_dir first"))
     format: ModelFormat = Field(description="spec.model.format; the worker detects the format from the files")
     dtype: Dtype = Field(description="spec.dtype as asked (auto included); the worker resolves auto")
+
+
+class SourceContract(_Contract):
+    """Where a remote model (hf://, s3://, oci://) is fetched from and cached: spec.model's options, with
+    no credential (those are the pod's environment, crds/names.py CREDENTIAL_ENV). `model.path` is the
+    uri then; the worker fetches its files into cache_dir and loads them from there."""
+
+    uri: str = Field(min_length=1, max_length=4096, description="spec.model.uri")
+    scheme: str = Field(pattern=r"^(hf|s3|oci)$", description="the uri's scheme")
+    endpoint: Optional[str] = Field(None, max_length=2048, description="spec.model.endpoint (s3://)")
+    region: Optional[str] = Field(None, max_length=64, description="spec.model.region (s3://)")
+    path_style: Optional[bool] = Field(None, description="spec.model.pathStyle (s3://)")
+    cache: ModelCache = Field(description="node: cache_dir is shared by the pods on the node; pod: the pod's own")
+    cache_dir: str = Field(pattern=r"^/", max_length=4096, description="the cache inside the pod")
+    cache_budget: Optional[int] = Field(None, ge=0, description=(
+        "bytes the node's cache may hold (least recently used entries out); None for a pod's own cache"))
 
 
 class ServingContract(Serving):
@@ -76,6 +94,16 @@ class PodContract(_Contract):
     checkpoint: Optional[Checkpoint] = Field(None, description="spec.checkpoint (`path` is inside the pod)")
     termination_log: str = Field(min_length=1, description=(
         "the container's terminationMessagePath: a finished training pod writes its result there"))
+    source: Optional[SourceContract] = Field(None, description="a remote model's source and cache")
+
+    @model_serializer(mode="wrap")
+    def _no_empty_source(self, handler):
+        # A contract of a model in a path or a claim is written as before, without `source`, so that
+        # a worker image older than it still reads the file.
+        out = handler(self)
+        if isinstance(out, dict) and out.get("source", 0) is None:
+            del out["source"]
+        return out
 
     @model_validator(mode="after")
     def _training_has_its_options(self) -> "PodContract":

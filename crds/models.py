@@ -23,6 +23,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from shardwise.crds.apimodel import (LABEL_KEY_PATTERN, QUANTITY_PATTERN, ApiModel, cel, describe_validation_error,
                                      malformed_pvc, parse_pvc, parse_quantity, pvc_rule)
+from shardwise.crds.autoscaling import Autoscaling
 from shardwise.crds.capacity import DecodeMode, ServingCapacity
 from shardwise.crds.access import (DNS_SUBDOMAIN_PATTERN, LABEL_VALUE_PATTERN, PEER_NEEDS_SELECTOR,  # noqa: F401
                                    LabelSelector, NetworkPeer, SecretKeyRef, ServingAuth)
@@ -30,6 +31,8 @@ from shardwise.crds.names import (LOCAL_CHECKPOINT_ROOT, MAX_MODEL_NAME, MAX_PIP
                                   MAX_REPLICAS, MODEL_NAME_PATTERN, RACK_LABEL, ZONE_LABEL)
 from shardwise.crds.speculative import (DRAFT_TOKENS, DRAFT_TOKENS_MAX, NGRAM_LIMIT, NGRAM_MAX,  # noqa: F401
                                       NGRAM_MIN, Speculative, SpeculativeMethod)
+from shardwise.crds import sourcespec
+from shardwise.crds.sourcespec import ENDPOINT_PATTERN, REGION_PATTERN, CredentialsRef, ModelCache
 from shardwise.crds.schedules import DEFAULT_SCHEDULE, INTERLEAVED_MICRO_BATCHES, PipelineSchedule, micro_batches_fit
 from shardwise.crds.status import (PHASES, Condition, GroupPhase, LastCheckpoint, ModelFactsStatus, ModelPhase,
                                    PlacementSummary, PlanSummary, ReplicaGroupStatus, ShardedModelStatus,
@@ -81,11 +84,14 @@ class ModelSource(ApiModel):
         pvc_rule("uri", MODEL_URI_PVC),
         ("!has(self.heads) || !has(self.kvHeads) || self.heads % self.kvHeads == 0",
          "model.heads must be a multiple of model.kvHeads", ".kvHeads"),
+        *sourcespec.cel_rules(),
     ))
 
     uri: str = Field(min_length=1, max_length=4096, description=(
         "The weights: a path inside the pod (an HF-format directory with config.json and "
-        "*.safetensors, or a .gguf file), or pvc://<claim>/<path> to mount a PersistentVolumeClaim."))
+        "*.safetensors, or a .gguf file), pvc://<claim>/<path> to mount a PersistentVolumeClaim, or "
+        "where the model lives, fetched by the pods into a node-local cache: hf://<org>/<name>[@<revision>]"
+        "[/<file>.gguf], s3://<bucket>/<prefix>, oci://<registry>/<repository>:<tag>."))
     format: Literal["auto", "safetensors", "gguf"] = Field(
         "auto", description="auto: gguf when the uri ends in .gguf, safetensors otherwise.")
     parameters: Optional[int] = Field(None, ge=1, le=MODEL_FACT_LIMITS["params"], description=(
@@ -97,11 +103,31 @@ class ModelSource(ApiModel):
     intermediate_size: Optional[int] = Field(None, ge=1, le=MODEL_FACT_LIMITS["intermediate"],
                                              description="MLP intermediate size (hint).")
     vocab_size: Optional[int] = Field(None, ge=1, le=MODEL_FACT_LIMITS["vocab"], description="Vocabulary size (hint).")
+    # A remote source's options (crds/sourcespec.py); all unset by default, so that a model made
+    # before they existed keeps its spec hash (and its pods).
+    endpoint: Optional[str] = Field(None, max_length=2048, pattern=ENDPOINT_PATTERN, description=(
+        "s3:// only: the S3-compatible endpoint, http(s)://host[:port][/path] (no credentials in it). "
+        "Omitted: AWS S3."))
+    region: Optional[str] = Field(None, max_length=64, pattern=REGION_PATTERN,
+                                  description="s3:// only: the bucket's region.")
+    path_style: Optional[bool] = Field(None, description=(
+        "s3:// only: address the bucket as <endpoint>/<bucket> rather than <bucket>.<endpoint> "
+        "(MinIO and most S3-compatible stores)."))
+    credentials_ref: Optional[CredentialsRef] = Field(None, description=(
+        "hf://, s3://, oci://: the Secret whose keys the pods fetch with (see its name field)."))
+    cache: Optional[ModelCache] = Field(None, description=(
+        "hf://, s3://, oci://: where the pods keep the fetched files. node (default): the node-local "
+        "cache the operator is configured with, shared by the namespace's pods on the node (a "
+        "hostPath: refused where Pod Security enforces baseline or restricted); pod: an emptyDir of "
+        "each pod, fetched again by every pod."))
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "ModelSource":
         if self.format == "gguf" and not self.uri.endswith(".gguf"):
             raise ValueError("model.uri must name a .gguf file when model.format is gguf")
+        source_problem = sourcespec.problem(self.uri, self.format, self.endpoint, self.region, self.path_style)
+        if source_problem:
+            raise ValueError(source_problem)
         if malformed_pvc(self.uri):
             raise ValueError(MODEL_URI_PVC)
         if self.heads and self.kv_heads and self.heads % self.kv_heads:
@@ -112,6 +138,10 @@ class ModelSource(ApiModel):
         if self.format != "auto":
             return self.format
         return "gguf" if self.uri.endswith(".gguf") else "safetensors"
+
+    def remote_scheme(self) -> str:
+        """hf, s3 or oci for a model the pods fetch; "" for a path or pvc://."""
+        return sourcespec.scheme(self.uri) if sourcespec.is_remote(self.uri) else ""
 
     def pvc(self) -> tuple[str, str] | None:
         """(claim, path inside the claim) for a pvc:// uri, None otherwise."""
@@ -394,6 +424,7 @@ _DP = "self.training.dataParallel"
 DP_PRODUCT = "training.dataParallel: shard x replicate must equal parallelism.replicas"
 DP_DIVIDES = "training.dataParallel.{axis} must divide parallelism.replicas"
 MIN_REPLICAS = "training.minReplicas must not exceed parallelism.replicas"
+AUTOSCALING_SERVING_ONLY = "spec.autoscaling is only for workload: inference"
 _TRAINING_LAYOUT_RULES = (
     (f"!has(self.training) || !has({_DP}) || !has({_DP}.shard) || !has({_DP}.replicate) || "
      f"self.parallelism.replicas == 0 || {_DP}.shard * {_DP}.replicate == self.parallelism.replicas",
@@ -430,6 +461,7 @@ class ShardedModelSpec(ApiModel):
          ".checkpoint"),
         ("!has(self.training) || self.workload == 'training'",
          "spec.training is only for workload: training", ".training"),
+        ("!has(self.autoscaling) || self.workload != 'training'", AUTOSCALING_SERVING_ONLY, ".autoscaling"),
         *_TRAINING_LAYOUT_RULES,
     ))
 
@@ -445,6 +477,9 @@ class ShardedModelSpec(ApiModel):
     checkpoint: Optional[Checkpoint] = Field(None, description="Sharded checkpoints (training; resume after failure).")
     recovery: Recovery = Field(default_factory=Recovery, json_schema_extra={"default": {}})
     serving: Serving = Field(default_factory=Serving, json_schema_extra={"default": {}})
+    autoscaling: Optional[Autoscaling] = Field(None, description=(
+        "Serving: size parallelism.replicas from the replicas' load (docs/operator.md, Autoscaling). Omitted: "
+        "replicas are the user's (`kubectl scale`, or an HPA on the scale subresource)."))
     image: Optional[str] = Field(None, max_length=1024, description="Worker image; the operator's default when omitted.")
     resources: Optional[Resources] = None
 
@@ -466,6 +501,8 @@ class ShardedModelSpec(ApiModel):
                                  "pod writes its shards to")
         elif self.training is not None:
             raise ValueError("spec.training is only for workload: training")
+        if self.autoscaling is not None and self.workload == Workload.TRAINING:
+            raise ValueError(AUTOSCALING_SERVING_ONLY)
         if self.training is not None:
             self._training_checks(self.training, self.parallelism)
         return self

@@ -50,6 +50,17 @@ LOCAL_CHECKPOINT_ROOT = "/var/lib/shardwise/checkpoints"
 # which the tier's directory is handed to, so a worker of any non-root uid can write it.
 WORKER_GID = 10001
 
+# --- the serving metrics the operator's autoscaler reads (worker/serving/http/metrics.py exports) --
+# The Gateway API Inference Extension's model-server protocol (kubernetes-sigs/
+# gateway-api-inference-extension, docs/proposals/003-model-server-protocol/README.md): the metrics an
+# endpoint picker scrapes, named as vLLM names them (the reference picker's defaults). KV-cache use is
+# a 0-1 ratio under both names vLLM has used for it (gpu_cache_usage_perc, later kv_cache_usage_perc).
+METRIC_QUEUED = "vllm:num_requests_waiting"
+METRIC_RUNNING = "vllm:num_requests_running"
+METRIC_KV_CACHE = ("vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc")
+METRIC_LORA = "vllm:lora_requests_info"
+METRIC_TTFT = "shardwise_time_to_first_token_seconds"     # a histogram, by endpoint
+
 # --- a worker pod's environment: all that differs between the pods sharing one contract -----------
 ENV_REPLICA = "SHARDWISE_REPLICA"
 ENV_STAGE = "SHARDWISE_STAGE"
@@ -124,3 +135,31 @@ def _longest_model_name() -> int:
 
 
 MAX_MODEL_NAME = _longest_model_name()
+
+
+# --- models fetched from where they live (spec.model.uri hf://, s3://, oci://) ---------------------
+# The Secret spec.model.credentialsRef names is given to the pods key by key, each key as the
+# environment variable of the same name, and only these keys (valueFrom.secretKeyRef, optional):
+# never envFrom, whose keys would be whatever the Secret holds (LD_PRELOAD, PATH). The stores read
+# exactly these variables; the operator never reads the Secret.
+ENV_AWS_ACCESS_KEY_ID = "AWS_ACCESS_KEY_ID"
+ENV_AWS_SECRET_ACCESS_KEY = "AWS_SECRET_ACCESS_KEY"
+ENV_AWS_SESSION_TOKEN = "AWS_SESSION_TOKEN"
+ENV_HF_TOKEN = "HF_TOKEN"
+ENV_OCI_USERNAME = "OCI_USERNAME"
+ENV_OCI_PASSWORD = "OCI_PASSWORD"
+# scheme (the uri's prefix before "://") -> the Secret keys its pods get
+CREDENTIAL_ENV: dict[str, tuple[str, ...]] = {
+    "s3": (ENV_AWS_ACCESS_KEY_ID, ENV_AWS_SECRET_ACCESS_KEY, ENV_AWS_SESSION_TOKEN),
+    "hf": (ENV_HF_TOKEN,),
+    "oci": (ENV_OCI_USERNAME, ENV_OCI_PASSWORD),
+}
+# The node-local model cache: the node directory the chart names by default (`operator run
+# --model-cache-host-path`, the chart's operator.modelCache.hostPath), and where a pod sees its
+# namespace's part of it (the contract's source.cache_dir).
+MODEL_CACHE_ROOT = "/var/lib/shardwise/model-cache"
+MODEL_CACHE_MOUNT = "/var/cache/shardwise/models"
+MODEL_CACHE_BUDGET = 200 << 30   # bytes the cache keeps on a node by default (least recently used out)
+# A fetching pod's download progress (crds/download.py DownloadReport): served as JSON on its http
+# port at this path while it fetches.
+DOWNLOAD_PROGRESS_PATH = "/download"

@@ -16,6 +16,7 @@ from typing import Any, Iterable, Literal, Optional
 from pydantic import ConfigDict, Field, field_validator
 
 from shardwise.crds.apimodel import ApiModel
+from shardwise.crds.autoscaling import AutoscalingStatus
 
 
 class ModelPhase(str, Enum):
@@ -32,6 +33,40 @@ class ModelPhase(str, Enum):
 
 
 PHASES = tuple(p.value for p in ModelPhase)
+
+
+class ConditionType(str, Enum):
+    """The types of status.conditions (operator/decide/status.py and download.py set them)."""
+
+    PLANNED = "Planned"
+    READY = "Ready"
+    APPLIED = "Applied"
+    SHRUNK = "Shrunk"
+    PODS_SCHEDULED = "PodsScheduled"
+    RECOVERING = "Recovering"
+    DOWNLOADING = "Downloading"    # a remote model's pods are fetching it (status.download)
+
+
+class DownloadReason(str, Enum):
+    """The reason of the Downloading condition."""
+
+    FETCHING = "Fetching"          # bytes are arriving
+    STALLED = "Stalled"            # a pod has had no byte for crds/download.py STALL_SECONDS
+    DONE = "Done"                  # every pod reporting has its share in its cache
+
+
+# status.download lists at most this many replicas (the first ones still fetching)
+STATUS_MAX_DOWNLOADS = 256
+
+
+class ReplicaDownload(ApiModel):
+    """status.download: one replica's fetch, the sum of its pods' reports."""
+
+    replica: int = Field(ge=0)
+    bytes_fetched: int = Field(0, ge=0)
+    bytes_total: int = Field(0, ge=0, description="bytes its pods fetch (what their caches did not hold)")
+    percent: int = Field(0, ge=0, le=100)
+    rate: int = Field(0, ge=0, description="bytes per second, its pods together")
 
 
 class Condition(ApiModel):
@@ -188,3 +223,6 @@ class ShardedModelStatus(ApiModel):
     training: Optional[TrainingProgress] = None
     groups: list[ReplicaGroupStatus] = Field(default_factory=list, description="one record per replica group")
     model_facts: Optional[ModelFactsStatus] = Field(None, description="the model's shape as the operator read it")
+    download: list[ReplicaDownload] = Field(default_factory=list, max_length=STATUS_MAX_DOWNLOADS, description=(
+        "a remote model (hf://, s3://, oci://): each replica still fetching it, as its pods report"))
+    autoscaling: Optional[AutoscalingStatus] = Field(None, description="the autoscaler's last decision (spec.autoscaling)")

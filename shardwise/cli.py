@@ -20,6 +20,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("shardwise.worker.cli.generate", "generate text with a sharded model on local processes"),
     "serve": ("shardwise.worker.cli.serve", "serve a sharded model over an OpenAI-compatible HTTP API"),
     "train": ("shardwise.worker.cli.train", "train a sharded model and write sharded checkpoints"),
+    "fetch": ("shardwise.worker.cli.fetch", "fetch a model from an object store into a node-local cache"),
+    "push": ("shardwise.worker.cli.push", "push a model folder to a registry as an OCI artifact (for oci:// models)"),
     "worker": ("shardwise.worker.cli.pod", "run one ShardedModel pod's ranks (pod contract + rendezvous variables)"),
     "dev": ("shardwise.e2e.cli.dev", "start, inspect and stop the local Kubernetes control plane"),
     "demo": ("shardwise.e2e.cli.demo", "run the operator and a sharded SmolLM2 on a local cluster"),

@@ -24,6 +24,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "bfloat16 for a quantized GGUF or when unknown)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (the model facts)")
     parser.add_argument("--output", metavar="FILE", help="also write that JSON object to FILE")
+    # an s3:// model's options (spec.model.endpoint, region, pathStyle); credentials only from the
+    # environment (crds/names.py CREDENTIAL_ENV), never as arguments (visible in the pod's spec)
+    parser.add_argument("--endpoint", metavar="URL", help="s3://: the S3-compatible endpoint")
+    parser.add_argument("--region", help="s3://: the bucket's region")
+    parser.add_argument("--path-style", action="store_true", help="s3://: path-style addressing")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -21,6 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     b = sub.add_parser("build", help="build the pinned Kubernetes binaries into the cache")
     b.add_argument("--force", action="store_true", help="rebuild even if the cache is complete")
+    sub.add_parser("build-s3", help="build the S3 server (MinIO, from its Go module) that s3:// models "
+                   "and the fetch tests run against, into the cache")
     up = sub.add_parser("up", help="start the control plane and its nodes")
     up.add_argument("--nodes", type=_count, default=4, help="simulated GPU nodes (default 4)")
     up.add_argument("--gpus-per-node", type=_positive, default=8, help="GPUs per node (default 8)")
@@ -74,6 +76,14 @@ def run(args: argparse.Namespace) -> int:
         except build.BuildError as e:
             return _err(str(e))
         print(f"binaries ready in {path}")
+        return 0
+    if args.action == "build-s3":
+        from shardwise.e2e import s3server
+        try:
+            path = s3server.build_s3_server(say=lambda s: print(s, flush=True))
+        except build.BuildError as e:
+            return _err(str(e))
+        print(f"S3 server ready: {path}")
         return 0
 
     plane = cp.ControlPlane(args.state_dir)

@@ -9,7 +9,8 @@ import sys
 import threading
 from typing import Callable
 
-from shardwise.crds.names import LOCAL_CHECKPOINT_ROOT
+from shardwise.crds.apimodel import parse_quantity
+from shardwise.crds.names import LOCAL_CHECKPOINT_ROOT, MODEL_CACHE_BUDGET, MODEL_CACHE_ROOT
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +52,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="give a local tier's new node directory to the worker's group with a root init "
                           "container (--no-prepare-local-checkpoints: the nodes' directories are prepared "
                           "beforehand; see docs/security.md)")
+    run.add_argument("--model-cache-host-path", default=MODEL_CACHE_ROOT, metavar="DIR",
+                     help="node directory of the cache remote models (hf://, s3://, oci://) are fetched into, "
+                          "<DIR>/<namespace> per namespace (default %s; empty: none, every pod fetches into "
+                          "an emptyDir of its own)" % MODEL_CACHE_ROOT)
+    run.add_argument("--model-cache-budget", default=str(MODEL_CACHE_BUDGET), metavar="QUANTITY",
+                     help="bytes the node cache keeps, least recently used out (a quantity: 500Gi)")
+    run.add_argument("--prepare-model-cache", action=argparse.BooleanOptionalAction, default=True,
+                     help="give a namespace's new cache directory to the worker's group with a root init "
+                          "container (--no-prepare-model-cache: the nodes' directories are prepared beforehand)")
     run.add_argument("--no-leader-election", action="store_true",
                      help="run without a Lease (only when exactly one operator runs)")
 
@@ -151,7 +161,21 @@ def _render_settings(args: argparse.Namespace):
             if a != b and (b + "/").startswith(a.rstrip("/") + "/"):
                 raise _Refused(f"--local-checkpoint-root {b} is inside {a}: a model's directory under "
                                f"{a} could lead into {b}; give roots apart")
+    cache = args.model_cache_host_path
+    if cache and (not cache.startswith("/") or ".." in cache.split("/")):
+        raise _Refused(f"--model-cache-host-path {cache} must be an absolute path without '..'")
+    for root in roots if cache else []:
+        a, b = localtier.normalised(cache).rstrip("/") + "/", root.rstrip("/") + "/"
+        if a.startswith(b) or b.startswith(a):
+            raise _Refused(f"--model-cache-host-path {cache} overlaps --local-checkpoint-root {root}: a "
+                           f"namespace's cache directory could be another model's checkpoints; give them apart")
+    try:
+        budget = parse_quantity(args.model_cache_budget)
+    except ValueError as e:
+        raise _Refused(f"--model-cache-budget: {e}") from None
     return settings.Settings(network_policy=args.network_policy,
+                             model_cache_host_path=localtier.normalised(cache) if cache else "",
+                             model_cache_budget=budget, prepare_model_cache=args.prepare_model_cache,
                              operator_namespace=os.environ.get("POD_NAMESPACE", ""), operator_labels=labels,
                              local_checkpoint_roots=tuple(roots),
                              prepare_local_checkpoints=args.prepare_local_checkpoints)

@@ -22,9 +22,14 @@ from kubernetes.client.rest import ApiException
 from shardwise.crds import names
 from shardwise.crds.models import GROUP, PLURAL, VERSION
 from shardwise.operator.controller import metrics
+from shardwise.operator.render import inferencepool
 
 log = logging.getLogger("shardwise.operator.controller.apply")
 FIELD_MANAGER = "shardwise-operator"
+# Objects of other projects' APIs the operator may make (render/inferencepool.py): kind -> plural,
+# and the group/version it reads them in.
+CUSTOM_KINDS = {inferencepool.KIND: inferencepool.PLURAL}
+CUSTOM_VERSIONS = {inferencepool.KIND: (inferencepool.GROUP, inferencepool.VERSION)}
 
 
 def load_config(kubeconfig: str | None = None) -> client.ApiClient:
@@ -57,6 +62,29 @@ class StaleStatus(Exception):
 class ObjectConflict(Exception):
     """An object the model would make exists and is not the model's (no ownerReference to it): the
     operator leaves it alone rather than take it over. str(): one line naming it."""
+
+
+class PodRefused(Exception):
+    """The API server's admission refused a pod the model makes (Pod Security: a hostPath in a
+    namespace enforcing baseline or restricted). str(): the API server's one line."""
+
+
+POD_MESSAGE_MAX = 512   # what of the API server's refusal is kept (it lists every violation)
+
+
+def pod_refusal(error: ApiException) -> str:
+    """The one line saying why admission refused a pod ("" for any other error): a 403 whose Status
+    says the pod violates PodSecurity."""
+    if error.status != 403:
+        return ""
+    try:
+        message = str(json.loads(error.body or "{}").get("message") or "")
+    except (ValueError, AttributeError):
+        return ""
+    if "violates PodSecurity" not in message:
+        return ""
+    line = " ".join(message.split())
+    return line if len(line) <= POD_MESSAGE_MAX else line[:POD_MESSAGE_MAX - 1] + "…"
 
 
 def owned_by(obj: Mapping[str, Any], uid: str) -> bool:
@@ -110,6 +138,26 @@ class Applier:
                 raise StaleStatus(f"ShardedModel {namespace}/{name} changed since it was read") from None
             raise
 
+    def scale(self, namespace: str, name: str, replicas: int) -> None:
+        """Set spec.parallelism.replicas through the scale subresource (as `kubectl scale` does)."""
+        self.fence()
+        self._count("patch", "ShardedModel/scale")
+        self.custom.patch_namespaced_custom_object_scale(GROUP, VERSION, namespace, PLURAL, name,
+                                                         {"spec": {"replicas": replicas}}, _preload_content=False)
+
+    def patch_autoscaling_status(self, namespace: str, name: str, autoscaling: Mapping[str, Any]) -> None:
+        """Merge-patch status.autoscaling alone (the autoscaler's own field: no other writer's, so
+        no version condition); gone meanwhile is fine."""
+        self.fence()
+        self._count("patch", "ShardedModel/status")
+        try:
+            self.custom.patch_namespaced_custom_object_status(
+                GROUP, VERSION, namespace, PLURAL, name, {"status": {"autoscaling": dict(autoscaling)}},
+                _preload_content=False)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+
     # --- reads -----------------------------------------------------------------------------------
 
     def list_model_pods(self, namespace: str, model: str) -> list[dict]:
@@ -125,6 +173,17 @@ class Applier:
             if e.status == 404:
                 return None
             raise
+
+    def serves(self, group: str, version: str, plural: str) -> bool:
+        """Whether the API server serves `plural` in group/version (discovery: a CRD installed)."""
+        self._count("get", "APIResourceList")
+        try:
+            found = _json(self.custom.get_api_resources(group, version, _preload_content=False))
+        except ApiException as e:
+            if e.status in (404, 503):    # not installed, or its API not served yet
+                return False
+            raise
+        return any(r.get("name") == plural for r in found.get("resources") or [])
 
     def list_nodes(self) -> list[dict]:
         self._count("list", "Node")
@@ -147,6 +206,9 @@ class Applier:
         except ApiException as e:
             if e.status == 409:
                 return False
+            refused = pod_refusal(e)
+            if refused:
+                raise PodRefused(refused) from None
             raise
 
     def apply(self, obj: Mapping[str, Any]) -> None:
@@ -172,6 +234,9 @@ class Applier:
             self.policy.patch_namespaced_pod_disruption_budget(name, ns, obj, **kw)
         elif kind == "NetworkPolicy":
             self.networking.patch_namespaced_network_policy(name, ns, obj, **kw)
+        elif kind in CUSTOM_KINDS:
+            group, version = obj["apiVersion"].split("/")
+            self.custom.patch_namespaced_custom_object(group, version, ns, CUSTOM_KINDS[kind], name, obj, **kw)
         else:
             raise ValueError(f"apply does not handle kind {kind}")
 
@@ -186,6 +251,10 @@ class Applier:
                 return _json(self.policy.read_namespaced_pod_disruption_budget(name, ns, _preload_content=False))
             if kind == "NetworkPolicy":
                 return _json(self.networking.read_namespaced_network_policy(name, ns, _preload_content=False))
+            if kind in CUSTOM_KINDS:
+                group, version = CUSTOM_VERSIONS[kind]
+                return _json(self.custom.get_namespaced_custom_object(group, version, ns, CUSTOM_KINDS[kind], name,
+                                                                      _preload_content=False))
         except ApiException as e:
             if e.status == 404:
                 return None

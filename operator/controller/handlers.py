@@ -25,7 +25,7 @@ from kubernetes.client.rest import ApiException
 
 from shardwise.crds import names
 from shardwise.crds.models import GROUP, PLURAL, VERSION
-from shardwise.operator.controller import liveness, metrics
+from shardwise.operator.controller import autoscaler, liveness, metrics
 from shardwise.operator.decide import recovery
 from shardwise.operator.controller import reconciler
 from shardwise.operator.render import renderer
@@ -106,6 +106,8 @@ class Wiring:
         self.node_ready: dict[str, bool] = {}
         self.wakers: dict[tuple[str, str], asyncio.Event] = {}
         self.tasks: dict[tuple[str, str], asyncio.Task] = {}
+        self.autoscaler = autoscaler.Autoscaler()
+        self.scalers: dict[tuple[str, str], asyncio.Task] = {}    # models with spec.autoscaling
         self.reconciles = 0
         self.requests = 0
         self.liveness = liveness.Liveness()     # when each loop last completed a pass (/healthz)
@@ -195,6 +197,7 @@ async def model_event(type: str, namespace: str, name: str, body: kopf.Body, log
     would make deleting a ShardedModel wait for a running operator. Without one, deletion is plain
     garbage collection through the ownerReferences."""
     key = (namespace, name)
+    _autoscale(key, body, type, logger)
     if type == "DELETED" or body.metadata.get("deletionTimestamp"):
         task = WIRING.tasks.pop(key, None)
         if task is not None:
@@ -210,6 +213,45 @@ async def model_event(type: str, namespace: str, name: str, body: kopf.Body, log
                                                             gpu_pods_index), name=f"reconcile {namespace}/{name}")
     elif body.metadata.get("generation") != (body.get("status") or {}).get("observedGeneration"):
         WIRING.wake(key)
+
+
+# --- the per-model autoscaling loop (controller/autoscaler.py) -----------------------------------
+# A plain task, as the reconcile loop is (a kopf timer would need a finalizer on every model); it
+# runs while the model has spec.autoscaling and stops when it is removed or the model is gone.
+
+def _autoscale(key: tuple[str, str], body: kopf.Body, type: str, logger: logging.Logger) -> None:
+    wanted = type != "DELETED" and not body.metadata.get("deletionTimestamp") and bool(body.spec.get("autoscaling"))
+    task = WIRING.scalers.get(key)
+    if wanted and (task is None or task.done()):
+        ref = {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
+               "metadata": {"name": key[1], "namespace": key[0], "uid": body.metadata.uid}}
+        WIRING.scalers[key] = asyncio.create_task(autoscale_loop(*key, ref, logger), name=f"autoscale {key[0]}/{key[1]}")
+    elif not wanted and task is not None:
+        WIRING.scalers.pop(key, None)
+        task.cancel()
+
+
+async def autoscale_loop(namespace: str, name: str, ref: dict, logger: logging.Logger) -> None:
+    loop, failures = asyncio.get_running_loop(), 0
+    while True:
+        try:
+            events, period = await loop.run_in_executor(WIRING.executor, WIRING.autoscaler.run, WIRING.applier,
+                                                        namespace, name)
+            failures = 0
+        except (NotLeader, *TRANSIENT) as e:
+            failures += 1
+            logger.warning(f"autoscaling pass failed ({type(e).__name__}); retrying")
+            events, period = [], _backoff(failures)
+        except Exception:  # a bug: say where, keep the model's replicas as they are, retry
+            failures += 1
+            logger.exception("autoscaling pass failed unexpectedly; retrying")
+            events, period = [], _backoff(failures)
+        for ev in events:
+            kopf.event(ref, type=ev.type, reason=ev.reason, message=ev.message[:1000])
+        if period is None:
+            WIRING.scalers.pop((namespace, name), None)
+            return
+        await asyncio.sleep(period)
 
 
 # --- the per-model reconcile loop ------------------------------------------------------------------

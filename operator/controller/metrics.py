@@ -54,6 +54,16 @@ REPLICAS_RUNNING = Gauge(
     "shardwise_training_replicas_running",
     "Replicas a training job runs with now (fewer than asked while it runs shrunk; 0 while it is not Running)",
     ["namespace", "model"], registry=REGISTRY)
+DOWNLOAD_RATE = Gauge(
+    "shardwise_download_bytes_per_second",
+    "Bytes per second a remote model's pods fetch, all replicas still fetching together (0 when none is)",
+    ["namespace", "model"], registry=REGISTRY)
+DOWNLOAD_FETCHED = Gauge(
+    "shardwise_download_bytes_fetched", "Bytes a remote model's replicas still fetching have fetched so far",
+    ["namespace", "model"], registry=REGISTRY)
+DOWNLOAD_TOTAL = Gauge(
+    "shardwise_download_bytes_total", "Bytes a remote model's replicas still fetching fetch in all",
+    ["namespace", "model"], registry=REGISTRY)
 API_REQUESTS = Counter(
     "shardwise_api_requests_total", "Requests the operator made to the API server", ["verb", "kind"],
     registry=REGISTRY)
@@ -67,7 +77,7 @@ def serve(port: int, addr: str = "0.0.0.0") -> None:
 def forget(namespace: str, model: str) -> None:
     """Drop a deleted model's series so that dashboards don't show it forever."""
     for gauge in (SHARDS_DESIRED, SHARDS_READY, REPLICAS_READY, PLAN_COST, TRAINING_STEP, CHECKPOINT_STEP,
-                  CHECKPOINT_TIME, REPLICAS_ASKED, REPLICAS_RUNNING):
+                  CHECKPOINT_TIME, REPLICAS_ASKED, REPLICAS_RUNNING, DOWNLOAD_RATE, DOWNLOAD_FETCHED, DOWNLOAD_TOTAL):
         try:
             gauge.remove(namespace, model)
         except KeyError:

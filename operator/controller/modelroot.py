@@ -31,11 +31,12 @@ GGUF_HEADER_MAX_BYTES = 64 << 20  # a GGUF header with a 256k-token vocabulary i
 
 def read(spec: Any, root: str | None = None) -> ModelFacts | str | None:
     """The model's facts when its uri is inside the model root, the one-line reason they cannot be
-    read there, or None when it is not the operator's to read (no root, pvc://, outside the root)."""
+    read there, or None when it is not the operator's to read (no root, pvc://, hf://, s3://, oci://,
+    outside the root)."""
     root = ROOT if root is None else root
     model = spec.model
-    if not root or model.pvc() is not None:
-        return None
+    if not root or model.pvc() is not None or model.remote_scheme():
+        return None   # a claim, or a store: only a pod reads it (never the operator's own network)
     base = os.path.realpath(root)
     raw = model.uri.removeprefix("file://")
     path = os.path.realpath(os.path.join(base, raw))   # an absolute uri replaces the base

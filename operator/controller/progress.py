@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import http.client
 import logging
-import socket
-import threading
 import time
 from pathlib import Path
 from datetime import datetime, timezone
@@ -23,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from shardwise.crds import boundedjson, names
 from shardwise.crds.models import Checkpoint
 from shardwise.operator.decide import recovery
-from shardwise.operator.render.renderer import DEFAULT_PORT
+from shardwise.operator.controller import podhttp
 
 log = logging.getLogger("shardwise.operator")
 PROGRESS_TIMEOUT = 2.0   # seconds for the whole read; a busy pod answers later, at the next pass
@@ -71,55 +69,14 @@ def fetch_progress(pod: Mapping[str, Any]) -> dict | None:
     """GET http://<pod IP>:<http port>/progress, or None when the pod does not answer (yet), answers
     with anything but 200 (a redirect is not followed), sends more than PROGRESS_MAX_BYTES, or takes
     longer than PROGRESS_TIMEOUT in all (a slow drip included)."""
-    ip = (pod.get("status") or {}).get("podIP")
-    if not ip:
+    address = podhttp.http_address(pod)
+    if address is None:
         return None
-    port = DEFAULT_PORT
-    for c in (pod.get("spec") or {}).get("containers") or []:
-        for p in c.get("ports") or []:
-            if p.get("name") == "http":
-                port = int(p["containerPort"])
     try:
-        return boundedjson.loads(_get(str(ip), port, "/progress", time.monotonic() + PROGRESS_TIMEOUT),
-                                PROGRESS_DEPTH)
+        return boundedjson.loads(podhttp.get(*address, "/progress", time.monotonic() + PROGRESS_TIMEOUT,
+                                             PROGRESS_MAX_BYTES), PROGRESS_DEPTH)
     except (OSError, ValueError, http.client.HTTPException):
         return None
-
-
-def _get(host: str, port: int, path: str, deadline: float) -> bytes:
-    """The body of a 200 answer, read under one deadline and one size cap (ValueError otherwise). A
-    watchdog shuts the socket at the deadline: a per-read timeout alone lets a pod that drips a byte
-    a second (in its headers or its body) hold the pass forever."""
-    conn = http.client.HTTPConnection(host, port, timeout=max(0.01, deadline - time.monotonic()))
-    conn.connect()   # the socket itself: the connection lets go of it once the response is read
-    watchdog = threading.Timer(max(0.0, deadline - time.monotonic()), _shut, (conn.sock,))
-    watchdog.start()
-    try:
-        conn.request("GET", path, headers={"Accept": "application/json"})
-        resp = conn.getresponse()
-        if resp.status != 200:   # a redirect included: it is not followed
-            raise ValueError(f"status {resp.status}")
-        body = b""
-        while len(body) <= PROGRESS_MAX_BYTES:
-            chunk = resp.read1(PROGRESS_MAX_BYTES + 1 - len(body))
-            if not chunk:
-                break
-            body += chunk
-        if len(body) > PROGRESS_MAX_BYTES:
-            raise ValueError("progress report too large")
-        if time.monotonic() >= deadline:
-            raise TimeoutError("progress read past its deadline")
-        return body
-    finally:
-        watchdog.cancel()
-        conn.close()
-
-
-def _shut(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
 
 
 def _first_stage_first(pods: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:

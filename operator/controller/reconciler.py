@@ -25,17 +25,19 @@ from datetime import datetime
 from typing import Any, Callable, Mapping
 
 from shardwise.crds import names
-from shardwise.crds.models import ModelPhase, PlanSummary
+from shardwise.crds.models import ModelCache, ModelPhase, PlanSummary
 from shardwise.crds.status import group_records
 from shardwise.operator.decide import conditions, decisions
 from shardwise.operator.controller import metrics
 from shardwise.operator.decide import probe
 from shardwise.operator.decide import recovery
 from shardwise.operator.decide import status
-from shardwise.operator.render import renderer
+from shardwise.operator.render import renderer, source
 from shardwise.operator.controller import report
+from shardwise.operator.controller import download
+from shardwise.operator.controller.inferencepool import POOLS
 from shardwise.operator.controller import progress as training
-from shardwise.operator.controller.apply import Applier, ObjectConflict, StaleStatus
+from shardwise.operator.controller.apply import Applier, ObjectConflict, PodRefused, StaleStatus
 from shardwise.operator.decide.decisions import Decision, Event, World
 from shardwise.operator.controller.observe import observe
 from shardwise.operator.decide.state import ModelState
@@ -57,16 +59,18 @@ class Outcome:
 def reconcile(applier: Applier, namespace: str, name: str, nodes: Mapping[str, Mapping[str, Any]],
               capacity: Any, default_image: str = renderer.DEFAULT_IMAGE,
               now: Callable[[], datetime] = recovery.now_utc,
-              progress: training.Fetch = training.fetch_progress) -> Outcome:
+              progress: training.Fetch = training.fetch_progress,
+              downloads: download.Fetch = download.fetch_download) -> Outcome:
     """One pass over one ShardedModel. `capacity` (handlers.Capacity): live GPU pods of the cluster,
     reservations for pods just created, and the lock under which plans are made one at a time.
-    `progress`: reads a running training pod's progress."""
+    `progress`: reads a running training pod's progress; `downloads`: a fetching pod's download."""
     started, requests_before = time.monotonic(), applier.requests
     out = Outcome()
     try:
         state = observe(applier, namespace, name, default_image)
         if state is None:
             metrics.forget(namespace, name)
+            POOLS.forget(namespace, name)
             return out
         with capacity.lock:
             decision = decisions.decide(state, World(nodes, capacity.pods(set())), now())
@@ -77,7 +81,12 @@ def reconcile(applier: Applier, namespace: str, name: str, nodes: Mapping[str, M
         except ObjectConflict as e:
             _conflict(writer, state, str(e), now(), out)
             return out
-        _report(writer, state, decision, progress, now(), out)
+        except PodRefused as e:
+            _conflict(writer, state, refused_message(state, str(e)), now(), out, reason="PodRefused")
+            return out
+        if decision.plan is not None:
+            POOLS.ensure(applier, state)     # the inference gateway's pool, when the cluster has the API
+        _report(writer, state, decision, (progress, downloads), now(), out)
     except StaleStatus as e:
         log.info(f"{e}; reading it again")
         out.requeue_after = STALE_REQUEUE
@@ -104,17 +113,30 @@ class StatusWriter:
             self.version = stored["metadata"]["resourceVersion"]
 
 
-def _conflict(writer: StatusWriter, state: ModelState, message: str, now: datetime, out: Outcome) -> None:
-    """An object the model would make belongs to someone else: said in the Applied condition and an
-    Event; tried again at the steady pace (someone may remove or rename it)."""
+def _conflict(writer: StatusWriter, state: ModelState, message: str, now: datetime, out: Outcome,
+              reason: str = "ObjectConflict") -> None:
+    """An object the model would make belongs to someone else (ObjectConflict), or admission refused
+    one of its pods (PodRefused): said in the Applied condition and an Event; tried again at the
+    steady pace (someone may remove or rename it, or change the spec or the namespace)."""
     said = conditions.condition(state.status.get("conditions"), "Applied") or {}
-    if said.get("reason") != "ObjectConflict" or said.get("message") != message:
-        out.events.append(Event("Warning", "ObjectConflict", message))
+    if said.get("reason") != reason or said.get("message") != message:
+        out.events.append(Event("Warning", reason, message))
         writer.patch({
             "message": message,
             "conditions": conditions.set_condition(state.status.get("conditions"), "Applied", False,
-                                                   "ObjectConflict", message, recovery.iso(now))})
+                                                   reason, message, recovery.iso(now))})
     out.requeue_after = decisions.STEADY_REQUEUE
+
+
+def refused_message(state: ModelState, refusal: str) -> str:
+    """Admission's refusal of a pod, with what to change when it is the node cache's hostPath."""
+    model = state.model
+    cache_volume = f'"{source.VOLUME}"'   # admission names the volumes it refuses
+    if model is not None and cache_volume in refusal and model.spec.model.remote_scheme() and (
+            model.spec.model.cache in (None, ModelCache.NODE)):
+        return (f"{refusal}; a model fetched from {model.spec.model.remote_scheme()}:// in a namespace that "
+                f"enforces Pod Security baseline or restricted needs spec.model.cache: pod")
+    return refusal
 
 
 def _reserve(capacity: Any, state: ModelState, decision: Decision) -> None:
@@ -188,15 +210,16 @@ def act(applier: Applier, state: ModelState, decision: Decision, writer: StatusW
         _run(action, applier, state, writer)
 
 
-def _report(writer: StatusWriter, state: ModelState, decision: Decision, progress: training.Fetch,
-            now: datetime, out: Outcome) -> None:
-    job = _job_progress(state, decision, progress)
+def _report(writer: StatusWriter, state: ModelState, decision: Decision,
+            fetch: tuple[training.Fetch, download.Fetch], now: datetime, out: Outcome) -> None:
+    job = _job_progress(state, decision, fetch[0])
     new = status.build_status(state, decision, job, now)
+    downloaded = download.apply(new, state, decision, fetch[1], now)   # a remote model's fetch
     event = status.phase_event(state, new)
-    out.events = decision.events + ([event] if event else [])
+    out.events = decision.events + ([event] if event else []) + downloaded
     out.phase = new["phase"]
     out.requeue_after = decision.requeue_after
-    if new["phase"] == ModelPhase.RUNNING:
+    if new["phase"] == ModelPhase.RUNNING or new.get("download"):
         out.requeue_after = min(out.requeue_after, training.POLL_SECONDS)
     if status.changed(state.status, new):
         writer.patch(new)

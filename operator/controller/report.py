@@ -36,6 +36,11 @@ def record_metrics(state: ModelState, decision: Decision, new: Mapping[str, Any]
         metrics.CHECKPOINT_TIME.labels(ns, name).set(last.timestamp())
     if state.model is not None and state.workload.gang:
         _training_metrics(state, decision, new, now or recovery.now_utc())
+    if state.model is not None and state.spec.model.remote_scheme():
+        downloads = new.get("download") or []
+        metrics.DOWNLOAD_RATE.labels(ns, name).set(sum(d["rate"] for d in downloads))
+        metrics.DOWNLOAD_FETCHED.labels(ns, name).set(sum(d["bytesFetched"] for d in downloads))
+        metrics.DOWNLOAD_TOTAL.labels(ns, name).set(sum(d["bytesTotal"] for d in downloads))
 
 
 def _training_metrics(state: ModelState, decision: Decision, new: Mapping[str, Any], now: datetime) -> None:

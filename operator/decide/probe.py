@@ -9,6 +9,11 @@ never spec.image: what reports the shape is code the operator chose. It writes t
 to its termination message, the operator reads it from the pod's status, checks it against
 MODEL_FACT_LIMITS, caches it in status.modelFacts (keyed by uri, so it runs once per uri), and
 deletes the pod. A model that cannot be read fails the spec with the probe's one-line reason.
+
+A remote model (hf://, s3://, oci://) is probed the same way, `shardwise inspect <uri>` reading its
+config.json or GGUF header from the store with the model's credentials in its environment: the
+operator itself never opens a url a tenant names (from where it runs it could reach what the tenant
+cannot: the API server, a cloud's metadata service).
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ from shardwise.crds import boundedjson, names
 from shardwise.crds.models import MODEL_FACT_LIMITS, ShardedModel
 from shardwise.crds.modelshape import ModelFacts, ModelFactsError
 from shardwise.operator.decide import recovery
-from shardwise.operator.render import renderer
+from shardwise.operator.render import renderer, source
 
 ROLE = "model-probe"
 DEADLINE_SECONDS = 300      # a probe that hangs (a stuck volume) fails instead of waiting forever
@@ -40,11 +45,16 @@ def render(model: ShardedModel, default_image: str) -> dict:
     path, volume, mount = renderer.model_volume(spec.model.uri)
     container = {
         "name": "probe", "image": default_image,
-        "command": ["shardwise", "inspect", path, "--json", "--output", renderer.TERMINATION_LOG],
+        "command": ["shardwise", "inspect", path, "--json", "--output", renderer.TERMINATION_LOG,
+                    *source_options(model)],
         "volumeMounts": [mount] if mount else [],
         "terminationMessagePath": renderer.TERMINATION_LOG,
         # a failed read leaves its one-line error (the log's tail) as the message
         "terminationMessagePolicy": "FallbackToLogsOnError",
+        # a remote model's probe reads config.json or the GGUF header from the store itself, with the
+        # model's credentials (render/source.py): the operator never fetches a url a tenant names
+        # from its own network position
+        "env": source.credentials_env(model),
         "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}},
         "securityContext": renderer.WORKER_CONTAINER_SECURITY,
     }
@@ -61,6 +71,13 @@ def render(model: ShardedModel, default_image: str) -> dict:
     meta = {"name": pod_name(model.name, spec.model.uri), "namespace": model.namespace, "labels": labels,
             "ownerReferences": [renderer.owner_reference(model)]}
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+
+
+def source_options(model: ShardedModel) -> list[str]:
+    """`shardwise inspect`'s options for an s3:// model's endpoint, region and addressing."""
+    m = model.spec.model
+    return ([f"--endpoint={m.endpoint}"] if m.endpoint else []) + ([f"--region={m.region}"] if m.region else []) + (
+        ["--path-style"] if m.path_style else [])
 
 
 def result(pod: Mapping[str, Any]) -> ModelFacts | str | None:

@@ -4,7 +4,8 @@
       the collectives (gloo and NCCL listen on ephemeral ports, so no port list would do), which
       exchange pickles and must hear no one else;
     - the serving port, from anywhere, or, when spec.serving.allowFrom names peers, from those and
-      from the operator's own pods (it reads a training pod's /progress there).
+      from the operator's own pods (it reads a training pod's /progress and, for autoscaling, a
+      serving pod's /metrics there).
 
 Ingress only: what the pods may reach is left alone. The policy selects the pods by the model's
 label; it is owned by the model like every object it makes (garbage-collected with it). Whether it

@@ -30,7 +30,7 @@ from shardwise.crds.contract import (SERVING_GRACE_SECONDS, ContractError, Model
                                      ServingContract, contract_json)
 from shardwise.crds.models import API_VERSION, KIND, Serving, ShardedModel, ShardedModelSpec, Workload, parse_pvc
 from shardwise.crds.plan import ShardPlan, StagePlacement
-from shardwise.operator.render import localtier, netpolicy
+from shardwise.operator.render import localtier, netpolicy, source
 from shardwise.operator.render.settings import Settings, current
 
 MODEL_MOUNT = "/models"
@@ -99,13 +99,16 @@ def spec_hash(spec: ShardedModelSpec, default_image: str = DEFAULT_IMAGE) -> str
     serving_out = {"allow_from"} | {f for f in ("auth", *CAPACITY_OPTIONAL) if getattr(spec.serving, f) is None}
     if spec.serving.decode == DecodeMode.AUTO:
         serving_out.add("decode")
+    # spec.model's remote options, when unset, likewise (crds/sourcespec.py)
+    model_out = {f for f in REMOTE_OPTIONS if getattr(spec.model, f) is None}
     keep = spec.model_dump(mode="json", by_alias=True,
                            exclude={"recovery": True, "placement": True, "parallelism": {"replicas"},
-                                    "training": {"min_replicas"}, "serving": serving_out})
+                                    "training": {"min_replicas"}, "serving": serving_out, "model": model_out})
     keep["image"] = spec.image or default_image
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:10]
 
 
+REMOTE_OPTIONS = ("endpoint", "region", "path_style", "credentials_ref", "cache")
 # spec.serving's capacity settings that are None when omitted (crds/capacity.py)
 CAPACITY_OPTIONAL = tuple(n for n, f in ServingCapacity.model_fields.items() if f.default is None)
 
@@ -150,7 +153,7 @@ def _data_volume(model: ShardedModel) -> tuple[str, dict | None, dict | None]:
 
 # --- the pod contract ----------------------------------------------------------------------------
 
-def pod_contract(model: ShardedModel, plan: ShardPlan) -> PodContract:
+def pod_contract(model: ShardedModel, plan: ShardPlan, settings: Settings | None = None) -> PodContract:
     """What every pod of the model is told (crds/contract.py), with paths as the pods see them."""
     spec = model.spec
     training = spec.training
@@ -161,7 +164,8 @@ def pod_contract(model: ShardedModel, plan: ShardPlan) -> PodContract:
         model=ModelContract(path=model_volume(spec.model.uri)[0], format=spec.model.format, dtype=spec.dtype),
         workload=spec.workload,
         serving=ServingContract(**spec.serving.model_dump(exclude={"auth", "allow_from"}), model_name=model.name),
-        training=training, checkpoint=spec.checkpoint, termination_log=TERMINATION_LOG)
+        training=training, checkpoint=spec.checkpoint, termination_log=TERMINATION_LOG,
+        source=source.contract(model, settings or current()))
 
 
 def plan_from_configmap(configmap: Mapping[str, Any] | None) -> ShardPlan | None:
@@ -362,6 +366,7 @@ def _pod_spec(model: ShardedModel, placement: StagePlacement, attempt: int, defa
         pod_spec["securityContext"] = {**WORKER_POD_SECURITY, "supplementalGroups": [names.WORKER_GID]}
         if settings.prepare_local_checkpoints:
             pod_spec["initContainers"] = [_prepare_local_tier(default_image)]
+    source.apply(pod_spec, model, settings, default_image)   # a remote model's credentials and cache
     placement_spec = model.spec.placement
     if placement_spec.node_selector:
         pod_spec["nodeSelector"] = dict(placement_spec.node_selector)
@@ -396,13 +401,13 @@ def render_serving_service(model: ShardedModel) -> dict:
                      "ports": [{"name": "http", "port": port, "targetPort": port}]}}
 
 
-def render_configmap(model: ShardedModel, plan: ShardPlan) -> dict:
+def render_configmap(model: ShardedModel, plan: ShardPlan, settings: Settings | None = None) -> dict:
     """The pod contract every pod of the model mounts at /etc/shardwise/contract.json.gz: gzip in
     binaryData, since a ConfigMap holds 1 MiB at most and the plan lists every placement (10,000
     replicas of 4 stages: about 5.8 MB of JSON, 0.2 MB gzipped)."""
     meta = _meta(model, configmap_name(model.name), model_labels(model.name))
     meta["annotations"] = {names.ANNOTATION_PLAN_HASH: plan_hash(plan)}
-    contract = base64.b64encode(pod_contract(model, plan).to_gzip()).decode("ascii")
+    contract = base64.b64encode(pod_contract(model, plan, settings).to_gzip()).decode("ascii")
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta,
             "binaryData": {names.CONTRACT_FILE: contract}}
 
@@ -436,6 +441,7 @@ def render_shared(model: ShardedModel, plan: ShardPlan, settings: Settings | Non
     # the policy first: no pod of the model runs before it exists
     policy = [render_network_policy(model, settings)] if settings.network_policy else []
     if model.spec.workload == Workload.TRAINING:
-        return policy + [render_headless_service(model), render_configmap(model, plan)]
-    return policy + [render_headless_service(model), render_serving_service(model), render_configmap(model, plan),
+        return policy + [render_headless_service(model), render_configmap(model, plan, settings)]
+    return policy + [render_headless_service(model), render_serving_service(model),
+                     render_configmap(model, plan, settings),
                      render_pdb(model, plan.replicas, plan.pipeline)]

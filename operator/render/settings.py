@@ -22,6 +22,12 @@ class Settings:
     # Hand a local tier's new directory to the worker's group with a root init container (the
     # kubelet makes it root-owned 0755); off: the node's directories must be prepared beforehand.
     prepare_local_checkpoints: bool = True
+    # The node-local cache of remote models (render/source.py): the node directory ("" turns it off:
+    # every pod fetches into an emptyDir of its own), the bytes it may hold, and whether a root init
+    # container hands a namespace's new directory in it to the worker's group.
+    model_cache_host_path: str = names.MODEL_CACHE_ROOT
+    model_cache_budget: int = names.MODEL_CACHE_BUDGET
+    prepare_model_cache: bool = True
 
 
 CURRENT = Settings()

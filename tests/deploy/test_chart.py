@@ -229,6 +229,19 @@ def test_network_policy_and_local_checkpoint_roots_reach_the_operator(tmp_path, 
     assert settings.local_checkpoint_roots == ()
 
 
+def test_the_model_cache_values_reach_the_operator(tmp_path):
+    _, settings = _operator_settings(render())
+    assert (settings.model_cache_host_path, settings.model_cache_budget, settings.prepare_model_cache) == (
+        "/var/lib/shardwise/model-cache", 200 << 30, True)
+    values = {"operator": {"modelCache": {"hostPath": "/mnt/nvme/cache/", "budget": "1500G", "prepareAsRoot": False}}}
+    _, settings = _operator_settings(render(values=values, tmp_path=tmp_path))
+    assert (settings.model_cache_host_path, settings.model_cache_budget, settings.prepare_model_cache) == (
+        "/mnt/nvme/cache", 1500 * 10**9, False)
+    values["operator"]["modelCache"]["hostPath"] = ""   # off: every pod fetches into its own emptyDir
+    _, settings = _operator_settings(render(values=values, tmp_path=tmp_path))
+    assert settings.model_cache_host_path == ""
+
+
 # ------------------------------------------------------------------------------------ values schema
 
 @pytest.mark.parametrize("setting, named", [
@@ -246,6 +259,8 @@ def test_network_policy_and_local_checkpoint_roots_reach_the_operator(tmp_path, 
     ("resources.limits.memory=lots", "memory"),
     ("operator.localCheckpoints.roots[0]=var/lib", "roots"),
     ("operator.networkPolicy=maybe", "networkPolicy"),
+    ("operator.modelCache.hostPath=var/cache", "hostPath"),
+    ("operator.modelCache.budget=lots", "budget"),
 ])
 def test_schema_rejects_bad_values_naming_the_key(setting, named):
     proc = helm("template", "sw", str(CHART), "--kube-version", KUBE_VERSION, "--set", setting, check=False)
@@ -275,6 +290,7 @@ API_GROUPS = {"pods": "", "services": "", "configmaps": "", "events": "", "nodes
               "poddisruptionbudgets": "policy", "leases": "coordination.k8s.io",
               "networkpolicies": "networking.k8s.io",
               "shardedmodels": "shardwise.dev", "shardedmodels/status": "shardwise.dev",
+              "shardedmodels/scale": "shardwise.dev",
               "customresourcedefinitions": "apiextensions.k8s.io"}
 CLIENT_VERBS = [("delete_collection", "deletecollection"), ("create", "create"), ("read", "get"),
                 ("get", "get"), ("list", "list"), ("patch", "patch"), ("replace", "update"),
@@ -288,8 +304,8 @@ KOPF_OWN = {
 
 
 def _plural(snake: str) -> str:
-    if snake in ("custom_object", "custom_object_status"):
-        return "shardedmodels" + ("/status" if snake.endswith("status") else "")
+    if snake in ("custom_object", "custom_object_status", "custom_object_scale"):
+        return "shardedmodels" + snake.removeprefix("custom_object").replace("_", "/")
     if snake == "network_policy":
         return "networkpolicies"
     return snake.replace("_", "") + "s"
@@ -310,10 +326,13 @@ def operator_api_calls() -> set[tuple[str, str, str]]:
             if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
             server_side_apply = "apply-patch" in ast.unparse(func)
+            other_apis = "CUSTOM_KINDS" in ast.unparse(func)     # counted below
             for node in ast.walk(func):
                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
                         and isinstance(node.func.value, ast.Attribute) \
                         and node.func.value.attr in ("core", "policy", "custom", "coord", "networking"):
+                    if node.func.attr == "get_api_resources" or (other_apis and node.func.value.attr == "custom"):
+                        continue     # discovery: a non-resource URL every authenticated client may read
                     m = method.match(node.func.attr)
                     assert m, f"{path.name}: unrecognised API call {node.func.attr}"
                     verb = dict(CLIENT_VERBS)[m.group(1)]
@@ -335,6 +354,11 @@ def operator_api_calls() -> set[tuple[str, str, str]]:
                     calls.add((API_GROUPS[resource], resource, "patch"))
         if "kopf.event(" in path.read_text():
             calls.add(("", "events", "create"))
+    # Objects of other projects' APIs, applied and read back through the custom objects API
+    # (apply.CUSTOM_KINDS): the calls above count them as ShardedModels.
+    from shardwise.operator.controller.apply import CUSTOM_KINDS, CUSTOM_VERSIONS
+    for kind, plural in CUSTOM_KINDS.items():
+        calls |= {(CUSTOM_VERSIONS[kind][0], plural, verb) for verb in ("get", "create", "patch")}
     return calls
 
 

@@ -14,8 +14,9 @@ from typing import Any, Callable
 import pytest
 import yaml
 
+from shardwise.crds.autoscaling import KV_OVER_ONE, MIN_OVER_MAX
 from shardwise.crds.capacity import CONTEXT_OVER_CACHE
-from shardwise.crds.models import (DP_DIVIDES, DP_PRODUCT, INTERLEAVED_MICRO_BATCHES, LOCAL_NEEDS_CLAIM,
+from shardwise.crds.models import (AUTOSCALING_SERVING_ONLY, DP_DIVIDES, DP_PRODUCT, INTERLEAVED_MICRO_BATCHES, LOCAL_NEEDS_CLAIM,
                                    LOCAL_PATH_DIFFERS, MIN_REPLICAS, NAME_NOT_DNS_LABEL, NAME_TOO_LONG,
                                    load_manifest)
 from shardwise.crds.names import MAX_MODEL_NAME
@@ -160,6 +161,21 @@ BAD = {
                              "spec.serving.speculative", "ngramMin must not exceed ngramMax"),
     "ngram-min-over-default-max": (manifest("a", serving={"speculative": {"ngramMin": 5}}),
                                    "spec.serving.speculative", "ngramMin must not exceed ngramMax"),
+    # autoscaling (crds/autoscaling.py)
+    "autoscaling-min-over-max": (manifest("a", autoscaling={"minReplicas": 4, "maxReplicas": 2}),
+                                 "spec.autoscaling.minReplicas", MIN_OVER_MAX),
+    "autoscaling-without-max": (manifest("a", autoscaling={"minReplicas": 0}), "spec.autoscaling.maxReplicas",
+                                "Required value"),
+    "autoscaling-kv-over-one": (manifest("a", autoscaling={"maxReplicas": 3, "target": "kvCacheUtilization",
+                                                           "targetValue": 80}),
+                                "spec.autoscaling.targetValue", KV_OVER_ONE),
+    "autoscaling-target-enum": (manifest("a", autoscaling={"maxReplicas": 3, "target": "cpu"}),
+                                "spec.autoscaling.target", 'supported values: "queueDepthPerReplica"'),
+    "autoscaling-target-zero": (manifest("a", autoscaling={"maxReplicas": 3, "targetValue": 0}),
+                                "spec.autoscaling.targetValue", "greater than 0"),
+    "autoscaling-for-training": (training_manifest(2) | {"spec": training_manifest(2)["spec"] |
+                                                         {"autoscaling": {"maxReplicas": 3}}},
+                                 "spec.autoscaling", AUTOSCALING_SERVING_ONLY),
 }
 
 
@@ -225,3 +241,13 @@ def test_training_layout_fields_are_accepted_with_defaults_and_kept_by_scaling(k
     assert "spec.training.dataParallel" in message and DP_PRODUCT in message, message
     kubectl("scale", "sm/hsdp", "--replicas=0")
     assert kubectl("get", "sm", "hsdp", "-o", "jsonpath={.spec.parallelism.replicas}") == "0"
+
+
+def test_autoscaling_is_accepted_with_its_defaults(kubectl):
+    body = manifest("autoscaled", autoscaling={"minReplicas": 0, "maxReplicas": 3})
+    spec = yaml.safe_load(kubectl("create", "--dry-run=server", "-o", "yaml", "-f", "-",
+                                  input=yaml.safe_dump(body)))["spec"]
+    assert spec["autoscaling"] == {"minReplicas": 0, "maxReplicas": 3, "target": "queueDepthPerReplica",
+                                   "scaleDownDelaySeconds": 300, "scaleUpStabilizationSeconds": 0,
+                                   "periodSeconds": 15}
+    assert load_manifest(body).spec.autoscaling.value == 4

@@ -482,3 +482,42 @@ def test_new_layout_rolls_replica_by_replica_keeping_one_serving(kube, operator)
     events = [e["reason"] for e in kube.get("events")["items"] if e["involvedObject"].get("name") == "roll"]
     assert "LayoutChanged" in events and events.count("Rolling") >= 2
     assert kube.model("roll")["status"]["restarts"] == 0
+
+
+def _roll_and_sample(kube: Kube, name: str, patch: dict, done, timeout: float = 120) -> list[int]:
+    """Patch the model, then sample readyReplicas until `done(status)`; the samples."""
+    kube.kubectl("patch", "sm", name, "-n", kube.ns, "--type=merge", "-p", json.dumps({"spec": patch}))
+    serving, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = kube.model(name).get("status", {})
+        serving.append(st.get("readyReplicas", 0))
+        if st.get("phase") == "Ready" and st.get("readyReplicas") == 2 and done(st) \
+                and all(g["phase"] == "Ready" for g in st.get("groups", [])):
+            return serving
+        time.sleep(0.3)
+    raise AssertionError(f"{name} did not finish rolling to {patch}: {kube.model(name).get('status')}")
+
+
+def test_a_full_cluster_rolls_to_a_new_image_and_a_new_layout_keeping_one_replica_serving(kube, operator):
+    """No spare GPU anywhere: each of the two replicas fills a node. A successor cannot start beside
+    its predecessor, so the roll takes one replica down, starts its successor on the freed GPUs and
+    only then moves to the next; it never waits for capacity the old replicas hold."""
+    ns = kube.ns
+    kube.add_nodes([(f"{ns}-n{i}", f"{ns}-rack-{i}") for i in range(2)])
+    model(kube, "full", tensor=8, pipeline=1, replicas=2)
+    wait(ready(kube, "full", 2), 90, "full Ready on TP=8, both nodes full")
+
+    image = "registry.local/worker:rolled"
+    serving = _roll_and_sample(kube, "full", {"image": image}, done=lambda st: all(
+        p["spec"]["containers"][0]["image"] == image for p in kube.pods("full")) and len(kube.pods("full")) == 2)
+    assert min(serving) >= 1, serving
+
+    serving = _roll_and_sample(kube, "full", {"parallelism": {"tensor": 4, "pipeline": 2}},
+                               done=lambda st: st.get("tensor") == 4 and len(kube.pods("full")) == 4)
+    assert min(serving) >= 1, serving
+    for pod in kube.pods("full"):
+        assert pod["spec"]["containers"][0]["image"] == image
+        assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    events = [e["reason"] for e in kube.get("events")["items"] if e["involvedObject"].get("name") == "full"]
+    assert events.count("Rolling") >= 4, events
+    assert kube.model("full")["status"]["restarts"] == 0

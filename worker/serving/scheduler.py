@@ -49,6 +49,7 @@ from typing import Callable
 from shardwise.worker.errors import WorkerError
 from shardwise.worker.serving.kv_blocks import BlockPool, blocks_for
 from shardwise.worker.serving.request import FinishReason, Request
+from shardwise.worker.serving.retry_after import FinishRate
 from shardwise.worker.serving.defaults import MAX_STEP_TOKENS, PREFILL_CHUNK
 
 
@@ -151,6 +152,7 @@ class Scheduler:
         self.on_finish = on_finish                         # told of every request that ends
         self._admissions = itertools.count(1)
         self.max_waiting = max_waiting                     # sequences queued at most (None: no bound)
+        self.finishes = FinishRate()                       # how fast places free: a 429's Retry-After
 
     # ---- requests ----------------------------------------------------------------------------
     def check(self, req: Request, sequences: int = 1) -> None:
@@ -188,8 +190,9 @@ class Scheduler:
         queued = sum(not s.req.cancelled for s in self.waiting)      # at most max_waiting + preempted
         if queued + sequences > self.max_waiting:
             self.stats.rejected += 1
+            wait = self.finishes.retry_after(queued + sequences - self.max_waiting, time.perf_counter())
             raise QueueFull(f"the server is busy: {queued} choices are waiting (at most {self.max_waiting}, "
-                            f"--max-waiting); retry shortly")
+                            f"--max-waiting); retry in {wait} s", retry_after=wait)
 
     def wait_for_work(self, timeout: float) -> None:
         """Block until a request is queued or `timeout` seconds pass (the idle engine thread)."""
@@ -216,6 +219,8 @@ class Scheduler:
         if reason is not None:
             req.finish_reason = reason
         req.finished_at = time.perf_counter()
+        with self.lock:
+            self.finishes.record(req.finished_at)
         if seq.row >= 0:
             self._release(seq)
         if reason is not None and req.on_token is not None:

@@ -94,6 +94,11 @@ app.kubernetes.io/part-of: shardwise
 {{- if not .Values.operator.localCheckpoints.prepareAsRoot }}
 - --no-prepare-local-checkpoints
 {{- end }}
+- --model-cache-host-path={{ .Values.operator.modelCache.hostPath }}
+- --model-cache-budget={{ .Values.operator.modelCache.budget }}
+{{- if not .Values.operator.modelCache.prepareAsRoot }}
+- --no-prepare-model-cache
+{{- end }}
 # One Lease per release, so that two releases in one namespace never share a leader.
 - --lease-namespace={{ .Release.Namespace }}
 - --lease-name={{ include "shardwise.fullname" . }}

@@ -33,6 +33,16 @@ tests/e2e/test_chart_install.py runs the operator as this ServiceAccount against
 - apiGroups: ["shardwise.dev"]
   resources: ["shardedmodels/status"]
   verbs: ["patch"]
+# The autoscaler (spec.autoscaling) sets replicas through the scale subresource, as kubectl scale does.
+- apiGroups: ["shardwise.dev"]
+  resources: ["shardedmodels/scale"]
+  verbs: ["patch"]
+# A serving model's InferencePool, when the cluster has the Gateway API Inference Extension's CRD:
+# applied and read back like the Services (whether the API is served is asked of discovery, which
+# needs no rule).
+- apiGroups: ["inference.networking.k8s.io"]
+  resources: ["inferencepools"]
+  verbs: ["get", "create", "patch"]
 # Worker pods: watched (failures, readiness, GPUs in use), created per replica group, torn down as a
 # group (the pods with its labels that the model owns, one by one) or when their node is lost.
 - apiGroups: [""]

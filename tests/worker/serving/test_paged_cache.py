@@ -95,7 +95,7 @@ def tiny(tiny_3_layers):
     return tiny_3_layers
 
 
-def _alone(ctx, prompts, new_tokens) -> list[list[int]]:
+def alone(ctx, prompts, new_tokens) -> list[list[int]]:
     """Each prompt on its own, in one fixed row of the whole context: the reference."""
     out = []
     for p in prompts:
@@ -108,7 +108,7 @@ def _alone(ctx, prompts, new_tokens) -> list[list[int]]:
 def test_concurrent_requests_under_a_small_paged_cache_match_their_answers_alone(tiny, tp, pp):
     prompts = random_prompts(10, seed=tp * 10 + pp)
     with LocalRuntime(RankSpec(tiny, tp, pp, max_batch=6, max_seq=MAX_SEQ)) as ctx:
-        want = _alone(ctx, prompts, 24)
+        want = alone(ctx, prompts, 24)
         # 200 tokens for 10 requests of up to 83 tokens, six at a time: blocks run out, decodes
         # preempt, and prompts are fed 7 tokens a step.
         engine = Engine(ctx.stage, 6, MAX_SEQ, [], kv_tokens=200, block_size=8, prefill_chunk=7)
@@ -122,7 +122,7 @@ def test_a_shared_system_prompt_is_prefilled_once(tiny):
     system = random_prompts(1, seed=3)[0] + random_prompts(1, seed=4)[0]          # ~80 tokens
     questions = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
     with LocalRuntime(RankSpec(tiny, 2, 2, max_batch=4, max_seq=MAX_SEQ)) as ctx:
-        want = _alone(ctx, [system + q for q in questions], 8)
+        want = alone(ctx, [system + q for q in questions], 8)
         engine = Engine(ctx.stage, 4, MAX_SEQ, [], block_size=8)
         first = engine.generate([Request(system + questions[0], max_new_tokens=8)])[0]
         rest = engine.generate([Request(system + q, max_new_tokens=8) for q in questions[1:]])
@@ -139,7 +139,7 @@ def test_requests_that_arrive_together_with_one_system_prompt_prefill_it_once(ti
     system = random_prompts(1, seed=3)[0] + random_prompts(1, seed=4)[0]
     questions = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
     with LocalRuntime(RankSpec(tiny, 1, 2, max_batch=4, max_seq=MAX_SEQ)) as ctx:
-        want = _alone(ctx, [system + q for q in questions], 8)
+        want = alone(ctx, [system + q for q in questions], 8)
         engine = Engine(ctx.stage, 4, MAX_SEQ, [], block_size=8, prefill_chunk=32)
         reqs = engine.generate([Request(system + q, max_new_tokens=8) for q in questions])
         assert [r.token_ids for r in reqs] == want

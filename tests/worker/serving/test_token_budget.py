@@ -17,6 +17,7 @@ from shardwise.worker.serving.engine import Engine
 from shardwise.worker.serving.rank import LocalRuntime, RankSpec
 from shardwise.worker.serving.request import Request
 from tests.worker.serving.test_fast_path import plain_logits, random_model
+from tests.worker.serving.test_paged_cache import alone
 from tests.worker.texts import random_prompts
 
 MAX_SEQ = 128
@@ -96,14 +97,6 @@ def tiny(tiny_3_layers):
     return tiny_3_layers
 
 
-def _alone(ctx, prompts, new_tokens) -> list[list[int]]:
-    out = []
-    for p in prompts:
-        engine = Engine(ctx.stage, 1, MAX_SEQ, [], block_size=MAX_SEQ)
-        out.append(engine.generate([Request(p, max_new_tokens=new_tokens)])[0].token_ids)
-    return out
-
-
 def _recording(engine: Engine) -> list:
     """The steps the engine launches, recorded as it launches them."""
     steps, launch = [], engine.runner.launch
@@ -119,7 +112,7 @@ def _recording(engine: Engine) -> list:
 def test_prompts_fed_together_and_beside_running_decodes_give_each_requests_tokens_alone(tiny, tp, pp):
     prompts = random_prompts(8, seed=20 + tp * 3 + pp)
     with LocalRuntime(RankSpec(tiny, tp, pp, max_batch=8, max_seq=MAX_SEQ)) as ctx:
-        want = _alone(ctx, prompts, 12)
+        want = alone(ctx, prompts, 12)
         engine = Engine(ctx.stage, 8, MAX_SEQ, [], block_size=8, prefill_chunk=24, max_step_tokens=40)
         steps = _recording(engine)
         first = [engine.submit(Request(p, max_new_tokens=12)) for p in prompts[:3]]
@@ -138,7 +131,7 @@ def test_prompts_fed_together_and_beside_running_decodes_give_each_requests_toke
 def test_a_decode_row_fed_a_draft_returns_the_logits_of_each_position(tiny, pp):
     prompt = random_prompts(1, seed=9)[0]
     with LocalRuntime(RankSpec(tiny, 1, pp, max_batch=2, max_seq=MAX_SEQ)) as ctx:
-        want = _alone(ctx, [prompt], 10)[0]
+        want = alone(ctx, [prompt], 10)[0]
         engine = Engine(ctx.stage, 2, MAX_SEQ, [], block_size=8)
         req = engine.submit(Request(prompt, max_new_tokens=10))
         engine.step()                                 # the prompt: want[0]

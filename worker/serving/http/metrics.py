@@ -1,12 +1,17 @@
 """The server's Prometheus collectors: request latency and time to first token, token counts and
 rate, the ranks' weight bytes and communication time, the engine's queue, and, read at scrape
 time, the KV cache's blocks (KVCacheUse), the queue's bound and refusals (Admission), speculative
-decoding's drafts and acceptance (Speculation) and a mixture-of-experts model's load (ExpertLoad)."""
+decoding's drafts and acceptance (Speculation), a mixture-of-experts model's load (ExpertLoad),
+and the same engine's queue, running requests and KV-cache use again under the names of the
+Gateway API Inference Extension's model-server protocol (ModelServerProtocol), which gateways and
+endpoint pickers scrape."""
 from __future__ import annotations
 
 import threading
 import time
 from collections import deque
+
+from shardwise.crds import names
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -112,6 +117,43 @@ class Speculation(_EngineCollector):
         ]
 
 
+# The model-server protocol's names: crds/names.py (the operator's autoscaler reads them too).
+PROTOCOL_QUEUED, PROTOCOL_RUNNING = names.METRIC_QUEUED, names.METRIC_RUNNING
+PROTOCOL_KV_CACHE, PROTOCOL_LORA = names.METRIC_KV_CACHE, names.METRIC_LORA
+LORA_LABELS = ("max_lora", "running_lora_adapters", "waiting_lora_adapters")
+
+
+def kv_cache_utilization(pool) -> float:
+    """Blocks held by requests over all blocks, 0-1 (cached reusable blocks count as free: a new
+    request may take them)."""
+    return min(1.0, max(0.0, pool.used / pool.num_blocks)) if pool.num_blocks else 0.0
+
+
+class ModelServerProtocol(_EngineCollector):
+    """The engine's queue, running requests and KV-cache use under the protocol's names, read at
+    scrape time from the same engine state as shardwise_waiting_requests, shardwise_running_requests
+    and shardwise_kv_cache_blocks. No LoRA adapters are served: the LoRA info gauge says so (max_lora
+    0, empty adapter lists), its value the time the server started, as the protocol asks."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.started = time.time()
+
+    def families(self, engine) -> list:
+        from prometheus_client.core import GaugeMetricFamily
+        out = [GaugeMetricFamily(PROTOCOL_QUEUED, "Requests waiting in the queue (TotalQueuedRequests)",
+                                 value=len(engine.waiting)),
+               GaugeMetricFamily(PROTOCOL_RUNNING, "Requests being decoded (TotalRunningRequests)",
+                                 value=engine.running)]
+        use = kv_cache_utilization(engine.pool)
+        out += [GaugeMetricFamily(name, "KV-cache blocks in use over all blocks, 0-1 (KVCacheUtilization)",
+                                  value=use) for name in PROTOCOL_KV_CACHE]
+        lora = GaugeMetricFamily(PROTOCOL_LORA, "LoRA adapters (none served); value: when last updated",
+                                 labels=list(LORA_LABELS))
+        lora.add_metric(["0", "", ""], self.started)
+        return out + [lora]
+
+
 class Metrics:
     """The registry /metrics renders; `token()` is called once per generated token."""
 
@@ -120,7 +162,8 @@ class Metrics:
         r = self.registry = CollectorRegistry()
         self.latency = Histogram("shardwise_request_latency_seconds", "Time from request to last token",
                                  ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("shardwise_time_to_first_token_seconds", "Time from request to first token",
+        self.ttft = Histogram("shardwise_time_to_first_token_seconds",   # names.METRIC_TTFT
+                              "Time from request to first token",
                               ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
         self.requests = Counter("shardwise_requests_total", "HTTP requests by endpoint and status code",
                                 ["endpoint", "code"], registry=r)
@@ -141,6 +184,7 @@ class Metrics:
         r.register(KVCacheUse(lambda: self.engine))
         r.register(Admission(lambda: self.engine))
         r.register(Speculation(lambda: self.engine))
+        r.register(ModelServerProtocol(lambda: self.engine))
         self._window: deque = deque()
         self._lock = threading.Lock()
 

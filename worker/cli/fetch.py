@@ -1,0 +1,83 @@
+"""`shardwise fetch`: fetch a model (or one pipeline stage's share of it) from where it lives into a
+node-local cache folder, with a progress line, and say what was downloaded and what was reused."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+GIB = 1 << 30
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("uri", help="the model: s3://bucket/prefix")
+    parser.add_argument("--cache", required=True, help="the cache's root folder (created if missing)")
+    parser.add_argument("--budget-gib", type=float, default=500.0,
+                        help="bytes all cached models may hold together; least recently used go first")
+    parser.add_argument("--endpoint", default=None, help="an S3-compatible endpoint URL (default: AWS)")
+    parser.add_argument("--region", default="us-east-1")
+    parser.add_argument("--path-style", action="store_true",
+                        help="address the bucket in the path (MinIO and most on-premises stores)")
+    parser.add_argument("--stage", type=int, default=0, help="fetch only this pipeline stage's share")
+    parser.add_argument("--pipeline", type=int, default=1, help="pipeline stages of the layout")
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+
+
+def run(args) -> int:
+    from shardwise.crds.modelsource import ModelUriError
+    from shardwise.worker.errors import WorkerError
+    from shardwise.worker.fetch.remote import RemoteError
+    try:
+        return _run(args)
+    except (WorkerError, RemoteError, ModelUriError) as e:
+        print(f"shardwise fetch: error: {e}", file=sys.stderr)
+        return 1
+
+
+def _run(args) -> int:
+    from pathlib import Path
+
+    from shardwise.crds.modelsource import SourceScheme, parse_model_uri
+    from shardwise.worker.errors import WorkerError
+    from shardwise.worker.fetch.cache import CacheConfig, ModelCache
+    from shardwise.worker.fetch.pull import fetch_stage
+    from shardwise.worker.fetch.s3 import S3Config, S3Store
+
+    parsed = parse_model_uri(args.uri)
+    if parsed.scheme is not SourceScheme.S3:
+        raise WorkerError(f"{parsed.scheme.value} uris are not fetched by this command (it reads s3://)")
+    if args.budget_gib <= 0 or not 1 <= args.pipeline <= 4096:
+        raise WorkerError("--budget-gib must be positive and --pipeline between 1 and 4096")
+    remote = S3Store(parsed, S3Config(endpoint=args.endpoint, region=args.region, path_style=args.path_style))
+    cache = ModelCache(CacheConfig(Path(args.cache), int(args.budget_gib * GIB)))
+    start = time.monotonic()
+    report = fetch_stage(cache, remote, parsed.scheme.value, parsed.location, args.stage, args.pipeline,
+                         progress=_progress_line())
+    took = time.monotonic() - start
+    print(file=sys.stderr)
+    result = {"uri": str(parsed), "files_dir": str(report.files_dir), "files": len(report.files),
+              "fetched_bytes": report.fetched_bytes, "reused_bytes": report.reused_bytes,
+              "seconds": round(took, 3)}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"{parsed}: {len(report.files)} files in {report.files_dir}: fetched "
+              f"{report.fetched_bytes / 2**20:.1f} MiB, reused {report.reused_bytes / 2**20:.1f} MiB "
+              f"in {took:.1f}s")
+    return 0
+
+
+def _progress_line():
+    """A callback printing 'fetched X of Y MiB (Z%)' over itself, at most 4 times a second."""
+    last = [0.0]
+
+    def show(done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - last[0] < 0.25 and done < total:
+            return
+        last[0] = now
+        pct = 100.0 * done / total if total else 100.0
+        print(f"\rfetched {done / 2**20:.1f} of {total / 2**20:.1f} MiB ({pct:.0f}%)", end="",
+              file=sys.stderr, flush=True)
+    return show

@@ -1,0 +1,326 @@
+"""The node-local model cache: files of a remote store kept under a root every pod on the node mounts.
+
+    <root>/entries/<key>/files/<name>    a model's files, as the store names them
+    <root>/entries/<key>/entry.json      which (scheme, location, revision) the key stands for
+    <root>/entries/<key>/.in-use         shared flock while a process fills or reads the entry
+    <root>/entries/<key>/.locks/<hash>   exclusive flock while one process downloads one file
+
+An entry is keyed by (scheme, location, revision), so a moved tag or rewritten prefix is a new entry
+and an old one is never served for it. A file is written under a temporary name in its own folder
+and renamed only after its size and checksum match what the store listed: a reader never sees a
+partial or corrupt file, and a mismatch deletes it. Two processes filling one entry take the file's
+lock in turn; the second finds the first's file in place and does not download it again. Entries are
+evicted least recently used under a byte budget; one in use (its shared lock held) never is.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import queue
+import shutil
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+from shardwise.worker.errors import WorkerError
+from shardwise.worker.fetch.remote import (MAX_NAME_BYTES, ChecksumKind, NotFound, Remote, RemoteError,
+                                           RemoteFile, Unauthorized)
+
+Progress = Callable[[int, int], None]      # (bytes done, bytes in all), reused bytes counted as done
+
+# Free space kept on the cache's disk beyond what a download needs (logs, other pods' scratch).
+DISK_RESERVE_BYTES = 1 << 30
+# A read that yields nothing for this long is stalled: abandoned and retried.
+STALL_TIMEOUT_S = 120.0
+ATTEMPTS = 4                               # tries of one file (the first and three retries)
+BACKOFF_S = (1.0, 4.0, 15.0)               # waits between them
+
+
+class CacheError(WorkerError):
+    """The cache could not provide a model's files; one line (never a credential)."""
+
+
+@dataclass
+class FetchReport:
+    files_dir: Path                        # where the model's files are, by their store names
+    fetched_bytes: int = 0                 # downloaded by this call
+    reused_bytes: int = 0                  # already in the cache (or filled by another process)
+    files: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    root: Path
+    budget_bytes: int                      # all entries together stay under this
+    disk_reserve_bytes: int = DISK_RESERVE_BYTES
+    stall_timeout_s: float = STALL_TIMEOUT_S
+    attempts: int = ATTEMPTS
+    backoff_s: tuple[float, ...] = BACKOFF_S
+
+
+def entry_key(scheme: str, location: str, revision: str) -> str:
+    return hashlib.sha256(f"{scheme}\0{location}\0{revision}".encode()).hexdigest()[:32]
+
+
+def safe_name(name: str) -> str:
+    """A store's file name as a path under the entry: relative, no '.', '..' or empty segment."""
+    if not name or len(name.encode()) > MAX_NAME_BYTES or "\0" in name or "\\" in name:
+        raise CacheError(f"refusing file name {name[:80]!r} from the store (empty, too long or odd)")
+    if name.startswith("/") or any(seg in ("", ".", "..") for seg in name.split("/")):
+        raise CacheError(f"refusing file name {name[:80]!r} from the store (absolute or with '..')")
+    return name
+
+
+class ModelCache:
+    def __init__(self, config: CacheConfig):
+        self.config = config
+        self.entries = Path(config.root) / "entries"
+        self.entries.mkdir(parents=True, exist_ok=True)
+
+    @contextmanager
+    def open(self, scheme: str, location: str, revision: str) -> Iterator["Entry"]:
+        """The entry, held in use (never evicted) until the block ends."""
+        key = entry_key(scheme, location, revision)
+        folder = self.entries / key
+        while True:   # an evictor may delete the folder between our mkdir and our lock: try again
+            try:
+                (folder / ".locks").mkdir(parents=True, exist_ok=True)
+                fd = os.open(folder / ".in-use", os.O_RDWR | os.O_CREAT, 0o644)
+            except FileNotFoundError:
+                continue
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            try:
+                if os.fstat(fd).st_ino == os.stat(folder / ".in-use").st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        try:
+            meta = folder / "entry.json"
+            if not meta.exists():
+                _write_atomic(meta, json.dumps({"scheme": scheme, "location": location,
+                                                "revision": revision}).encode())
+            os.utime(meta)     # least recently used is by this stamp
+            yield Entry(self, folder)
+        finally:
+            os.close(fd)
+
+    def fetch(self, remote: Remote, scheme: str, location: str, files: list[RemoteFile],
+              progress: Progress | None = None) -> FetchReport:
+        """Fetch `files` of `remote` into their entry (at the remote's revision) and return the report;
+        the entry is no longer held in use afterwards (see `open` to hold it)."""
+        with self.open(scheme, location, remote.revision()) as entry:
+            return entry.fill(remote, files, progress)
+
+    def usage(self) -> list[tuple[Path, int, float]]:
+        """(entry folder, bytes of its files, last used) of every entry."""
+        out = []
+        for folder in self.entries.iterdir():
+            try:
+                used = (folder / "entry.json").stat().st_mtime
+            except FileNotFoundError:
+                used = 0.0
+            out.append((folder, _tree_bytes(folder / "files"), used))
+        return out
+
+    def make_room(self, need: int, keep: Path) -> None:
+        """Evict least recently used entries not in use until `need` more bytes fit the budget and
+        the disk; CacheError (one line) when they cannot."""
+        cfg = self.config
+        entries = sorted(self.usage(), key=lambda e: e[2])
+        total = sum(size for _, size, _ in entries)
+        for folder, size, _ in entries:
+            if total + need <= cfg.budget_bytes and self._free() >= need + cfg.disk_reserve_bytes:
+                break
+            if folder != keep and _evict(folder):
+                total -= size
+        if total + need > cfg.budget_bytes:
+            raise CacheError(f"the node cache's budget of {_gib(cfg.budget_bytes)} cannot hold "
+                             f"{_gib(need)} more (entries in use hold {_gib(total)})")
+        free = self._free()
+        if free < need + cfg.disk_reserve_bytes:
+            raise CacheError(f"the disk under {cfg.root} has {_gib(free)} free; the model's files "
+                             f"need {_gib(need)} more (plus {_gib(cfg.disk_reserve_bytes)} kept free)")
+
+    def _free(self) -> int:
+        return shutil.disk_usage(self.entries).free
+
+
+class Entry:
+    def __init__(self, cache: ModelCache, folder: Path):
+        self.cache, self.folder, self.files_dir = cache, folder, folder / "files"
+
+    def fill(self, remote: Remote, files: list[RemoteFile], progress: Progress | None = None) -> FetchReport:
+        report = FetchReport(self.files_dir, files=[safe_name(f.name) for f in files])
+        total = sum(f.size for f in files)
+        missing = [f for f in files if not self._present(f)]
+        need = sum(f.size for f in missing)
+        if need:
+            self.cache.make_room(need, keep=self.folder)
+        done = total - need
+        report.reused_bytes = done
+        for f in missing:
+            def step(n: int, base: int = done) -> None:
+                if progress:
+                    progress(base + n, total)
+            fetched = self._fill_one(remote, f, step)
+            report.fetched_bytes += fetched
+            report.reused_bytes += f.size - fetched
+            done += f.size
+        if progress:
+            progress(total, total)
+        return report
+
+    def _present(self, f: RemoteFile) -> bool:
+        try:
+            return (self.files_dir / safe_name(f.name)).stat().st_size == f.size
+        except FileNotFoundError:
+            return False
+
+    def _fill_one(self, remote: Remote, f: RemoteFile, step: Callable[[int], None]) -> int:
+        """Bytes downloaded for one file: 0 when another process put it in place first."""
+        lock = self.folder / ".locks" / hashlib.sha256(f.name.encode()).hexdigest()[:32]
+        with open(lock, "a") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)      # a second filler waits here for the first's file
+            if self._present(f):
+                return 0
+            target = self.files_dir / f.name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            self._download(remote, f, target, step)
+            return f.size
+
+    def _download(self, remote: Remote, f: RemoteFile, target: Path, step: Callable[[int], None]) -> None:
+        cfg = self.cache.config
+        tmp = target.with_name(f".{target.name}.part-{os.getpid()}")
+        what = f"{remote.describe()}/{f.name}"
+        digest = _hasher(f)
+        written = 0
+        try:
+            with open(tmp, "wb") as out:
+                for attempt in range(cfg.attempts if f.size else 0):   # an empty file needs no read
+                    try:   # a retry resumes where the last try stopped
+                        for chunk in _stall_bounded(remote.read(f.name, written), cfg.stall_timeout_s, what):
+                            if written + len(chunk) > f.size:
+                                raise CacheError(f"{what}: the store sent more than the {f.size} bytes it listed")
+                            out.write(chunk)
+                            if digest:
+                                digest.update(chunk)
+                            written += len(chunk)
+                            step(written)
+                        break
+                    except (NotFound, Unauthorized):
+                        raise
+                    except RemoteError as e:
+                        if attempt + 1 >= cfg.attempts:
+                            raise CacheError(f"{e} (gave up after {cfg.attempts} tries)") from None
+                        time.sleep(cfg.backoff_s[min(attempt, len(cfg.backoff_s) - 1)])
+                out.flush()
+                os.fsync(out.fileno())
+            _verify(f, written, digest, what)
+            os.replace(tmp, target)
+        except RemoteError as e:
+            raise CacheError(str(e)) from None
+        finally:
+            tmp.unlink(missing_ok=True)
+
+
+def _hasher(f: RemoteFile):
+    if f.checksum and f.checksum.kind is ChecksumKind.SHA256:
+        return hashlib.sha256()
+    if f.checksum and f.checksum.kind is ChecksumKind.MD5:
+        return hashlib.md5(usedforsecurity=False)
+    return None
+
+
+def _verify(f: RemoteFile, written: int, digest, what: str) -> None:
+    if written != f.size:
+        raise CacheError(f"{what}: received {written} bytes, the store listed {f.size}; not kept")
+    if digest is not None and f.checksum and digest.hexdigest() != f.checksum.value:
+        raise CacheError(f"{what}: {f.checksum.kind.value} checksum does not match the store's "
+                         f"({digest.hexdigest()[:12]}… != {f.checksum.value[:12]}…); deleted, not loaded")
+
+
+def _stall_bounded(chunks: Iterator[bytes], stall_s: float, what: str) -> Iterator[bytes]:
+    """The chunks of a read, read in a thread so a read that yields nothing for `stall_s` raises
+    (the thread is left to the store's own socket timeout; its chunks are dropped)."""
+    q: queue.Queue = queue.Queue(maxsize=2)
+    stop = threading.Event()
+
+    def pump() -> None:
+        try:
+            for c in chunks:
+                if stop.is_set():
+                    return
+                q.put(("chunk", c))
+            q.put(("end", None))
+        except BaseException as e:   # handed to the reader, which raises it
+            q.put(("error", e))
+        finally:   # the read's connection is released by the thread that drives it
+            close = getattr(chunks, "close", None)
+            if close:
+                close()
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        while True:
+            try:
+                kind, value = q.get(timeout=stall_s)
+            except queue.Empty:
+                raise RemoteError(f"{what}: no bytes for {stall_s:.0f}s (stalled)") from None
+            if kind == "end":
+                return
+            if kind == "error":
+                raise value
+            yield value
+    finally:
+        stop.set()
+        try:   # unblock a pump waiting on a full queue
+            q.get_nowait()
+        except queue.Empty:
+            pass
+
+
+def _evict(folder: Path) -> bool:
+    """Delete an entry unless some process holds it in use; whether it was deleted."""
+    try:
+        fd = os.open(folder / ".in-use", os.O_RDWR)
+    except FileNotFoundError:
+        shutil.rmtree(folder, ignore_errors=True)
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return False
+    try:   # the lock file goes first: a process opening the entry now sees it is gone and retries
+        os.unlink(folder / ".in-use")
+        shutil.rmtree(folder, ignore_errors=True)
+    finally:
+        os.close(fd)
+    return True
+
+
+def _tree_bytes(folder: Path) -> int:
+    total = 0
+    for dirpath, _, names in os.walk(folder):
+        for n in names:
+            try:
+                total += os.lstat(os.path.join(dirpath, n)).st_size
+            except FileNotFoundError:
+                pass
+    return total
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
