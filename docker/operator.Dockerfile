@@ -1,4 +1,4 @@
-# The operator image: shardwise with the `operator` extra (kopf, kubernetes, prometheus-client) and no torch.
+# The operator image: shardwise with the `operator` extra (kopf, kubernetes, prometheus-client, aiohttp for `shardwise router`) and no torch.
 # Build from the repository root:
 #   docker build -f docker/operator.Dockerfile -t ghcr.io/shardwise/operator:0.1.0 .
 # BASE_IMAGE is any image with python3 (>= 3.11) and its venv module: the public Python image by

@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "crds": ("shardwise.crds.cli.crds", "generate or check the CRD YAML from the API models"),
     "inspect": ("shardwise.crds.cli.inspect", "print a model's shape and its size in GPU memory (no torch needed)"),
     "operator": ("shardwise.operator.cli.run", "run the Kubernetes operator"),
+    "router": ("shardwise.operator.router.cli", "a model's front door: route, migrate streams, hold, keys, limits"),
     "generate": ("shardwise.worker.cli.generate", "generate text with a sharded model on local processes"),
     "serve": ("shardwise.worker.cli.serve", "serve a sharded model over an OpenAI-compatible HTTP API"),
     "train": ("shardwise.worker.cli.train", "train a sharded model and write sharded checkpoints"),

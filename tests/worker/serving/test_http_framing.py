@@ -35,7 +35,8 @@ class FakeEngine:
     """Generates "ab" repeated, one token every `delay` seconds, on a thread per request;
     remembers every request it was given (cancelled ones included)."""
     max_seq = 4096
-    running = waiting = 0
+    running = 0
+    waiting = ()            # the real engine's queue: a sized collection
 
     class stage:
         vocab_size = 256

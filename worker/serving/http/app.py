@@ -98,7 +98,8 @@ class App:
             self.engine.check(reqs[0], n)
         except WorkerError as e:
             raise refusal(e) from None
-        return Job(reqs, options.stop, chat, options.stream, options.include_usage, top is not None)
+        return Job(reqs, options.stop, chat, options.stream, options.include_usage, top is not None,
+                   options.return_token_ids)
 
     def _max_tokens(self, ids: list[int], what: str, options: protocol.CompletionOptions, chat: bool) -> int:
         # The context holds prompt + completion; a completion that cannot fit is refused up front

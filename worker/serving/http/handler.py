@@ -125,7 +125,9 @@ class Handler(BaseHTTPRequestHandler):
         if app.draining.is_set():      # unready first, so that the endpoints drop this pod
             self._json(503, {"status": "draining", "running": app.engine.running if app.engine else 0}, "/healthz")
         elif app.ready.is_set():
-            self._json(200, {"status": "ok", "model": app.model_name, "ranks": len(app.loaded)}, "/healthz")
+            # running and waiting: the load a router in front of several replicas weighs
+            self._json(200, {"status": "ok", "model": app.model_name, "ranks": len(app.loaded),
+                             "running": app.engine.running, "waiting": len(app.engine.waiting)}, "/healthz")
         else:
             self._json(503, {"status": "failed" if app.failed else "loading",
                              **({"error": app.failed} if app.failed else {})}, "/healthz")
@@ -267,7 +269,7 @@ class Handler(BaseHTTPRequestHandler):
         job, first = answer.job, True
         if job.chat:
             for i in range(len(job.reqs)):
-                self._sse(answer.chunk(i, {"role": "assistant", "content": ""}))
+                self._sse(answer.with_token_ids(answer.chunk(i, {"role": "assistant", "content": ""}), i, 0))
         for i, text, entries, finished in feed.pieces(self._gone):
             req = job.reqs[i]
             if req.error:
@@ -279,9 +281,10 @@ class Handler(BaseHTTPRequestHandler):
                 if first:
                     self.app.metrics.ttft.labels(endpoint=path).observe(time.perf_counter() - t0)
                     first = False
-                self._sse(answer.chunk(i, text, entries=entries))
+                self._sse(answer.with_token_ids(answer.chunk(i, text, entries=entries), i, feed.streams[i].settled))
             if finished:
-                self._sse(answer.chunk(i, {} if job.chat else "", feed.streams[i].finish_reason))
+                self._sse(answer.with_token_ids(answer.chunk(i, {} if job.chat else "", feed.streams[i].finish_reason),
+                                                i, feed.streams[i].settled))
         if job.include_usage:
             self._sse(answer.usage_chunk(feed.streams))
 

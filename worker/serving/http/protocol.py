@@ -43,7 +43,7 @@ UNSUPPORTED = {
     "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
 }
 FIELD_ORDER = ("model", *UNSUPPORTED, "prompt", "messages", "max_tokens", "max_completion_tokens",
-               "temperature", "top_p", "n", "seed", "stop", "stream", "stream_options", "logprobs", "top_logprobs")
+               "temperature", "top_p", "n", "seed", "stop", "stream", "stream_options", "return_token_ids", "logprobs", "top_logprobs")
 _BOUND = f"an integer from 0 to {MAX_LOGPROBS}"
 
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
@@ -140,6 +140,10 @@ class _Options(_Model):
     stop: list[NonEmpty] = []
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+    # vLLM's extension, which a router needs to move a stream to another replica without a
+    # tokenizer: a streamed answer's first chunk carries the prompt's token ids and the completion
+    # bound in force, and each chunk the ids of the tokens it covers
+    return_token_ids: StrictBool = False
 
     @model_validator(mode="before")
     @classmethod

@@ -20,6 +20,7 @@ class Job:
     stream: bool
     include_usage: bool
     logprobs: bool
+    token_ids: bool = False     # return_token_ids: the ids a router needs to continue a stream elsewhere
 
 
 def lp(x: float) -> float:
@@ -61,6 +62,8 @@ class Answer:
         self.id = ("chatcmpl-" if job.chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.object = "chat.completion" if job.chat else "text_completion"
+        self.ids_given = [0] * len(job.reqs)     # return_token_ids: each choice's ids sent so far
+        self.first = True
 
     def _logprobs(self, entries: list[Entry]) -> dict:
         return (chat_logprobs if self.job.chat else completion_logprobs)(self.token_text, entries)
@@ -93,6 +96,23 @@ class Answer:
                "created": self.created, "model": self.model_name, "choices": [choice]}
         if self.job.include_usage:      # OpenAI: null on every chunk but the last one
             obj["usage"] = None
+        return obj
+
+    def with_token_ids(self, obj: dict, index: int, tokens: int) -> dict:
+        """`obj` (a chunk of choice `index`) with return_token_ids' fields: the ids of the choice's
+        tokens up to its `tokens`-th not sent yet, and on the stream's first chunk the prompt's ids
+        and the completion bound in force (what a continuation elsewhere must respect). `tokens` is
+        the count of settled tokens (all their text given out, nothing after it), so that a chunk
+        with ids ends exactly where those tokens' text ends."""
+        if not self.job.token_ids:
+            return obj
+        req = self.job.reqs[index]
+        if self.first:
+            obj["prompt_token_ids"], obj["max_tokens"] = list(req.prompt_ids), req.max_new_tokens
+            self.first = False
+        if obj["choices"]:
+            obj["choices"][0]["token_ids"] = list(req.token_ids[self.ids_given[index]:tokens])
+            self.ids_given[index] = max(self.ids_given[index], tokens)
         return obj
 
     def usage_chunk(self, streams: list[ChoiceStream]) -> dict:

@@ -60,6 +60,9 @@ class ChoiceStream:
         self.finished = False
         self.finish_reason: str | None = None
         self.tokens = 0              # the choice's tokens, up to the one that completed a stop string
+        # tokens whose text has all been given out, and nothing after it: the point from which
+        # another replica can continue the choice exactly (return_token_ids)
+        self.settled = 0
         # logprobs: each token's character offset in the completion, from the bytes it adds
         self.offsets: list[int] = []
         self.chars = 0
@@ -86,6 +89,8 @@ class ChoiceStream:
         if text is None:
             return None
         self.sent += len(text)
+        if self.finished or not (self.unsent or self.pending):
+            self.settled = self.tokens
         entries = self._entries(self.sent)
         if text or entries or self.finished:
             return Piece(self.index, text, entries, self.finished)
