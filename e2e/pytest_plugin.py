@@ -12,7 +12,7 @@ Fixtures
   claim on a folder of this machine, for a `with` block), `add_node(name, gpus=8, ...)` (a simulated GPU node, waits until Ready),
   `add_local_node(name, gpus=8, ...)` (a node whose pods run as local processes),
   `delete_node(name)`, `node_down(name)` / `node_up(name)` (stop / resume its heartbeat: NotReady
-  after ~12s, pods evicted 2s later), `wait_node_ready(name, ready=True)`, `kubectl(*args)`.
+  after ~8s, pods evicted 2s later), `wait_node_ready(name, ready=True)`, `kubectl(*args)`.
 - `kube_api` (session): a `kubernetes.client.ApiClient` for the cluster.
 - `namespace` (function): a fresh namespace for the test (its default ServiceAccount exists), deleted
   afterwards.
@@ -47,7 +47,9 @@ from shardwise.e2e.localcluster import nodes
 
 from shardwise.e2e.localcluster import kapi
 
-SESSION_SPEC = cp.ClusterSpec(nodes=2, gpus_per_node=8, racks=2, zones=1, local_nodes=1)
+# A lost node is NotReady after 8 s without a heartbeat rather than `shardwise dev`'s 12: a dozen
+# tests lose a node, and each waits that out (the nodes renew their Leases every ~3 s).
+SESSION_SPEC = cp.ClusterSpec(nodes=2, gpus_per_node=8, racks=2, zones=1, local_nodes=1, node_grace_seconds=8)
 
 __all__ = ["Cluster", "cluster", "kube_api", "namespace", "kubectl", "node_factory", "wait_until"]
 

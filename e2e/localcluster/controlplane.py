@@ -47,9 +47,11 @@ POD_CIDR = "10.244.0.0/16"  # IPs kwok gives pods on simulated nodes
 # Node failure in seconds instead of minutes: kwok renews a node's Lease every lease/4 seconds; the
 # node lifecycle controller declares the node NotReady/Unreachable after the grace period without a
 # renewal and taints it NoExecute; pods tolerate that taint for TOLERATION seconds (the default the
-# API server writes into every pod), then they are evicted.
+# API server writes into every pod), then they are evicted. A ClusterSpec may shorten the grace
+# period (the heartbeats shorten with it): a test suite that loses many nodes waits less for each.
 NODE_LEASE_SECONDS = 20
-NODE_MONITOR_GRACE = "12s"
+NODE_GRACE_SECONDS = 12
+NODE_MONITOR_GRACE = f"{NODE_GRACE_SECONDS}s"
 TOLERATION_SECONDS = 2
 
 def default_state_dir() -> Path:
@@ -70,6 +72,20 @@ class ClusterSpec:
     gpu_product: str = GPU_PRODUCT
     gpu_memory_mib: int = GPU_MEMORY_MIB
     apiserver_port: int = 0  # 0: any free port
+    # seconds without a heartbeat before a node is NotReady; every node renews its Lease 3-4 times
+    # in that time, so a node that misses one renewal (a busy machine) stays Ready
+    node_grace_seconds: int = NODE_GRACE_SECONDS
+
+
+def kwok_lease_seconds(spec: ClusterSpec) -> int:
+    """The Lease duration kwok gives its nodes (renewed every quarter of it): 20 s at the default
+    grace period, shorter in step with a shorter one."""
+    return max(4, NODE_LEASE_SECONDS * spec.node_grace_seconds // NODE_GRACE_SECONDS)
+
+
+def local_renew_seconds(spec: ClusterSpec) -> float:
+    """How often the local-node runtime renews its nodes' Leases: a third of the grace period."""
+    return spec.node_grace_seconds / 3
 
 
 # ---------------------------------------------------------------- the nodes of a ClusterSpec
@@ -319,8 +335,8 @@ class ControlPlane:
         say("starting kube-apiserver")
         self._start_apiserver(etcd_url, api_port, pki_dir, left)
         say("starting kube-controller-manager, kube-scheduler and kwok")
-        health_ports = self._start_controllers(pki_dir)
-        self._start_kwok()
+        health_ports = self._start_controllers(pki_dir, spec)
+        self._start_kwok(spec)
         client = self.client()
         names = self._start_nodes(spec, client, say)
         for name, port in health_ports:
@@ -385,7 +401,7 @@ class ControlPlane:
         ca_ctx.load_cert_chain(str(p / "admin.crt"), str(p / "admin.key"))
         self._wait_http("kube-apiserver", f"https://127.0.0.1:{api_port}/readyz", left(), ca_ctx)
 
-    def _start_controllers(self, p: Path) -> list[tuple[str, int]]:
+    def _start_controllers(self, p: Path, spec: ClusterSpec) -> list[tuple[str, int]]:
         """kube-controller-manager and kube-scheduler; (name, port) of each one's /healthz."""
         kcm_port, sched_port = free_port(), free_port()
         self._start("kube-controller-manager", [
@@ -397,7 +413,7 @@ class ControlPlane:
             f"--root-ca-file={p / 'ca.crt'}", f"--service-account-private-key-file={p / 'sa.key'}",
             f"--service-cluster-ip-range={SERVICE_CIDR}", "--use-service-account-credentials=true",
             "--controllers=*", "--node-monitor-period=1s",
-            f"--node-monitor-grace-period={NODE_MONITOR_GRACE}",
+            f"--node-monitor-grace-period={spec.node_grace_seconds}s",
             "--node-eviction-rate=100", "--secondary-node-eviction-rate=100",
             "--kube-api-qps=200", "--kube-api-burst=400", "--profiling=false",
         ], str(self.bin / "kube-controller-manager"), kcm_port)
@@ -415,7 +431,7 @@ class ControlPlane:
         ], str(self.bin / "kube-scheduler"), sched_port)
         return [("kube-controller-manager", kcm_port), ("kube-scheduler", sched_port)]
 
-    def _start_kwok(self) -> None:
+    def _start_kwok(self, spec: ClusterSpec) -> None:
         """kwok, the simulated kubelet of every node that is neither local nor down."""
         kwok_file = self.dir / "kwok.yaml"
         kwok_file.write_text(kwok_config.config_text())
@@ -423,7 +439,7 @@ class ControlPlane:
             str(self.bin / "kwok"), f"--kubeconfig={self.dir / 'kwok.kubeconfig'}",
             f"--config={kwok_file}", "--manage-all-nodes=false",
             f"--manage-nodes-with-label-selector={KWOK_SELECTOR}",
-            f"--node-lease-duration-seconds={NODE_LEASE_SECONDS}", f"--cidr={POD_CIDR}",
+            f"--node-lease-duration-seconds={kwok_lease_seconds(spec)}", f"--cidr={POD_CIDR}",
             "--node-ip=127.0.0.1", "--v=WARN",  # it logs every Lease renewal at INFO
         ], str(self.bin / "kwok"))
 
@@ -441,6 +457,7 @@ class ControlPlane:
                 sys.executable, "-m", "shardwise.e2e.localcluster.localnodes",
                 f"--kubeconfig={self.dir / 'localnodes.kubeconfig'}",
                 f"--nodes-file={nodes_file}", f"--state-dir={self.dir / 'pods'}",
+                f"--renew-seconds={local_renew_seconds(spec)}",
             ], "shardwise.e2e.localcluster.localnodes")
         return [n["metadata"]["name"] for n in sim + local_nodes(spec)]
 

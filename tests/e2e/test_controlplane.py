@@ -62,13 +62,34 @@ def test_eight_gpu_pod_lands_on_the_eight_gpu_node(kubectl, namespace, node_fact
     assert pod["spec"]["nodeName"] == big != small
 
 
-def test_deleting_a_node_removes_its_pods(kubectl, namespace, node_factory, cluster):
-    node = node_factory(f"{namespace}-doomed", gpus=8, labels={POOL: namespace})
-    kubectl("apply", "-f", "-", input=gpu_pod("on-doomed", 2, {POOL: namespace}))
-    wait_until(lambda: get(kubectl, "pod", "on-doomed")["status"].get("phase") == "Running", 30,
-               "the pod to run")
-    cluster.delete_node(node)
-    # The pod garbage collector waits 40s for a vanished node to come back (not configurable).
+def test_a_deleted_nodes_pods_go_and_a_failed_nodes_are_evicted_in_seconds(kubectl, namespace, node_factory,
+                                                                           cluster):
+    """Two lost nodes at once: the pod garbage collector waits 40 s for a deleted node to come back
+    (not configurable), and the failed node's whole cycle fits in that wait."""
+    doomed, flaky = f"{namespace}-doomed", f"{namespace}-flaky"
+    for node in (doomed, flaky):
+        node_factory(node, gpus=8, labels={POOL: node})
+    kubectl("apply", "-f", "-", input=gpu_pod("on-doomed", 2, {POOL: doomed}))
+    kubectl("apply", "-f", "-", input=gpu_pod("on-flaky", 8, {POOL: flaky}))
+    for pod in ("on-doomed", "on-flaky"):
+        wait_until(lambda pod=pod: get(kubectl, "pod", pod)["status"].get("phase") == "Running", 30, f"{pod} to run")
+
+    # A deleted node: its pods are collected.
+    cluster.delete_node(doomed)
+
+    # A failed node: NotReady, tainted, its pods evicted in seconds.
+    cluster.node_down(flaky)
+    cluster.wait_node_ready(flaky, ready=False, timeout=40)
+    taints = {t["key"] for t in get(kubectl, "node", flaky)["spec"].get("taints") or []}
+    assert "node.kubernetes.io/unreachable" in taints
+    wait_until(lambda: get(kubectl, "pod", "on-flaky")["metadata"].get("deletionTimestamp"), 30,
+               "the pod on the failed node to be evicted")
+    # back up: kwok takes the node again and the evicted pod, still Terminating, is finished off
+    cluster.node_up(flaky)
+    cluster.wait_node_ready(flaky, timeout=40)
+    wait_until(lambda: "on-flaky" not in kubectl("get", "pods", "-o", "name"), 30,
+               "the evicted pod to go once its node is back")
+
     wait_until(lambda: "on-doomed" not in kubectl("get", "pods", "-o", "name"), 120,
                "the pod of the deleted node to go")
 
@@ -84,24 +105,6 @@ def test_deleting_an_owner_deletes_its_dependents(kubectl):
     kubectl("delete", "configmap", "owner")
     wait_until(lambda: "dep-" not in kubectl("get", "configmaps", "-o", "name"), 30,
                "the garbage collector to delete the dependents")
-
-
-def test_node_failure_evicts_pods_in_seconds(kubectl, namespace, node_factory, cluster):
-    node = node_factory(f"{namespace}-flaky", gpus=8, labels={POOL: namespace})
-    kubectl("apply", "-f", "-", input=gpu_pod("on-flaky", 8, {POOL: namespace}))
-    wait_until(lambda: get(kubectl, "pod", "on-flaky")["status"].get("phase") == "Running", 30,
-               "the pod to run")
-    cluster.node_down(node)
-    cluster.wait_node_ready(node, ready=False, timeout=40)
-    taints = {t["key"] for t in get(kubectl, "node", node)["spec"].get("taints") or []}
-    assert "node.kubernetes.io/unreachable" in taints
-    wait_until(lambda: get(kubectl, "pod", "on-flaky")["metadata"].get("deletionTimestamp"), 30,
-               "the pod on the failed node to be evicted")
-    # back up: kwok takes the node again and the evicted pod, still Terminating, is finished off
-    cluster.node_up(node)
-    cluster.wait_node_ready(node, timeout=40)
-    wait_until(lambda: "on-flaky" not in kubectl("get", "pods", "-o", "name"), 30,
-               "the evicted pod to go once its node is back")
 
 
 # ---------------------------------------------------------------- shardwise dev

@@ -75,6 +75,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sync-checkpoint", action="store_true",
                    help="write checkpoints in the training thread (default: in the background)")
     p.add_argument("--json", action="store_true", help="one JSON object per step on stdout")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per rank on cpu (default: cores/ranks)")
 
 
 def options(args):
@@ -139,7 +141,7 @@ def check_inputs(opts, local_dir_name: str = "--local-checkpoint-dir") -> None:
         ckpt.check_same_model(found[2].get("model", {}), ckpt.structure_of(source.config.to_dict()), found[1])
 
 
-def _rank_main(opts, rank: int, world: int, port: int) -> None:
+def _rank_main(opts, rank: int, world: int, port: int, threads: int | None = None) -> None:
     """One local rank: named `shardwise-rk<N>` in ps/top; only rank 0 prints to stdout."""
     import torch
 
@@ -155,7 +157,7 @@ def _rank_main(opts, rank: int, world: int, port: int) -> None:
         pass
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // world))
     if rank != 0:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 1)
@@ -175,7 +177,7 @@ def _rank_main(opts, rank: int, world: int, port: int) -> None:
 LOCAL_GROUP = Policy(second_signal_aborts=True, settle_s=0.5, poll_s=0.05)
 
 
-def launch(opts, world: int) -> int:
+def launch(opts, world: int, threads: int | None = None) -> int:
     """Run `world` local ranks of `opts`; if one fails, stop the others (the group is one unit).
 
     SIGINT/SIGTERM are forwarded to the ranks, which stop together after a shared checkpoint:
@@ -186,7 +188,7 @@ def launch(opts, world: int) -> int:
     ctx = forkserver("shardwise.worker.training.trainer")   # ranks start with the training code imported
 
     def start() -> list:
-        procs = [ctx.Process(target=_rank_main, args=(opts, rank, world, port), name=f"rank{rank}")
+        procs = [ctx.Process(target=_rank_main, args=(opts, rank, world, port, threads), name=f"rank{rank}")
                  for rank in range(world)]
         for p in procs:
             p.start()
@@ -220,8 +222,10 @@ def run(args) -> int:
     in_group = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     try:
         if not in_group:
+            if args.threads is not None and args.threads < 1:
+                raise WorkerError("--threads must be at least 1")
             check_inputs(opts)
-            return launch(opts, opts.world_size)
+            return launch(opts, opts.world_size, args.threads)
         from shardwise.worker.training.trainer import run_training
         return run_training(opts)
     except (WorkerError, DataError, ckpt.CheckpointError) as e:

@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 
 from shardwise.e2e.localcluster import kapi
+from shardwise.e2e.localcluster.localnodes.heartbeat import RENEW_EVERY
 from shardwise.e2e.localcluster.localnodes.host import NodeHost
 
 log = logging.getLogger(__name__)
@@ -21,12 +22,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kubeconfig", required=True)
     parser.add_argument("--nodes-file", help="JSON list of Node objects to register at start")
     parser.add_argument("--state-dir", required=True, help="where pods' folders and logs go")
+    parser.add_argument("--renew-seconds", type=float, default=RENEW_EVERY,
+                        help="how often each node's Lease is renewed")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     nodes = json.loads(Path(args.nodes_file).read_text()) if args.nodes_file else []
     state = Path(args.state_dir)
     state.mkdir(parents=True, exist_ok=True)
-    host = NodeHost(kapi.Client.from_kubeconfig(args.kubeconfig), state, nodes)
+    host = NodeHost(kapi.Client.from_kubeconfig(args.kubeconfig), state, nodes, renew_every=args.renew_seconds)
 
     def on_signal(signum, frame):
         host.stopping.set()

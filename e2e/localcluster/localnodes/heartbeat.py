@@ -17,8 +17,9 @@ LEASES = "/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases"
 class Heartbeat:
     """When each served node last renewed its Lease and last posted its status."""
 
-    def __init__(self, client: kapi.Client):
+    def __init__(self, client: kapi.Client, renew_every: float = RENEW_EVERY):
         self.client = client
+        self.renew_every = renew_every
         self.last_status: dict[str, float] = {}
         self.last_lease: dict[str, float] = {}
 
@@ -30,7 +31,7 @@ class Heartbeat:
         """Renew the Lease and post the status of each node in `alive` that is due (new ones now)."""
         for name in alive:
             t = time.monotonic()
-            if t - self.last_lease.get(name, 0) >= RENEW_EVERY:
+            if t - self.last_lease.get(name, 0) >= self.renew_every:
                 self.renew_lease(name)
                 self.last_lease[name] = t
             if t - self.last_status.get(name, 0) >= STATUS_EVERY or name in came:

@@ -22,8 +22,9 @@ log = logging.getLogger(__name__)
 class NodeHost:
     """The local nodes this process serves, the pods it has seen and the runners of their pods."""
 
-    def __init__(self, client: kapi.Client, state_dir: Path, nodes: list[dict]):
+    def __init__(self, client: kapi.Client, state_dir: Path, nodes: list[dict], renew_every: float | None = None):
         self.client = client
+        self.renew_every = renew_every   # seconds between Lease renewals (None: the heartbeat's default)
         self.dir = state_dir
         self.initial_nodes = nodes
         self.ips = IPPool(str(state_dir))
@@ -45,7 +46,7 @@ class NodeHost:
                     raise
 
     def node_loop(self) -> None:
-        heartbeat = Heartbeat(self.client)
+        heartbeat = Heartbeat(self.client) if self.renew_every is None else Heartbeat(self.client, self.renew_every)
         while not self.stopping.is_set():
             try:
                 self._follow_nodes(heartbeat)

@@ -137,6 +137,7 @@ def test_compression_residuals_reshard_to_another_layout_and_replicate_count(tra
      "compression warm-up must be 0 or more steps, got -1"),
     (["--data-parallel", "2", "--compression", "int8"],
      "gradient compression works across replicate groups: --data-shard 2 leaves none of the 2 replicas"),
+    (["--threads", "0"], "--threads must be at least 1"),
 ])
 def test_a_bad_layout_is_one_line_naming_the_option(train, tmp_path, extra, message):
     code, _, stderr = train.run(tmp_path / "ck", *extra, timeout=120)
