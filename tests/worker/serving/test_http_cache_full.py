@@ -4,8 +4,10 @@ still hear of it (it reads tokens off a queue, off the engine thread)."""
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -15,9 +17,25 @@ from shardwise.worker.weights.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")
-def base(tiny_serving_model):
+def no_eos_model(tiny_serving_model, tmp_path_factory) -> Path:
+    """The tiny model with no end-of-sequence token: a random model's greedy text may reach its EOS
+    within 32 tokens (and near-tied logits make whether it does vary with the machine's threading),
+    which would end the request with "stop" before it ever outgrows the cache."""
+    folder = tmp_path_factory.mktemp("no-eos") / "tiny"
+    shutil.copytree(tiny_serving_model, folder)
+    for name in ("config.json", "generation_config.json"):
+        path = folder / name
+        if path.exists():
+            config = json.loads(path.read_text())
+            config.pop("eos_token_id", None)
+            path.write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def base(no_eos_model):
     # 32 cached tokens (two blocks of 16) for a context of 128: one request outgrows the cache
-    spec = RankSpec(str(tiny_serving_model), max_batch=2, max_seq=128, kv_tokens=32)
+    spec = RankSpec(str(no_eos_model), max_batch=2, max_seq=128, kv_tokens=32)
     runtime = LocalRuntime(spec)
     app = App("tiny", load_tokenizer(runtime.source))
     server = Server(app, "127.0.0.1", 0).start()
