@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from shardwise.worker.errors import WorkerError
+from shardwise.worker.fetch import trust
 from shardwise.worker.fetch.remote import (MAX_NAME_BYTES, ChecksumKind, NotFound, Remote, RemoteError,
                                            RemoteFile, Unauthorized)
 
@@ -234,6 +235,8 @@ def _hasher(f: RemoteFile):
         return hashlib.sha256()
     if f.checksum and f.checksum.kind is ChecksumKind.MD5:
         return hashlib.md5(usedforsecurity=False)
+    if f.checksum and f.checksum.kind is ChecksumKind.GIT_BLOB_SHA1:
+        return trust.git_blob_sha1(f.size)
     return None
 
 
