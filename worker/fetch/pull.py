@@ -14,11 +14,13 @@ from shardwise.worker.fetch.select import metadata_files, stage_share, weight_fi
 @contextmanager
 def hold_stage(cache: ModelCache, remote: Remote, scheme: str, location: str, stage: int = 0,
                pipeline: int = 1, layers: tuple[int, int] | None = None,
-               progress: Progress | None = None) -> Iterator[tuple[Entry, FetchReport]]:
-    """The stage's files in the cache, held in use (never evicted) for the block: (entry, report)."""
+               progress: Progress | None = None,
+               metadata_progress: Progress | None = None) -> Iterator[tuple[Entry, FetchReport]]:
+    """The stage's files in the cache, held in use (never evicted) for the block: (entry, report).
+    `progress` follows the weights' fill, `metadata_progress` the metadata's before it."""
     listing = remote.list_files()
     with cache.open(scheme, location, remote.revision()) as entry:
-        first = entry.fill(remote, metadata_files(listing))
+        first = entry.fill(remote, metadata_files(listing), metadata_progress)
         share = stage_share(entry.files_dir, stage, pipeline, layers)
         weights = entry.fill(remote, weight_files(listing, entry.files_dir, share), progress)
         weights.fetched_bytes += first.fetched_bytes
