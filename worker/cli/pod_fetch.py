@@ -43,6 +43,7 @@ def fetch_model(contract, placement, host: str) -> str:
             (placement.layer_start, placement.layer_end), progress=tracker.phase(),
             metadata_progress=tracker.phase()))
         tracker.finished()
+        server.linger()
     except BaseException as e:
         tracker.failed(str(e))
         held.close()

@@ -13,6 +13,10 @@ from shardwise.crds import names
 from shardwise.crds.download import DownloadReport
 
 RATE_WINDOW_S = 5.0            # the rate is over the last few seconds, not the whole download
+# A pod whose progress was read while it fetched keeps answering, once done, until its done report
+# has been read (the operator posts its Downloaded Event on that), at most this long: a few of the
+# operator's poll periods (10 s).
+LINGER_S = 30.0
 _MAX_SAMPLES = 256             # bounded history for the rate, whatever the chunk size
 
 
@@ -84,12 +88,20 @@ class ProgressServer:
     model is still being fetched); anything else 404. Closed before the model's server starts."""
 
     def __init__(self, tracker: DownloadTracker, host: str, port: int):
-        handler = _handler(tracker)
+        self.read_while_fetching = threading.Event()     # someone watched the fetch
+        self.done_read = threading.Event()               # ... and has read its done report
+        handler = _handler(tracker, self)
         self._server = http.server.ThreadingHTTPServer((host, port), handler)
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
                                         daemon=True)
         self._thread.start()
+
+    def linger(self, timeout_s: float = LINGER_S) -> None:
+        """Once the fetch is done: if its progress was read meanwhile, wait (bounded) until the done
+        report has been read too, so the reader sees the download finish."""
+        if self.read_while_fetching.is_set():
+            self.done_read.wait(timeout_s)
 
     def close(self) -> None:
         self._server.shutdown()
@@ -97,11 +109,13 @@ class ProgressServer:
         self._thread.join(timeout=5)
 
 
-def _handler(tracker: DownloadTracker):
+def _handler(tracker: DownloadTracker, server: ProgressServer):
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:   # noqa: N802 (the stdlib's name)
             if self.path == names.DOWNLOAD_PROGRESS_PATH:
-                self._send(200, tracker.report().model_dump_json().encode())
+                report = tracker.report()
+                self._send(200, report.model_dump_json().encode())
+                (server.done_read if report.done else server.read_while_fetching).set()
             elif self.path == "/healthz":
                 self._send(503, b'{"ready": false, "fetching": true}')
             else:

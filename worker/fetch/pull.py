@@ -8,7 +8,7 @@ from typing import Iterator
 
 from shardwise.worker.fetch.cache import Entry, FetchReport, ModelCache, Progress
 from shardwise.worker.fetch.remote import Remote
-from shardwise.worker.fetch.select import metadata_files, stage_share, weight_files
+from shardwise.worker.fetch.select import metadata_files, stage_share, weight_files, whole_gguf
 
 
 @contextmanager
@@ -19,7 +19,11 @@ def hold_stage(cache: ModelCache, remote: Remote, scheme: str, location: str, st
     """The stage's files in the cache, held in use (never evicted) for the block: (entry, report).
     `progress` follows the weights' fill, `metadata_progress` the metadata's before it."""
     listing = remote.list_files()
+    gguf = whole_gguf(listing)
     with cache.open(scheme, location, remote.revision()) as entry:
+        if gguf is not None:       # a GGUF model: one file, whole (see select.py)
+            yield entry, entry.fill(remote, [gguf], progress)
+            return
         first = entry.fill(remote, metadata_files(listing), metadata_progress)
         share = stage_share(entry.files_dir, stage, pipeline, layers)
         weights = entry.fill(remote, weight_files(listing, entry.files_dir, share), progress)

@@ -45,7 +45,7 @@ def test_inspect_reads_config_json_from_the_bucket(s3_server, s3_model, sharded_
 
 
 @pytest.mark.skipif(not SMOL_GGUF.exists(), reason="SmolLM2 GGUF not installed")
-def test_inspect_reads_a_gguf_header_by_byte_ranges(s3_server, s3_client, s3_model):
+def test_inspect_reads_a_gguf_header_by_byte_ranges(s3_server, s3_client, s3_model, tmp_path):
     with open(SMOL_GGUF, "rb") as f:
         s3_client.put_object(Bucket="models", Key="smol-gguf/model.Q4_1.gguf", Body=f)
     remote = facts_of(inspect("s3://models/smol-gguf", "--json", "--endpoint", s3_server.endpoint,
@@ -53,3 +53,9 @@ def test_inspect_reads_a_gguf_header_by_byte_ranges(s3_server, s3_client, s3_mod
     local = facts_of(inspect(str(SMOL_GGUF), "--json"))
     assert remote.to_dict() == {**local.to_dict(), "source": remote.source}
     assert remote.source == "s3://models/smol-gguf (model.Q4_1.gguf)"
+    fetched = subprocess.run([sys.executable, "-m", "shardwise", "fetch", "s3://models/smol-gguf", "--cache",
+                              str(tmp_path / "cache"), "--endpoint", s3_server.endpoint, "--path-style",
+                              "--stage", "1", "--pipeline", "2", "--json"], capture_output=True, text=True,
+                             timeout=120, env={**os.environ, **s3_server.env()})
+    assert fetched.returncode == 0, fetched.stderr       # a GGUF model: its one file, whole, for any stage
+    assert json.loads(fetched.stdout)["fetched_bytes"] == SMOL_GGUF.stat().st_size
