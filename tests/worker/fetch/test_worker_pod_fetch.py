@@ -8,10 +8,8 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -22,49 +20,11 @@ import torch
 from shardwise.crds.contract import ModelContract, PodContract, ServingContract, SourceContract
 from shardwise.crds.download import DownloadReport
 from shardwise.crds.plan import ShardPlan, StagePlacement
+from shardwise.e2e.slowlink import SlowLink
 from shardwise.worker.serving.rank import free_port
 from shardwise.worker.weights.tokenizer import from_hf_dir
 
 LINK_BYTES_PER_S = 256 << 10
-
-
-class SlowLink:
-    """A TCP relay to the S3 server that passes its answers at LINK_BYTES_PER_S."""
-
-    def __init__(self, upstream: tuple[str, int]):
-        self.upstream = upstream
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            server = socket.create_connection(self.upstream)
-            threading.Thread(target=self._pipe, args=(client, server, None), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(server, client, LINK_BYTES_PER_S), daemon=True).start()
-
-    @staticmethod
-    def _pipe(src, dst, rate) -> None:
-        try:
-            while data := src.recv(8192):
-                dst.sendall(data)
-                if rate:
-                    time.sleep(len(data) / rate)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self.listener.close()
 
 
 def _get(url):
@@ -105,7 +65,7 @@ def _stop(pod) -> None:
 
 def test_a_pod_fetches_its_files_shows_progress_then_serves(s3_server, s3_model, sharded_model, tmp_path):
     up = urlparse(s3_server.endpoint)
-    link = SlowLink((up.hostname, up.port))
+    link = SlowLink((up.hostname, up.port), LINK_BYTES_PER_S)
     cache, port = tmp_path / "node-cache", free_port()
     pod, log = _start_pod(tmp_path, "first", f"http://127.0.0.1:{link.port}", cache, port, free_port(),
                           s3_server.env())
