@@ -54,6 +54,10 @@ def fetch_model(contract, placement, host: str) -> str:
     mib = 1 << 20
     where = "the node's cache" if source.cache is SourceCache.NODE else "the pod's cache"
     print(f"shardwise worker: {parsed}: fetched {report.fetched_bytes / mib:.1f} MiB, reused "
-          f"{report.reused_bytes / mib:.1f} MiB from {where} ({len(report.files)} files of stage "
+          f"{report.reused_bytes / mib:.1f} MiB from {where} ({_files(len(report.files))} of stage "
           f"{placement.stage}) in {time.monotonic() - began:.1f}s", file=sys.stderr, flush=True)
     return str(report.files_dir)
+
+
+def _files(n: int) -> str:
+    return f"{n} file" + ("" if n == 1 else "s")
