@@ -28,6 +28,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "kind": ("shardwise.e2e.cli.kind", "build the images and a kind cluster from package registries"),
 }
 
+# A command whose MODEL argument names a store (hf://, s3://, oci://) runs this module's `run` with
+# the same arguments instead: the worker reads stores, and the crds command stays free of it.
+REMOTE_MODEL: dict[str, str] = {"inspect": "shardwise.worker.cli.inspect"}
+
 
 def _usage() -> str:
     width = max(map(len, COMMANDS))
@@ -59,12 +63,19 @@ def main(argv: list[str] | None = None) -> int:
     module.add_arguments(parser)
     args = parser.parse_args(rest)
     try:
+        if name in REMOTE_MODEL and _names_a_store(args.model):
+            module = importlib.import_module(REMOTE_MODEL[name])
         return int(module.run(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
     except ModuleNotFoundError as e:   # a heavy import inside run()
         return _missing(name, e)
+
+
+def _names_a_store(uri: str) -> bool:
+    from shardwise.crds.modelsource import SourceScheme, scheme_of
+    return scheme_of(uri) in (SourceScheme.HF.value, SourceScheme.S3.value, SourceScheme.OCI.value)
 
 
 def _missing(command: str, error: ImportError) -> int:

@@ -6,6 +6,9 @@ Needs neither torch nor kopf: a probe pod runs it in whichever image it has,
 
 and the operator reads the pod's termination message back with ModelFacts.from_dict. Bad input
 (no such path, not a model, a damaged GGUF) is one line on stderr and exit status 2.
+
+A MODEL that names a store (hf://, s3://, oci://) is read by the worker's command of the same name
+(worker/cli/inspect.py, the `shardwise` CLI routes it there): only the worker reads stores.
 """
 from __future__ import annotations
 
@@ -18,7 +21,8 @@ from shardwise.crds.modelshape import (COMPUTE_DTYPES, DTYPE_BYTES, ModelFacts, 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", metavar="MODEL", help="a .gguf file, an HF model directory or its config.json")
+    parser.add_argument("model", metavar="MODEL", help="a .gguf file, an HF model directory or its "
+                        "config.json; or hf://, s3://, oci:// (read from the store, in the worker image)")
     parser.add_argument("--dtype", choices=["auto", *COMPUTE_DTYPES], default="auto",
                         help="the dtype asked for, as spec.dtype (auto: the model's own on a GPU, "
                              "bfloat16 for a quantized GGUF or when unknown)")
@@ -39,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
         facts = from_path(path, args.dtype)
         document = json.dumps(facts.to_dict())
         if args.output:
-            _write(args.output, document)
+            write_output(args.output, document)
     except ModelFactsError as e:
         print(f"shardwise inspect: {e}", file=sys.stderr)
         return 2
@@ -47,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write(path: str, document: str) -> None:
+def write_output(path: str, document: str) -> None:
     try:
         with open(path, "w") as f:   # opened, not replaced: /dev/termination-log is a mounted file
             f.write(document)

@@ -11,14 +11,15 @@ GIB = 1 << 30
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("uri", help="the model: s3://bucket/prefix")
+    parser.add_argument("uri", help="the model: s3://bucket/prefix, hf://org/name[@revision], "
+                        "oci://registry/repository:tag")
     parser.add_argument("--cache", required=True, help="the cache's root folder (created if missing)")
     parser.add_argument("--budget-gib", type=float, default=500.0,
                         help="bytes all cached models may hold together; least recently used go first")
-    parser.add_argument("--endpoint", default=None, help="an S3-compatible endpoint URL (default: AWS)")
-    parser.add_argument("--region", default="us-east-1")
+    parser.add_argument("--endpoint", default=None, help="s3://: an S3-compatible endpoint URL (default: AWS)")
+    parser.add_argument("--region", default=None, help="s3://: the bucket's region (default: us-east-1)")
     parser.add_argument("--path-style", action="store_true",
-                        help="address the bucket in the path (MinIO and most on-premises stores)")
+                        help="s3://: address the bucket in the path (MinIO and most on-premises stores)")
     parser.add_argument("--stage", type=int, default=0, help="fetch only this pipeline stage's share")
     parser.add_argument("--pipeline", type=int, default=1, help="pipeline stages of the layout")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
@@ -38,18 +39,16 @@ def run(args) -> int:
 def _run(args) -> int:
     from pathlib import Path
 
-    from shardwise.crds.modelsource import SourceScheme, parse_model_uri
+    from shardwise.crds.modelsource import parse_model_uri
     from shardwise.worker.errors import WorkerError
     from shardwise.worker.fetch.cache import CacheConfig, ModelCache
     from shardwise.worker.fetch.pull import fetch_stage
-    from shardwise.worker.fetch.s3 import S3Config, S3Store
+    from shardwise.worker.fetch.stores import SourceOptions, open_remote
 
     parsed = parse_model_uri(args.uri)
-    if parsed.scheme is not SourceScheme.S3:
-        raise WorkerError(f"{parsed.scheme.value} uris are not fetched by this command (it reads s3://)")
     if args.budget_gib <= 0 or not 1 <= args.pipeline <= 4096:
         raise WorkerError("--budget-gib must be positive and --pipeline between 1 and 4096")
-    remote = S3Store(parsed, S3Config(endpoint=args.endpoint, region=args.region, path_style=args.path_style))
+    remote = open_remote(parsed, SourceOptions(args.endpoint, args.region, args.path_style))
     cache = ModelCache(CacheConfig(Path(args.cache), int(args.budget_gib * GIB)))
     start = time.monotonic()
     report = fetch_stage(cache, remote, parsed.scheme.value, parsed.location, args.stage, args.pipeline,

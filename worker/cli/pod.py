@@ -5,6 +5,10 @@
          MASTER_ADDR, MASTER_PORT             rendezvous (the world's stage-0 pod)
          POD_IP                               a loopback POD_IP is the address to bind (--host overrides)
 
+A remote model (the contract's `source`: hf://, s3://, oci://) is fetched first, only this stage's
+files, into the contract's cache folder, with GET /download (crds/download.py DownloadReport) on the
+port meanwhile (worker/cli/pod_fetch.py); the ranks then load that folder as a model in a path.
+
 The contract (crds/contract.py, written by the operator into the model's ConfigMap) is everything
 the pods of a model share: the plan, the model's path and dtype, the workload, the serving port and
 name, the serving settings (sequences at once, context, KV cache and block, prefill chunk, decode
@@ -129,22 +133,19 @@ def _run(args) -> int:
 
     contract = read_contract(args.contract)
     plan = contract.plan
-    replica = _env_int(names.ENV_REPLICA, args.replica)
-    stage = _env_int(names.ENV_STAGE, args.stage)
-    if replica is None or stage is None:
-        raise WorkerError(f"which stage is this pod? set ${names.ENV_REPLICA} and ${names.ENV_STAGE} "
-                          "(or --replica/--stage)")
-    try:
-        placement = plan.placement(replica, stage)
-    except KeyError:
-        raise WorkerError(f"plan has no replica {replica} stage {stage}") from None
+    replica, stage, placement = _which_pod(args, plan)
     for var in (names.ENV_MASTER_ADDR, names.ENV_MASTER_PORT):
         if not os.environ.get(var):
             raise WorkerError(f"${var} is not set (the address of the replica's stage-0 pod)")
+    host = args.host or _bind_address(os.environ.get(names.ENV_POD_IP, ""))
+    model_path = contract.model.path
+    if contract.source is not None:    # a remote model: this stage's files into the cache first
+        from shardwise.worker.cli.pod_fetch import fetch_model
+        model_path = fetch_model(contract, placement, host)
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    spec = RankSpec(model=contract.model.path, tensor=plan.tensor, pipeline=plan.pipeline,
+    spec = RankSpec(model=model_path, tensor=plan.tensor, pipeline=plan.pipeline,
                     layers=[(p.layer_start, p.layer_end) for p in plan.stages_of(replica)],
                     device=device, dtype=contract.model.dtype,   # validate() resolves auto
                     quantize=args.quantize or plan.quantization,
@@ -154,7 +155,6 @@ def _run(args) -> int:
     if source.config.num_layers != plan.num_layers:
         raise WorkerError(f"plan splits {plan.num_layers} layers but model {contract.model.path} has "
                           f"{source.config.num_layers}")
-    host = args.host or _bind_address(os.environ.get(names.ENV_POD_IP, ""))
     master = os.environ[names.ENV_MASTER_ADDR]
     if master.startswith("127.") or master == "localhost":
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -175,6 +175,20 @@ def _run(args) -> int:
     # for them all (its grace period bounds the wait).
     return _supervise(start, loaded_q, health,
                       stopping="stopping: rank 0 finishes its requests, then stops the pipeline")
+
+
+def _which_pod(args, plan):
+    """(replica, stage, placement) of this pod, from the flags or the environment."""
+    from shardwise.worker.errors import WorkerError
+    replica = _env_int(names.ENV_REPLICA, args.replica)
+    stage = _env_int(names.ENV_STAGE, args.stage)
+    if replica is None or stage is None:
+        raise WorkerError(f"which stage is this pod? set ${names.ENV_REPLICA} and ${names.ENV_STAGE} "
+                          "(or --replica/--stage)")
+    try:
+        return replica, stage, plan.placement(replica, stage)
+    except KeyError:
+        raise WorkerError(f"plan has no replica {replica} stage {stage}") from None
 
 
 def contract_settings(serving) -> dict:

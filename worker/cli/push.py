@@ -9,13 +9,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 from pathlib import Path
-
-# oci://host[:port]/repository(:tag | @sha256:digest); the parts are checked by the registry client
-# and the registry itself.
-_TARGET = re.compile(r"oci://(?P<host>[^/\s]+)/(?P<repo>[^:@\s]+)(?::(?P<tag>[A-Za-z0-9_][A-Za-z0-9._-]{0,127}))?")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,25 +31,44 @@ def run(args: argparse.Namespace) -> int:
     from shardwise.worker.fetch.registry import Registry
     from shardwise.worker.fetch.remote import RemoteError
 
-    m = _TARGET.fullmatch(args.target)
+    target = _target(args.target)
     folder = Path(args.folder)
-    if m is None:
-        return _fail(f"{args.target!r} is not oci://REGISTRY[:PORT]/REPOSITORY[:TAG]")
+    if isinstance(target, str):
+        return _fail(target)
     if not folder.is_dir():
         return _fail(f"{folder}: not a folder")
     username = args.username or os.environ.get(ENV_USERNAME) or None
     password = sys.stdin.readline().rstrip("\n") if args.password_stdin else os.environ.get(ENV_PASSWORD)
-    tag = m["tag"] or "latest"
     try:
-        registry = Registry(m["host"], m["repo"], args.plain_http, username, password)
-        pushed = push_folder(registry, folder, tag)
+        registry = Registry(target.registry, target.repository, args.plain_http, username, password)
+        pushed = push_folder(registry, folder, target.tag)
     except (RemoteError, OSError) as e:
         return _fail(str(e))
     print(f"pushed {pushed.files} files ({pushed.bytes_total} bytes, {pushed.bytes_uploaded} uploaded) "
-          f"to oci://{m['host']}/{m['repo']}:{tag}")
+          f"to {target}")
     print(f"digest: {pushed.digest}")
-    print(f"model.uri: oci://{m['host']}/{m['repo']}@{pushed.digest}")
+    print(f"model.uri: oci://{target.location}@{pushed.digest}")
     return 0
+
+
+def _target(text: str):
+    """The OciUri to push to (tag latest when none is given), or why it is not one (one line): the
+    same grammar a ShardedModel's model.uri is read with."""
+    from shardwise.crds.modelsource import ModelUriError, OciUri, parse_model_uri
+    if not text.startswith("oci://"):
+        return f"{text[:200]!r} is not oci://REGISTRY[:PORT]/REPOSITORY[:TAG]"
+    last = text.rsplit("/", 1)[-1]
+    if text.count("/") >= 3 and ":" not in last and "@" not in last:
+        text += ":latest"
+    try:
+        target = parse_model_uri(text)
+    except ModelUriError as e:
+        return str(e).replace("model.uri", "the target", 1)
+    if not isinstance(target, OciUri):
+        return f"{text[:200]!r} is not oci://REGISTRY[:PORT]/REPOSITORY[:TAG]"
+    if target.digest:
+        return "push names a tag (a digest is what the push answers)"
+    return target
 
 
 def _fail(message: str) -> int:

@@ -28,10 +28,14 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from shardwise.worker.errors import WorkerError
+from shardwise.worker.fetch import trust
 from shardwise.worker.fetch.remote import (MAX_NAME_BYTES, ChecksumKind, NotFound, Remote, RemoteError,
                                            RemoteFile, Unauthorized)
 
-Progress = Callable[[int, int], None]      # (bytes done, bytes in all), reused bytes counted as done
+# (bytes done, bytes in all), reused bytes counted as done; called once before any byte is fetched
+# (done = what the cache already held), then as bytes arrive
+Progress = Callable[[int, int], None]
+Retried = Callable[[str], None]            # a read failed and is retried: its one-line reason
 
 # Free space kept on the cache's disk beyond what a download needs (logs, other pods' scratch).
 DISK_RESERVE_BYTES = 1 << 30
@@ -77,8 +81,8 @@ def safe_name(name: str) -> str:
 
 
 class ModelCache:
-    def __init__(self, config: CacheConfig):
-        self.config = config
+    def __init__(self, config: CacheConfig, on_retry: Retried | None = None):
+        self.config, self.on_retry = config, on_retry
         self.entries = Path(config.root) / "entries"
         self.entries.mkdir(parents=True, exist_ok=True)
 
@@ -164,6 +168,8 @@ class Entry:
             self.cache.make_room(need, keep=self.folder)
         done = total - need
         report.reused_bytes = done
+        if progress:
+            progress(done, total)
         for f in missing:
             def step(n: int, base: int = done) -> None:
                 if progress:
@@ -218,6 +224,8 @@ class Entry:
                     except RemoteError as e:
                         if attempt + 1 >= cfg.attempts:
                             raise CacheError(f"{e} (gave up after {cfg.attempts} tries)") from None
+                        if self.cache.on_retry:
+                            self.cache.on_retry(str(e))
                         time.sleep(cfg.backoff_s[min(attempt, len(cfg.backoff_s) - 1)])
                 out.flush()
                 os.fsync(out.fileno())
@@ -234,6 +242,8 @@ def _hasher(f: RemoteFile):
         return hashlib.sha256()
     if f.checksum and f.checksum.kind is ChecksumKind.MD5:
         return hashlib.md5(usedforsecurity=False)
+    if f.checksum and f.checksum.kind is ChecksumKind.GIT_BLOB_SHA1:
+        return trust.git_blob_sha1(f.size)
     return None
 
 

@@ -14,7 +14,6 @@ logged nor put in a message.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 from typing import Iterator
@@ -106,11 +105,8 @@ class HubRemote:
                                      max_retries=REQUEST_RETRIES) as response:
                 if response.status_code >= 400:
                     _raise_for_status(response, MAX_ERROR_BYTES)
-                chunks = body_slice(response, start, end, where)
-                hasher = _hasher(f) if (start, end) == (0, f.size) else None
-                if hasher is not None:
-                    chunks = trust.verified(chunks, hasher, f.checksum.value, where)  # type: ignore[union-attr]
-                yield from chunks
+                # the bytes are checked against f.checksum once, by the cache that writes them
+                yield from body_slice(response, start, end, where)
         except (HfHubHTTPError, httpx2.HTTPError, OfflineModeIsEnabled, HFValidationError) as e:
             raise self._one_line(e) from None
 
@@ -153,9 +149,11 @@ class HubRemote:
             checksum = Checksum(ChecksumKind.SHA256, str(sibling.lfs.sha256).lower())
             size = sibling.lfs.size
         else:
-            # A file kept in git itself: its blob id is the sha1 of a git blob, recomputed on a whole
-            # read; for the cache it is a tag compared between listings.
-            checksum = Checksum(ChecksumKind.OPAQUE, str(sibling.blob_id)) if sibling.blob_id else None
+            # A file kept in git itself: its blob id is the sha1 of a git blob (recomputed by the
+            # cache); anything else is a tag compared between listings.
+            blob = str(sibling.blob_id or "")
+            kind = ChecksumKind.GIT_BLOB_SHA1 if _COMMIT.fullmatch(blob) else ChecksumKind.OPAQUE
+            checksum = Checksum(kind, blob) if blob else None
             size = sibling.size
         return trust.checked_file(self.describe(), sibling.rfilename, size, checksum)
 
@@ -181,17 +179,6 @@ class HubRemote:
         if isinstance(e, OfflineModeIsEnabled):
             return RemoteError(f"{where}: HF_HUB_OFFLINE is set, so the Hub is not asked")
         return RemoteError(f"{where}: cannot reach the Hub ({type(e).__name__})")
-
-
-def _hasher(f: RemoteFile):
-    """What recomputes the listed checksum of `f` from its bytes, or None if nothing can."""
-    if f.checksum is None:
-        return None
-    if f.checksum.kind is ChecksumKind.SHA256:
-        return hashlib.sha256()
-    if _COMMIT.fullmatch(f.checksum.value):     # a git blob id: 40 hex digits
-        return trust.git_blob_sha1(f.size)
-    return None
 
 
 def _raise_for_status(r: httpx2.Response, limit: int) -> bytes:

@@ -8,17 +8,23 @@ from typing import Iterator
 
 from shardwise.worker.fetch.cache import Entry, FetchReport, ModelCache, Progress
 from shardwise.worker.fetch.remote import Remote
-from shardwise.worker.fetch.select import metadata_files, stage_share, weight_files
+from shardwise.worker.fetch.select import metadata_files, stage_share, weight_files, whole_gguf
 
 
 @contextmanager
 def hold_stage(cache: ModelCache, remote: Remote, scheme: str, location: str, stage: int = 0,
                pipeline: int = 1, layers: tuple[int, int] | None = None,
-               progress: Progress | None = None) -> Iterator[tuple[Entry, FetchReport]]:
-    """The stage's files in the cache, held in use (never evicted) for the block: (entry, report)."""
+               progress: Progress | None = None,
+               metadata_progress: Progress | None = None) -> Iterator[tuple[Entry, FetchReport]]:
+    """The stage's files in the cache, held in use (never evicted) for the block: (entry, report).
+    `progress` follows the weights' fill, `metadata_progress` the metadata's before it."""
     listing = remote.list_files()
+    gguf = whole_gguf(listing)
     with cache.open(scheme, location, remote.revision()) as entry:
-        first = entry.fill(remote, metadata_files(listing))
+        if gguf is not None:       # a GGUF model: one file, whole (see select.py)
+            yield entry, entry.fill(remote, [gguf], progress)
+            return
+        first = entry.fill(remote, metadata_files(listing), metadata_progress)
         share = stage_share(entry.files_dir, stage, pipeline, layers)
         weights = entry.fill(remote, weight_files(listing, entry.files_dir, share), progress)
         weights.fetched_bytes += first.fetched_bytes

@@ -19,9 +19,12 @@ READ_CHUNK = 8 << 20
 
 
 class ChecksumKind(str, enum.Enum):
-    """How a store vouches for a file's bytes; the cache verifies what it can after a download."""
+    """How a store vouches for a file's bytes. The cache (cache.py) is the one place that checks
+    them, over the bytes it wrote, a download resumed after an error included; a store only lists
+    them and streams bytes."""
     SHA256 = "sha256"       # the Hub's LFS files, OCI layer digests: verified on the bytes
     MD5 = "md5"             # an S3 ETag of a single-part upload is the MD5 of the object
+    GIT_BLOB_SHA1 = "git-blob-sha1"   # the Hub's small files (kept in git): sha1 of 'blob <size>\0' + bytes
     OPAQUE = "opaque"       # a multipart ETag or any other tag: compared, never recomputed
 
 

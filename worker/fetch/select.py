@@ -96,6 +96,15 @@ def stage_share(files_dir: Path, stage: int, pipeline: int,
     return StageShare(stage, pipeline, layers, facts.tied_embeddings)
 
 
+def whole_gguf(listing: list[RemoteFile]) -> RemoteFile | None:
+    """The one .gguf file of a store that holds no config.json (a GGUF model: fetched whole, its
+    header is its config), else None."""
+    ggufs = [f for f in listing if f.name.endswith(".gguf") and "/" not in f.name]
+    if len(ggufs) == 1 and not any(f.name == "config.json" for f in listing):
+        return ggufs[0]
+    return None
+
+
 def weight_files(listing: list[RemoteFile], files_dir: Path, share: StageShare) -> list[RemoteFile]:
     """The safetensors files holding a tensor the stage loads (by the index in `files_dir`), or the
     single model.safetensors; WorkerError (one line) when the store has neither or the index is bad."""

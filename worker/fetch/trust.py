@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import Iterator
 
 from shardwise.worker.fetch.remote import (
     MAX_LISTED_FILES, MAX_NAME_BYTES, Checksum, ChecksumKind, RemoteError, RemoteFile,
@@ -15,7 +14,8 @@ from shardwise.worker.fetch.remote import (
 # A single model file larger than this is not a model file (the largest safetensors shards are a few
 # tens of GB): a size above it is a store's error, refused before anything is allocated for it.
 MAX_FILE_BYTES = 1 << 44      # 16 TiB
-_HEX = {ChecksumKind.SHA256: re.compile(r"[0-9a-f]{64}"), ChecksumKind.MD5: re.compile(r"[0-9a-f]{32}")}
+_HEX = {ChecksumKind.SHA256: re.compile(r"[0-9a-f]{64}"), ChecksumKind.MD5: re.compile(r"[0-9a-f]{32}"),
+        ChecksumKind.GIT_BLOB_SHA1: re.compile(r"[0-9a-f]{40}")}
 _OPAQUE = re.compile(r"[!-~]{1,256}")   # printable ASCII, no spaces: a tag compared, never parsed
 
 
@@ -65,15 +65,3 @@ def git_blob_sha1(size: int):
     h = hashlib.sha1(usedforsecurity=False)
     h.update(b"blob %d\0" % size)
     return h
-
-
-def verified(chunks: Iterator[bytes], hasher, expected: str, where: str) -> Iterator[bytes]:
-    """Pass `chunks` through, hashing them; after the last one, RemoteError if the digest is not
-    `expected`. The bytes were already handed on by then: the reader (the cache) writes them to a
-    temporary file and never publishes it when this raises."""
-    for chunk in chunks:
-        hasher.update(chunk)
-        yield chunk
-    if hasher.hexdigest() != expected:
-        raise RemoteError(f"{where}: the bytes read do not match the store's checksum "
-                          f"({expected[:16]}...); the file is refused")

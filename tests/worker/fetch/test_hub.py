@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from shardwise.e2e.hubserver import HubServer
+from shardwise.worker.fetch.cache import CacheConfig, CacheError, ModelCache
 from shardwise.worker.fetch.hub import HubRemote
 from shardwise.worker.fetch.remote import ChecksumKind, NotFound, RemoteError, Unauthorized
 
@@ -52,7 +53,7 @@ def test_lists_every_file_with_size_and_the_lfs_sha256(hub, model, monkeypatch):
     weights = files["model-00001-of-00002.safetensors"].checksum
     assert weights.kind is ChecksumKind.SHA256
     assert weights.value == hashlib.sha256(on_disk["model-00001-of-00002.safetensors"].read_bytes()).hexdigest()
-    assert files["config.json"].checksum.kind is ChecksumKind.OPAQUE   # a git blob id
+    assert files["config.json"].checksum.kind is ChecksumKind.GIT_BLOB_SHA1
 
 
 def test_a_branch_is_pinned_to_its_commit_and_a_moved_branch_is_a_new_revision(hub, model):
@@ -81,22 +82,31 @@ def test_a_byte_range_is_that_slice_of_the_file_and_is_asked_as_a_range(hub, mod
     assert "bytes=8-999" in ranges      # only the slice travelled, from the storage host
 
 
-def test_a_whole_file_whose_bytes_do_not_match_the_listed_sha256_is_refused(hub, model):
+def _cached(remote, tmp_path, name):
+    """Fetch one listed file into a node cache, as a pod does: the cache checks the bytes it wrote."""
+    listed = {f.name: f for f in remote.list_files()}[name]
+    cache = ModelCache(CacheConfig(tmp_path / "cache", 1 << 34, disk_reserve_bytes=0, attempts=1))
+    return cache.fetch(remote, "hf", remote.repo_id, [listed])
+
+
+def test_a_whole_file_whose_bytes_do_not_match_the_listed_sha256_is_refused(hub, model, tmp_path):
     hub.publish("org/tiny", model)
     remote = HubRemote("org/tiny", endpoint=hub.url)
     listed = {f.name: f for f in remote.list_files()}["model-00002-of-00002.safetensors"]
     stored = hub.store / listed.checksum.value          # the endpoint's copy goes bad
     stored.write_bytes(b"\0" * listed.size)
-    with pytest.raises(RemoteError) as e:
-        _read(remote, "model-00002-of-00002.safetensors")
-    assert "do not match" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(CacheError) as e:
+        _cached(remote, tmp_path, "model-00002-of-00002.safetensors")
+    assert "checksum does not match" in str(e.value) and "\n" not in str(e.value)
+    assert not list((tmp_path / "cache").rglob("model-00002-of-00002.safetensors"))   # never kept
     (model / "config.json").write_text("{}")            # a small file: its git blob id is checked
     hub.publish("org/small", model)
     remote = HubRemote("org/small", endpoint=hub.url)
+    assert {f.name: f for f in remote.list_files()}["config.json"].checksum.kind is ChecksumKind.GIT_BLOB_SHA1
     blob = [b for b in hub.repos["org/small"].commits[remote.revision()].values() if b.size == 2][0]
     blob.path.write_bytes(b"[]")
-    with pytest.raises(RemoteError, match="do not match"):
-        _read(remote, "config.json")
+    with pytest.raises(CacheError, match="git-blob-sha1 checksum does not match"):
+        _cached(remote, tmp_path, "config.json")
 
 
 def test_a_named_gguf_lists_only_that_file(hub, model):

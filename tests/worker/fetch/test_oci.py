@@ -7,11 +7,13 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from shardwise.e2e import localregistry
 from shardwise.e2e.localregistry import LocalRegistry
+from shardwise.worker.fetch.cache import CacheConfig, CacheError, ModelCache
 from shardwise.worker.fetch.oci import OciRemote
 from shardwise.worker.fetch.oci_push import EMPTY_CONFIG, push_folder
 from shardwise.worker.fetch.registry import MANIFEST_TYPES, Registry
@@ -87,15 +89,17 @@ def test_a_byte_range_is_that_slice_of_the_blob(registry, model):
         assert _read(remote, "model.safetensors", start, end) == data[start:end]
 
 
-def test_a_blob_whose_bytes_do_not_match_its_digest_is_refused(registry, model):
+def test_a_blob_whose_bytes_do_not_match_its_digest_is_refused(registry, model, tmp_path):
     _push(registry, model)
     remote = OciRemote(registry.host, "models/tiny", "v1", plain_http=True)
     listed = {f.name: f for f in remote.list_files()}["model.safetensors"]
     stored = registry.blob_path("sha256:" + listed.checksum.value)
     stored.write_bytes(b"\0" * listed.size)              # the registry's copy goes bad
-    with pytest.raises(RemoteError) as e:
-        _read(remote, "model.safetensors")
-    assert "do not match" in str(e.value) and "\n" not in str(e.value)
+    cache = ModelCache(CacheConfig(tmp_path / "cache", 1 << 34, disk_reserve_bytes=0, attempts=1))
+    with pytest.raises(CacheError) as e:      # the cache checks the digest over the bytes it wrote
+        cache.fetch(remote, "oci", "models/tiny", [listed])
+    assert "sha256 checksum does not match" in str(e.value) and "\n" not in str(e.value)
+    assert not list((tmp_path / "cache").rglob("model.safetensors"))      # never kept
 
 
 @pytest.mark.parametrize("repo, reference, words", [
@@ -189,3 +193,26 @@ def test_shardwise_push_uploads_a_folder_that_oci_reads_back(tmp_path, model):
         assert "wrong-password" not in refused.stderr
         bad = _cli(str(model), "docker://x/y")
         assert bad.returncode == 2 and "is not oci://" in bad.stderr
+        upper = _cli(str(model), f"oci://{reg.host}/Models/tiny:v1", "--plain-http")
+        assert upper.returncode == 2 and "the target repository 'Models/tiny' is not an OCI repository" in upper.stderr
+
+
+def test_shardwise_fetch_reads_an_oci_model_with_the_pods_credentials(tmp_path, tiny_model):
+    """`shardwise fetch oci://...` opens the store the way a pod does (stores.open_remote): a loopback
+    registry over HTTP, OCI_USERNAME/OCI_PASSWORD from the environment; a pushed tag defaults to latest."""
+    model = tiny_model(tmp_path / "model")
+    with LocalRegistry(tmp_path / "registry", users={"alice": PASSWORD}) as reg:
+        creds = {"OCI_USERNAME": "alice", "OCI_PASSWORD": PASSWORD}
+        pushed = _cli(str(model), f"oci://{reg.host}/models/tiny", "--plain-http", env_extra=creds)
+        assert pushed.returncode == 0 and f"to oci://{reg.host}/models/tiny:latest" in pushed.stdout
+        fetch = [sys.executable, "-m", "shardwise", "fetch", f"oci://{reg.host}/models/tiny:latest",
+                 "--cache", str(tmp_path / "cache"), "--json"]
+        done = subprocess.run(fetch, capture_output=True, text=True, timeout=120, env={**os.environ, **creds})
+        assert done.returncode == 0, done.stderr
+        report = json.loads(done.stdout)
+        whole = sum(p.stat().st_size for p in model.rglob("*") if p.is_file())
+        assert (report["fetched_bytes"], report["reused_bytes"]) == (whole, 0)
+        assert (Path(report["files_dir"]) / "config.json").read_bytes() == (model / "config.json").read_bytes()
+        denied = subprocess.run(fetch, capture_output=True, text=True, timeout=120,
+                                env={**os.environ, "OCI_USERNAME": "alice", "OCI_PASSWORD": "nope-nope"})
+        assert denied.returncode == 1 and denied.stderr.count("\n") == 1 and "nope-nope" not in denied.stderr
