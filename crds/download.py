@@ -64,6 +64,7 @@ def replica_download(replica: int, reports: list[DownloadReport]) -> ReplicaDown
     fetched = sum(r.bytes_fetched for r in reports)
     total = sum(r.bytes_total for r in reports)
     done = all(r.done for r in reports)
-    percent = 100 if done or total == 0 else min(99, fetched * 100 // total)
+    # nothing to fetch is 100% only once done: a pod still listing the store reports a total of 0
+    percent = 100 if done else 0 if total == 0 else min(99, fetched * 100 // total)
     return ReplicaDownload(replica=replica, bytes_fetched=fetched, bytes_total=total, percent=percent,
                            rate=int(sum(r.rate for r in reports)))

@@ -35,3 +35,5 @@ def test_a_replicas_download_sums_its_pods_and_is_100_percent_only_when_every_po
     assert almost.percent == 99, "not done until the files are verified"
     warm = replica_download(0, [DownloadReport(bytes_total=0, bytes_cached=10 << 30, done=True)])
     assert warm.percent == 100 and warm.bytes_fetched == 0
+    listing = replica_download(0, [DownloadReport(bytes_total=0)])
+    assert listing.percent == 0, "a pod still listing the store has fetched nothing yet"
