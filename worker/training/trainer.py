@@ -448,7 +448,7 @@ def _finish(trainer: Trainer, last_loss: float | None, emit) -> None:
         write_progress(opts, trainer, {"step": trainer.step, "done": True, "loss": last_loss})
     emit({"event": "done", "step": trainer.step,
           "message": f"done: {trainer.step} steps, last checkpoint "
-                     f"{ckpt.step_dir_name(trainer.step)} in {opts.checkpoint_dir}"})
+                     f"{ckpt.step_dir_name(trainer.step)} in {trainer.manager.store}"})
     dist.barrier()
 
 

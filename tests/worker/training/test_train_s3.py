@@ -135,3 +135,29 @@ def test_a_malformed_uri_is_one_line(train, tmp_path):
     assert p.returncode == 2
     assert p.stderr.strip() == ("shardwise train: --checkpoint-uri bucket 'Bad_Bucket' is not an S3 bucket name "
                                 "(3-63 of a-z, 0-9, '.', '-')")
+
+
+def test_the_local_tier_in_front_of_the_bucket(train, reference, store, s3_server, s3_env, tmp_path):
+    """One process, shared checkpoints to the bucket every 4 steps and local ones every 2: killed
+    after local step 6 (bucket: step 4), it resumes from its node's local step 6, newer than the
+    bucket's, with the uninterrupted run's losses."""
+    local = tmp_path / "local"
+    args = [*_s3_args(s3_server, "tiered"), "--checkpoint-every", "4", "--local-checkpoint-dir", str(local),
+            "--local-checkpoint-every", "2"]
+    proc = train.start(tmp_path / "ck", *args, env={**s3_env, DELAY: "8:60"})
+    seen = {}
+    for line in proc.stdout:
+        rec = json.loads(line)
+        seen[rec["step"]] = rec
+        if rec["step"] >= 7 and [s for s, _ in ckpt.committed(local / "rank-0")][-1:] == [6]:
+            os.kill(train.ranks(proc.pid)[0], signal.SIGKILL)
+            break
+    proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert store("tiered").steps() == [4]
+    code, got, err = train.run(tmp_path / "ck", *args, env=s3_env)
+    assert code == 0, err
+    assert "resumed from local checkpoint step 6" in err and "newest shared checkpoint: step 4" in err
+    assert sorted(got) == [7, 8]
+    _assert_same_losses(got, reference, got)
+    assert store("tiered").steps() == [4, 8]
