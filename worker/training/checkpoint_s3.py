@@ -163,8 +163,11 @@ class S3CheckpointStore:
         return True
 
     def steps(self) -> list[int]:
-        """Committed steps (marker present), oldest first."""
-        return sorted(step for step, s in self._listing().items() if s.marker)
+        """Committed steps (marker present), oldest first; CheckpointError if the store fails."""
+        try:
+            return sorted(step for step, s in self._listing().items() if s.marker)
+        except RemoteError as e:
+            raise CheckpointError(str(e)) from None
 
     def _committed_attempt(self, step: int) -> tuple[dict, str]:
         marker = self._get_json(self._key(step_dir_name(step), MARKER))

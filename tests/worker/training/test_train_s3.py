@@ -80,7 +80,7 @@ def test_killed_run_resumes_from_the_bucket_in_another_layout(train, reference, 
     steps 2 and 4 committed and step 6 without a marker. One process on a fresh disk resumes
     from step 4 (resharded from TP=2), never from the cut-off step 6."""
     proc = train.start(tmp_path / "node-a", *_s3_args(s3_server, "crash"), "--tensor-parallel", "2",
-                       env={**s3_env, DELAY: "6:60"})
+                       env={**s3_env, DELAY: "6:15"})
     deadline = time.time() + 180
     while not [k for k in _keys(s3_client, "crash") if k.startswith("step-00000006/") and k.endswith("/.metadata")]:
         assert time.time() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() is not None else ""
