@@ -153,7 +153,7 @@ def check_inputs(opts, local_dir_name: str = "--local-checkpoint-dir") -> None:
     store = shared_store(opts)
     try:
         newest = ckpt.newest_in(store)   # an object store: also whether it answers, with these credentials
-    except RemoteError as e:
+    except (RemoteError, ckpt.CheckpointError) as e:   # listing the store failed (a folder's never does)
         raise WorkerError(f"--checkpoint-uri: {e}") from None
     if newest is not None:
         ckpt.check_same_model(newest[1].get("model", {}), ckpt.structure_of(source.config.to_dict()),

@@ -161,3 +161,12 @@ def test_the_local_tier_in_front_of_the_bucket(train, reference, store, s3_serve
     assert sorted(got) == [7, 8]
     _assert_same_losses(got, reference, got)
     assert store("tiered").steps() == [4, 8]
+
+
+def test_a_missing_bucket_is_one_line(train, s3_server, s3_env, tmp_path):
+    args = ["--checkpoint-uri", "s3://no-such-bucket/run", "--checkpoint-endpoint", s3_server.endpoint,
+            "--checkpoint-path-style"]
+    p = subprocess.run(train.command(tmp_path / "ck", *args), capture_output=True, text=True, timeout=120,
+                       env={**os.environ, **s3_env})
+    assert p.returncode == 2
+    assert p.stderr.strip() == "shardwise train: --checkpoint-uri: s3://no-such-bucket/run: not found (NoSuchBucket)"
