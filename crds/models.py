@@ -34,6 +34,7 @@ from shardwise.crds.speculative import (DRAFT_TOKENS, DRAFT_TOKENS_MAX, NGRAM_LI
 from shardwise.crds import sourcespec
 from shardwise.crds.sourcespec import ENDPOINT_PATTERN, REGION_PATTERN, CredentialsRef, ModelCache
 from shardwise.crds.schedules import DEFAULT_SCHEDULE, INTERLEAVED_MICRO_BATCHES, PipelineSchedule, micro_batches_fit
+from shardwise.crds.checkpointstore import STORE_OPTIONS_NEED_URI, ObjectStoreCheckpoint, store_rule
 from shardwise.crds.status import (PHASES, Condition, GroupPhase, LastCheckpoint, ModelFactsStatus, ModelPhase,
                                    PlacementSummary, PlanSummary, ReplicaGroupStatus, ShardedModelStatus,
                                    TrainingProgress)
@@ -240,9 +241,11 @@ class Placement(ApiModel):
 
 
 # spec.checkpoint: the local tier needs the shared one, and a mount path of its own.
-LOCAL_NEEDS_CLAIM = ("checkpoint.local needs checkpoint.claim: the shared tier a job resumes from when a "
-                     "node and its local tier are gone")
+LOCAL_NEEDS_CLAIM = ("checkpoint.local needs checkpoint.claim or checkpoint.uri: the shared tier a job resumes "
+                     "from when a node and its local tier are gone")
 LOCAL_PATH_DIFFERS = "checkpoint.local.path must differ from checkpoint.path"
+TRAINING_NEEDS_SHARED_TIER = ("workload training needs checkpoint.claim or checkpoint.uri: a ReadWriteMany claim "
+                              "or an object store every pod writes its shards to")
 
 
 class LocalCheckpoint(ApiModel):
@@ -260,9 +263,10 @@ class LocalCheckpoint(ApiModel):
     keep: int = Field(2, ge=1, le=1000, description="Local checkpoints kept per node; older ones are deleted.")
 
 
-class Checkpoint(ApiModel):
+class Checkpoint(ObjectStoreCheckpoint):
     model_config = ConfigDict(json_schema_extra=cel(
-        ("!has(self.local) || has(self.claim)", LOCAL_NEEDS_CLAIM, ".local"),
+        ("!has(self.local) || has(self.claim) || has(self.uri)", LOCAL_NEEDS_CLAIM, ".local"),
+        store_rule(),
         ("!has(self.local) || self.local.path != self.path", LOCAL_PATH_DIFFERS, ".local.path"),
     ))
 
@@ -273,12 +277,14 @@ class Checkpoint(ApiModel):
     interval_steps: int = Field(100, ge=1, description="Training steps between checkpoints.")
     keep: int = Field(3, ge=1, le=1000, description="Complete checkpoints kept; older ones are deleted.")
     local: Optional[LocalCheckpoint] = Field(None, description=(
-        "A second, node-local tier written more often than the shared one (training); needs claim."))
+        "A second, node-local tier written more often than the shared one (training); needs claim or uri."))
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Checkpoint":
-        if self.local is not None and not self.claim:
+        if self.local is not None and not self.claim and not self.uri:
             raise ValueError(LOCAL_NEEDS_CLAIM)
+        if self.store_options_without_uri():
+            raise ValueError(STORE_OPTIONS_NEED_URI)
         if self.local is not None and self.local.path == self.path:
             raise ValueError(f"{LOCAL_PATH_DIFFERS} (both {self.path})")
         return self
@@ -456,9 +462,8 @@ class ShardedModelSpec(ApiModel):
          "workload cannot change; create a new ShardedModel", ".workload"),
         ("self.workload != 'training' || has(self.training)",
          "workload training needs spec.training (at least data and steps)", ".training"),
-        ("self.workload != 'training' || (has(self.checkpoint) && has(self.checkpoint.claim))",
-         "workload training needs checkpoint.claim: a ReadWriteMany claim every pod writes its shards to",
-         ".checkpoint"),
+        ("self.workload != 'training' || (has(self.checkpoint) && (has(self.checkpoint.claim) || "
+         "has(self.checkpoint.uri)))", TRAINING_NEEDS_SHARED_TIER, ".checkpoint"),
         ("!has(self.training) || self.workload == 'training'",
          "spec.training is only for workload: training", ".training"),
         ("!has(self.autoscaling) || self.workload != 'training'", AUTOSCALING_SERVING_ONLY, ".autoscaling"),
@@ -496,9 +501,8 @@ class ShardedModelSpec(ApiModel):
         if self.workload == Workload.TRAINING:
             if self.training is None:
                 raise ValueError("workload training needs spec.training (at least data and steps)")
-            if self.checkpoint is None or not self.checkpoint.claim:
-                raise ValueError("workload training needs checkpoint.claim: a ReadWriteMany claim every "
-                                 "pod writes its shards to")
+            if self.checkpoint is None or not (self.checkpoint.claim or self.checkpoint.uri):
+                raise ValueError(TRAINING_NEEDS_SHARED_TIER)
         elif self.training is not None:
             raise ValueError("spec.training is only for workload: training")
         if self.autoscaling is not None and self.workload == Workload.TRAINING:

@@ -182,15 +182,25 @@ def _hf(uri: str, rest: str) -> HfUri:
     return HfUri(f"{org}/{name}", revision, file)
 
 
-def _s3(uri: str, rest: str) -> S3Uri:
+def _s3(uri: str, rest: str, field: str = "model.uri") -> S3Uri:
     bucket, _, prefix = rest.partition("/")
     if not bucket:
-        raise ModelUriError("model.uri s3:// names no bucket (s3://<bucket>/<prefix>)")
+        raise ModelUriError(f"{field} s3:// names no bucket (s3://<bucket>/<prefix>)")
     if not _BUCKET.match(bucket) or ".." in bucket or _IPV4.match(bucket):
-        raise ModelUriError(f"model.uri bucket {bucket!r} is not an S3 bucket name "
+        raise ModelUriError(f"{field} bucket {bucket!r} is not an S3 bucket name "
                             "(3-63 of a-z, 0-9, '.', '-')")
     prefix = prefix.rstrip("/")
-    return S3Uri(bucket, _relative_path("model.uri prefix", prefix) if prefix else "")
+    return S3Uri(bucket, _relative_path(f"{field} prefix", prefix) if prefix else "")
+
+
+def parse_s3_uri(uri: str, field: str) -> S3Uri:
+    """`s3://bucket/prefix` of a field other than model.uri (checkpoint.uri), by the same rules;
+    ModelUriError (one line, naming `field`) otherwise."""
+    if not isinstance(uri, str) or not uri.startswith("s3://"):
+        raise ModelUriError(f"{field} must be s3://<bucket>/<prefix>")
+    if len(uri) > MAX_URI_CHARS or not uri.isprintable() or any(c.isspace() for c in uri):
+        raise ModelUriError(f"{field} is longer than {MAX_URI_CHARS} characters or holds a space or control character")
+    return _s3(uri, uri[len("s3://"):], field)
 
 
 def _oci(uri: str, rest: str) -> OciUri:

@@ -9,6 +9,7 @@ import yaml
 
 from shardwise import cli
 from shardwise.crds import models
+from shardwise.crds.checkpointstore import STORE_OPTIONS_NEED_URI
 from shardwise.crds.models import PlanSummary, ShardedModel, load_manifest, parse_quantity
 from shardwise.crds.plan import ShardPlan, StagePlacement
 from shardwise.crds.schema import CRD_FILE, crd, crd_yaml
@@ -180,10 +181,37 @@ def test_elastic_and_local_tier_rules_are_cel_rules_with_the_same_words():
     rules = {r["fieldPath"]: r for r in spec["x-kubernetes-validations"] if "fieldPath" in r}
     assert rules[".training.minReplicas"]["message"] == models.MIN_REPLICAS
     checkpoint = {r["fieldPath"]: r["message"] for r in spec["properties"]["checkpoint"]["x-kubernetes-validations"]}
-    assert checkpoint == {".local": models.LOCAL_NEEDS_CLAIM, ".local.path": models.LOCAL_PATH_DIFFERS}
+    assert checkpoint == {".local": models.LOCAL_NEEDS_CLAIM, ".local.path": models.LOCAL_PATH_DIFFERS,
+                          ".uri": STORE_OPTIONS_NEED_URI}
     local = spec["properties"]["checkpoint"]["properties"]["local"]["properties"]
     assert (local["path"]["default"], local["intervalSteps"]["default"], local["keep"]["default"]) == (
         "/local-checkpoints", 10, 2)
+
+
+def test_checkpoint_uri_is_the_shared_tier_beside_or_instead_of_a_claim():
+    training = {"data": "/d.txt", "steps": 5}
+    sm = load_manifest(minimal(workload="training", training=training, checkpoint={
+        "uri": "s3://ckpts/llama/run-1", "endpoint": "http://minio.storage:9000", "region": "eu-1",
+        "pathStyle": True, "credentialsRef": {"name": "ckpt-keys"}, "local": {}}))
+    c = sm.spec.checkpoint
+    assert (c.uri, c.endpoint, c.region, c.path_style, c.credentials_ref.name, c.claim) == (
+        "s3://ckpts/llama/run-1", "http://minio.storage:9000", "eu-1", True, "ckpt-keys", None)
+    assert sm.to_api()["spec"]["checkpoint"]["credentialsRef"] == {"name": "ckpt-keys"}
+    assert ShardedModel.model_validate(sm.to_api()) == sm
+    assert load_manifest(minimal(workload="training", training=training,
+                                 checkpoint={"claim": "c", "uri": "s3://ckpts/x"})).spec.checkpoint.claim == "c"
+
+
+@pytest.mark.parametrize("checkpoint, message", [
+    ({"claim": "c", "endpoint": "http://minio:9000"}, STORE_OPTIONS_NEED_URI),
+    ({"claim": "c", "credentialsRef": {"name": "k"}}, STORE_OPTIONS_NEED_URI),
+    ({"uri": "gs://b/x"}, "spec.checkpoint.uri: String should match pattern"),
+    ({"uri": "s3://ckpts/x", "endpoint": "http://user:pw@minio:9000"}, "spec.checkpoint.endpoint: String should match pattern"),
+])
+def test_checkpoint_store_refusals_are_one_line(checkpoint, message):
+    with pytest.raises(ValueError) as e:
+        load_manifest(minimal(checkpoint=checkpoint))
+    assert message in str(e.value) and "\n" not in str(e.value)
 
 
 def test_model_helpers():

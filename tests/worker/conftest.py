@@ -11,14 +11,23 @@ Fixtures (all session-scoped):
   tiny_serving_model  one model per session, 2 layers of 64 wide with 4 heads and 2 KV heads, its
                       tokenizer trained on the pangrams: the tests only read it; one that changes its
                       model folder, or needs another shape, writes its own with tiny_model
+  s3_server           a real S3 server (MinIO, shardwise.e2e.s3server) on a loopback port, a
+                      temporary data folder, random credentials; skipped when the binary is not
+                      built (`shardwise dev build-s3`) unless SHARDWISE_REQUIRE_CLUSTER is set
+  s3_config           the worker's S3Config for it (path style, short timeouts)
+  s3_client           a boto3 client signed with the server's credentials (uploads, rewrites)
 """
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
 import pytest
 
+from shardwise.e2e import s3server
+from shardwise.worker.fetch.s3 import S3Config, make_client
+from shardwise.worker.training.s3_storage import prepare_client
 from shardwise.worker.weights.tiny import write_tiny_model
 from tests.worker.texts import PANGRAMS
 
@@ -53,3 +62,23 @@ def tiny_serving_model(tmp_path_factory, tiny_model, pangrams) -> Path:
 def tiny_3_layers(tmp_path_factory, tiny_model) -> str:
     """A 3-layer tiny model (hidden 64, 4 heads, 2 KV heads), for the engine's tests on real ranks."""
     return str(tiny_model(tmp_path_factory.mktemp("tiny3"), layers=3))
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    if not os.access(s3server.minio_path(), os.X_OK) and not os.environ.get("SHARDWISE_REQUIRE_CLUSTER"):
+        pytest.skip("the S3 server is not built: shardwise dev build-s3")
+    with s3server.running_s3_server(tmp_path_factory.mktemp("minio")) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def s3_config(s3_server) -> S3Config:
+    return S3Config(endpoint=s3_server.endpoint, region=s3_server.region, path_style=True,
+                    read_timeout_s=10, attempts=2)
+
+
+@pytest.fixture(scope="session")
+def s3_client(s3_server, s3_config):
+    # (prepare_client: an empty PUT without 'Expect: 100-continue', which MinIO leaves unanswered)
+    return prepare_client(make_client(s3_config, s3_server.env()))

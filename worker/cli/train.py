@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import warnings
 
 from shardwise.worker.cli.flags import add_device_argument, add_layout_arguments
+from shardwise.worker.fetch.s3 import S3Config
 from shardwise.worker.distributed.launch import Ending, Exit, Outcome, Policy, stopped_by, supervise
 
 
@@ -53,6 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
                    help="save every K steps (0: only at the end)")
     p.add_argument("--keep", type=int, default=3, help="complete checkpoints to keep")
+    _add_store_arguments(p)
     p.add_argument("--local-checkpoint-dir", default=None, metavar="DIR",
                    help="node-local tier: every --local-checkpoint-every steps each rank saves its own state "
                         "here (no collective; resumed from only in the same layout, when newer than the "
@@ -79,6 +80,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch threads per rank on cpu (default: cores/ranks)")
 
 
+def _add_store_arguments(p: argparse.ArgumentParser) -> None:
+    """The shared tier in an object store instead of --checkpoint-dir."""
+    p.add_argument("--checkpoint-uri", default=None, metavar="s3://BUCKET/PREFIX",
+                   help="keep the shared checkpoints in this S3-compatible object store instead of "
+                        "--checkpoint-dir (which then holds progress.json only); credentials from "
+                        "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY")
+    p.add_argument("--checkpoint-endpoint", default=None, metavar="URL",
+                   help="the store's endpoint, e.g. http://minio.storage:9000 (default: AWS S3)")
+    p.add_argument("--checkpoint-region", default=S3Config().region, help="the store's region")
+    p.add_argument("--checkpoint-path-style", action="store_true",
+                   help="bucket in the URL path, not the host name (MinIO, most on-premises stores)")
+
+
 def options(args):
     from shardwise.worker.training.trainer import TrainOptions
     return TrainOptions(
@@ -88,7 +102,9 @@ def options(args):
         sequence_parallel=args.sequence_parallel, prefetch_depth=args.prefetch_depth,
         compression=args.compression, compression_density=args.compression_density,
         compression_warmup=args.compression_warmup,
-        checkpoint_every=args.checkpoint_every, keep=args.keep, local_checkpoint_dir=args.local_checkpoint_dir,
+        checkpoint_every=args.checkpoint_every, keep=args.keep, checkpoint_uri=args.checkpoint_uri,
+        checkpoint_s3=S3Config(endpoint=args.checkpoint_endpoint, region=args.checkpoint_region,
+                               path_style=args.checkpoint_path_style), local_checkpoint_dir=args.local_checkpoint_dir,
         local_every=args.local_checkpoint_every, local_keep=args.local_keep, seed=args.seed, lr=args.lr,
         warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
         batch_size=args.batch_size, seq_len=args.seq_len, micro_batches=args.micro_batches,
@@ -98,8 +114,10 @@ def options(args):
 def check_inputs(opts, local_dir_name: str = "--local-checkpoint-dir") -> None:
     """Everything that can be checked before starting processes, each failure one clear line.
     `local_dir_name` is what the message calls the local checkpoint directory (a pod: the spec field)."""
+    from shardwise.worker.fetch.remote import RemoteError
     from shardwise.worker.training import checkpoint as ckpt
     from shardwise.worker.training.data import TokenDataset
+    from shardwise.worker.training.options import shared_store
     from shardwise.worker.errors import WorkerError
     from shardwise.worker.weights.loader import check_layout, open_model
     from shardwise.worker.weights.tokenizer import load_tokenizer
@@ -134,11 +152,14 @@ def check_inputs(opts, local_dir_name: str = "--local-checkpoint-dir") -> None:
     TokenDataset.from_file(opts.data, load_tokenizer(source).encode)  # readable, non-empty, tokenizable
     if os.path.exists(opts.checkpoint_dir) and not os.path.isdir(opts.checkpoint_dir):
         raise WorkerError(f"--checkpoint-dir {opts.checkpoint_dir} exists and is not a directory")
-    with warnings.catch_warnings():   # a damaged newest checkpoint: the ranks warn when they skip it
-        warnings.simplefilter("ignore")
-        found = ckpt.latest_complete(opts.checkpoint_dir)
-    if found is not None:
-        ckpt.check_same_model(found[2].get("model", {}), ckpt.structure_of(source.config.to_dict()), found[1])
+    store = shared_store(opts)
+    try:
+        newest = ckpt.newest_in(store)   # an object store: also whether it answers, with these credentials
+    except (RemoteError, ckpt.CheckpointError) as e:   # listing the store failed (a folder's never does)
+        raise WorkerError(f"--checkpoint-uri: {e}") from None
+    if newest is not None:
+        ckpt.check_same_model(newest[1].get("model", {}), ckpt.structure_of(source.config.to_dict()),
+                              store.where(newest[0]))
 
 
 def _rank_main(opts, rank: int, world: int, port: int, threads: int | None = None) -> None:

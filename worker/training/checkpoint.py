@@ -48,6 +48,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter
 
 from shardwise.worker.weights.checkpoint_format import (  # noqa: F401  (training's names for the format)
     FORMAT, MARKER, META, STEP_DIR, CheckpointError, CheckpointMismatch, Slice, committed, latest_complete,
@@ -89,11 +90,13 @@ class _SliceSavePlanner(DefaultSavePlanner):
         return self.slices[index.fqn].tensor
 
 
-def write_slices(path: str | Path, slices: dict[str, Slice], group: dist.ProcessGroup | None) -> None:
-    """Collective over `group`: every rank writes its slices; the coordinator writes DCP metadata."""
+def write_slices(path: str | Path | StorageWriter, slices: dict[str, Slice], group: dist.ProcessGroup | None) -> None:
+    """Collective over `group`: every rank writes its slices; the coordinator writes DCP metadata.
+    `path`: a folder, or DCP's writer of a checkpoint kept elsewhere (an object store)."""
+    writer = path if isinstance(path, StorageWriter) else dcp.FileSystemWriter(str(path))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        dcp.save({k: s.tensor for k, s in slices.items()}, storage_writer=dcp.FileSystemWriter(str(path)),
+        dcp.save({k: s.tensor for k, s in slices.items()}, storage_writer=writer,
                  planner=_SliceSavePlanner(slices), process_group=group,
                  no_dist=group is None and not dist.is_initialized())
 
@@ -159,13 +162,30 @@ def _remove(path: Path) -> None:
     shutil.rmtree(gone, ignore_errors=True)
 
 
+def marker_record(step: int, files: dict[str, int], attempt: str | None = None) -> dict:
+    """The COMPLETE marker of a step: every file written before it, with its size (and, in an
+    object store, which attempt's copy is the committed one)."""
+    return {"step": step, "files": files, **({"attempt": attempt} if attempt else {})}
+
+
+def to_prune(steps: list[int], keep: int) -> list[int]:
+    """Of the committed steps (oldest first), those that keep-N deletes: all but the newest `keep`."""
+    return list(steps[:-keep]) if keep > 0 else []
+
+
+def is_own_or_stale(folder_attempt: str | None, attempt: str | None, age_s: float, stale_after: float) -> bool:
+    """Whether a run with `attempt` may remove an uncommitted write of `folder_attempt` last
+    touched `age_s` seconds ago: its own at once, another run's only once it is stale."""
+    return (attempt is not None and folder_attempt == attempt) or age_s > stale_after
+
+
 def commit(tmp: Path, final: Path, meta: dict) -> bool:
     """Make a fully written checkpoint visible: meta + marker, fsync, then one atomic rename that
     never replaces a committed checkpoint. True if this copy became `final`; False if a complete
     checkpoint of the step was already there (this copy is then dropped)."""
     _write_durable(tmp / META, json.dumps(meta, indent=1, sort_keys=True))
     files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file() and p.name != MARKER}
-    _write_durable(tmp / MARKER, json.dumps({"step": meta["step"], "files": files}, sort_keys=True))
+    _write_durable(tmp / MARKER, json.dumps(marker_record(meta["step"], files), sort_keys=True))
     _fsync_dir(tmp)
     for _ in range(3):   # each retry follows the removal of a damaged final folder
         try:
@@ -189,10 +209,10 @@ def commit(tmp: Path, final: Path, meta: dict) -> bool:
 def prune(root: Path, keep: int) -> list[Path]:
     """Delete all but the newest `keep` committed checkpoints."""
     removed = []
-    done = committed(root)
-    for _, p in done[:-keep] if keep > 0 else []:
-        _remove(p)
-        removed.append(p)
+    done = dict(committed(root))
+    for step in to_prune(sorted(done), keep):
+        _remove(done[step])
+        removed.append(done[step])
     return removed
 
 
@@ -218,10 +238,8 @@ def _is_leftover(p: Path, attempt: str | None, now: float, stale_after: float) -
     m = TEMP_DIR.match(p.name)
     if not m:
         return False
-    if attempt is not None and m.group(2) == attempt:
-        return True
     try:
-        return now - _last_written(p) > stale_after
+        return is_own_or_stale(m.group(2), attempt, now - _last_written(p), stale_after)
     except OSError:
         return False
 
@@ -254,14 +272,8 @@ def commit_delay(step: int) -> float:
 
 
 def newest_shared(root: str | Path) -> tuple[int, dict] | None:
-    """(step, meta) of the newest committed checkpoint under `root` that passes verification
-    (quietly: a resume warns when it skips one), or None."""
-    for step, path in reversed(committed(root)):
-        try:
-            return step, verify(path)
-        except CheckpointError:
-            continue
-    return None
+    """newest_in for the shared tier in the folder `root`."""
+    return newest_in(ClaimStore(root))
 
 
 def rng_to_text(state: torch.Tensor) -> str:
@@ -299,3 +311,74 @@ def check_same_model(stored: dict, wanted: dict, path: Path | str) -> None:
 def structure_of(config_dict: dict) -> dict:
     """The part of a model config that decides tensor names and shapes (what must match to load)."""
     return {k: config_dict.get(k) for k in STRUCTURE}
+
+
+# ---------------------------------------------------------------- where the shared tier is kept
+
+class ClaimStore:
+    """The shared tier on a file system every rank sees (a ReadWriteMany claim): the commit
+    protocol above, step by step. S3CheckpointStore (checkpoint_s3.py) answers the same calls for
+    an object store; CheckpointManager uses either."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    def __str__(self) -> str:
+        return str(self.root)
+
+    def where(self, step: int) -> str:
+        return str(self.root / step_dir_name(step))
+
+    def open(self, attempt: str) -> None:
+        """Rank 0, once per run: create the root and clear what cut-off writes left."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        clean_partial(self.root, attempt)
+
+    def begin(self, step: int, attempt: str, coordinator: bool) -> None:
+        """Before any rank writes: rank 0 makes a fresh temp folder (the others wait on a barrier)."""
+        tmp = temp_dir(self.root, step, attempt)
+        if coordinator:
+            if tmp.exists():   # this run's own earlier try at the step (no other run writes here)
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+
+    def writer(self, step: int, attempt: str) -> Path:
+        tmp = temp_dir(self.root, step, attempt)
+        tmp.mkdir(parents=True, exist_ok=True)
+        return tmp
+
+    def commit(self, step: int, attempt: str, meta: dict, files: dict[str, bytes]) -> bool:
+        tmp = temp_dir(self.root, step, attempt)
+        for name, content in files.items():
+            (tmp / name).write_bytes(content)
+        return commit(tmp, self.root / step_dir_name(step), meta)
+
+    def prune(self, keep: int) -> list[str]:
+        return [p.name for p in prune(self.root, keep)]
+
+    def clean(self, attempt: str | None) -> list[str]:
+        return [p.name for p in clean_partial(self.root, attempt)]
+
+    def steps(self) -> list[int]:
+        """Committed steps (marker present), oldest first."""
+        return [step for step, _ in committed(self.root)]
+
+    def verify(self, step: int) -> dict:
+        return verify(self.root / step_dir_name(step))
+
+    def read(self, step: int, slices: dict[str, Slice]) -> None:
+        read_slices(self.root / step_dir_name(step), slices)
+
+    def shapes(self, step: int) -> dict[str, tuple[int, ...]]:
+        return stored_shapes(self.root / step_dir_name(step))
+
+
+def newest_in(store: Any) -> tuple[int, dict] | None:
+    """(step, meta) of the newest committed checkpoint of a store that passes verification
+    (quietly: a resume warns when it skips one), or None."""
+    for step in reversed(store.steps()):
+        try:
+            return step, store.verify(step)
+        except CheckpointError:
+            continue
+    return None

@@ -1,8 +1,8 @@
 """The checkpoint tiers that save and resume one rank's training state.
 
 Shared tier (CheckpointManager). Every K steps all ranks write the state in full-tensor
-coordinates to the shared checkpoint directory (checkpoint.py: DCP, commit protocol), readable by
-any later layout. `save()` copies this rank's slices to CPU (the only part training waits for),
+coordinates to the shared checkpoint directory (checkpoint.py: DCP, commit protocol) or to an
+object store (checkpoint_s3.py: the same protocol on `s3://`), readable by any later layout. `save()` copies this rank's slices to CPU (the only part training waits for),
 then a background thread runs the DCP write on a dedicated gloo group (so its collectives never
 interleave with the training collectives) and commits. The next `save()` first waits for the
 previous write to finish.
@@ -24,15 +24,15 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from shardwise.worker.training.checkpoint import (
-    FORMAT, CheckpointError, CheckpointMismatch, Slice, agree_attempt, check_same_model, check_writable,
-    clean_partial, commit, commit_delay, committed, fsync_file, new_attempt, prune, read_slices, step_dir_name,
-    temp_dir, verify, write_slices)
+    FORMAT, CheckpointError, CheckpointMismatch, ClaimStore, Slice, agree_attempt, check_same_model,
+    check_writable, clean_partial, commit, commit_delay, committed, fsync_file, new_attempt, newest_in, prune,
+    step_dir_name, temp_dir, verify, write_slices)
 
 LOCAL_FORMAT = "shardwise-local-checkpoint/1"
 LOCAL_STATE = "state.pt"
@@ -56,10 +56,11 @@ class CheckpointManager:
     `group`: the ranks agree on the run's attempt token (the fence of its temp folders).
     """
 
-    def __init__(self, root: str | Path, *, rank: int, group: dist.ProcessGroup | None,
+    def __init__(self, root: str | Path | Any, *, rank: int, group: dist.ProcessGroup | None,
                  model_meta: dict, keep: int = 3, asynchronous: bool = True,
                  log: Callable[[str], None] | None = None, files: dict[str, bytes] | None = None):
-        self.root = Path(root)
+        # Where the tier is kept: a folder (ClaimStore) or an object store (S3CheckpointStore).
+        self.store = ClaimStore(root) if isinstance(root, (str, Path)) else root
         self.rank = rank
         self.group = group
         self.model_meta = model_meta
@@ -74,8 +75,7 @@ class CheckpointManager:
         self.last_committed: tuple[int, float] | None = None  # (step, unix time)
         self.attempt = agree_attempt(group)
         if rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            clean_partial(self.root, self.attempt)
+            self.store.open(self.attempt)
 
     # -- save
     def save(self, step: int, slices: dict[str, Slice], extra: dict) -> None:
@@ -93,30 +93,22 @@ class CheckpointManager:
         self.last_blocking_s = time.perf_counter() - t0
 
     def _write(self, step: int, slices: dict[str, Slice], meta: dict, t0: float) -> None:
-        tmp = temp_dir(self.root, step, self.attempt)
         try:
-            if self.rank == 0:
-                if tmp.exists():   # this run's own earlier try at the step (no other run writes here)
-                    shutil.rmtree(tmp)
-                tmp.mkdir(parents=True)
+            self.store.begin(step, self.attempt, self.rank == 0)
             if self.group is not None:
                 dist.barrier(group=self.group)  # the folder exists before anyone writes into it
-            else:
-                tmp.mkdir(parents=True, exist_ok=True)
-            write_slices(tmp, slices, self.group)
+            write_slices(self.store.writer(step, self.attempt), slices, self.group)
             delay = commit_delay(step)
             if delay:  # fault injection: widen the window between "written" and "committed"
                 time.sleep(delay)
             if self.rank == 0:
-                for name, content in self.files.items():
-                    (tmp / name).write_bytes(content)
-                if commit(tmp, self.root / step_dir_name(step), meta):
+                if self.store.commit(step, self.attempt, meta, self.files):
                     self.log(f"checkpoint {step_dir_name(step)} committed")
                 else:
                     self.log(f"checkpoint {step_dir_name(step)} was already committed by another run: kept that one")
-                for p in prune(self.root, self.keep):
-                    self.log(f"removed old checkpoint {p.name}")
-                clean_partial(self.root, self.attempt)   # other runs' leftovers, once stale
+                for name in self.store.prune(self.keep):
+                    self.log(f"removed old checkpoint {name}")
+                self.store.clean(self.attempt)   # other runs' leftovers, once stale
             self.last_committed = (step, meta["time"])
             self.last_write_s = time.perf_counter() - t0
         except BaseException as e:  # surfaced on the next save()/wait() in the training thread
@@ -139,12 +131,13 @@ class CheckpointManager:
         """
         agree = agree or (lambda code: code)
         FATAL, SKIP, OK = 0, 1, 2
-        for step, path in reversed(committed(self.root)):
+        for step in reversed(self.store.steps()):
             code, error, meta = OK, None, None
+            path = self.store.where(step)
             try:
-                meta = verify(path)
+                meta = self.store.verify(step)
                 self.check_model(meta, path)
-                read_slices(path, slices)
+                self.store.read(step, slices)
             except CheckpointError as e:
                 code, error = (FATAL if isinstance(e, CheckpointMismatch) else SKIP), e
             agreed = agree(code)
@@ -159,7 +152,11 @@ class CheckpointManager:
             return meta
         return None
 
-    def check_model(self, meta: dict, path: Path) -> None:
+    def newest(self) -> tuple[int, dict] | None:
+        """(step, meta) of the newest complete checkpoint of this tier, or None."""
+        return newest_in(self.store)
+
+    def check_model(self, meta: dict, path: Path | str) -> None:
         check_same_model(meta.get("model", {}), self.model_meta, path)
 
 

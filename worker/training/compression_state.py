@@ -14,7 +14,6 @@ zero: a few steps' worth of dropped gradient, not the model, is lost.
 """
 from __future__ import annotations
 
-from pathlib import Path
 
 import torch
 
@@ -50,21 +49,22 @@ def _renamed(slices: dict[str, ckpt.Slice], group: int, other: int) -> dict[str,
             for k, s in slices.items()}
 
 
-def load_residuals(path: Path, slices: dict[str, ckpt.Slice], group: int, groups: int) -> str:
+def load_residuals(store, step: int, slices: dict[str, ckpt.Slice], group: int, groups: int) -> str:
     """Fill `slices` (residual_slices' of replicate group `group` of `groups`) from the checkpoint
-    at `path`; returns how (one line, for the log)."""
-    stored = ckpt.stored_shapes(path)
+    of `step` in `store` (the shared tier: checkpoint.ClaimStore or checkpoint_s3's); returns how
+    (one line, for the log)."""
+    stored = store.shapes(step)
     saved = _saved_groups(stored)
     present = {k: s for k, s in slices.items() if k in stored}
     if not saved or not present:
         return "the checkpoint holds no compression residuals: they start at zero"
     if saved == list(range(groups)):
-        ckpt.read_slices(path, present)
+        store.read(step, present)
         return f"compression residuals of {groups} replicate groups resumed"
     total = {k: torch.zeros_like(s.tensor) for k, s in present.items()}
     for other in saved:
         theirs = _renamed(present, group, other)
-        ckpt.read_slices(path, theirs)
+        store.read(step, theirs)
         for (k, _), s in zip(present.items(), theirs.values()):
             total[k] += s.tensor
     with torch.no_grad():

@@ -6,7 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardwise.crds.layout import RankLayout
+from shardwise.crds.modelsource import ModelUriError, parse_s3_uri
 
+from shardwise.worker.errors import WorkerError
+from shardwise.worker.fetch.s3 import S3Config
+from shardwise.worker.training import checkpoint as ckpt
 from shardwise.worker.training import parallelize as par
 from shardwise.worker.training import schedules as pipe
 
@@ -29,6 +33,8 @@ class TrainOptions:
     compression_density: float = 0.01  # topk, topk-int4: fraction of gradient elements sent
     compression_warmup: int = 0        # dense AdamW steps first, then the variance frozen (frozen_adam.py)
     checkpoint_every: int = 0          # 0: only at the end
+    checkpoint_uri: str | None = None  # s3://bucket/prefix: the shared tier in an object store
+    checkpoint_s3: S3Config = S3Config()   # its endpoint, region, path style
     keep: int = 3
     local_checkpoint_dir: str | None = None   # node-local tier: each rank's own state, no collective
     local_every: int = 0               # 0: no local tier
@@ -95,6 +101,19 @@ class TrainOptions:
         return None
 
 
+def shared_store(opts: TrainOptions, field: str = "--checkpoint-uri"):
+    """Where the shared tier is kept: the object store of `checkpoint_uri`, else the folder
+    `checkpoint_dir` (a claim). WorkerError (one line, naming `field`) for a malformed uri."""
+    if not opts.checkpoint_uri:
+        return ckpt.ClaimStore(opts.checkpoint_dir)
+    from shardwise.worker.training.checkpoint_s3 import S3CheckpointStore
+    try:
+        uri = parse_s3_uri(opts.checkpoint_uri, field)
+    except ModelUriError as e:
+        raise WorkerError(str(e)) from None
+    return S3CheckpointStore(uri, opts.checkpoint_s3)
+
+
 def layout_record(opts: TrainOptions) -> dict:
     """The layout as a checkpoint's meta.json records it."""
     return {"tensor": opts.tensor, "pipeline": opts.pipeline, "data_parallel": opts.data_parallel,
@@ -135,5 +154,7 @@ def options_from_contract(contract, *, device: str, dtype: str) -> TrainOptions:
         compression=t.gradient_compression.method if t.gradient_compression else "none",
         compression_density=t.gradient_compression.density if t.gradient_compression else 0.01,
         compression_warmup=t.gradient_compression.warmup_steps if t.gradient_compression else 0,
+        checkpoint_uri=c.uri, checkpoint_s3=S3Config(endpoint=c.endpoint, region=c.region or S3Config().region,
+                                                     path_style=bool(c.path_style)),
         local_checkpoint_dir=local.path if local else None, local_every=local.interval_steps if local else 0,
         local_keep=local.keep if local else 2, device=device, dtype=dtype, json=True)

@@ -60,7 +60,8 @@ from shardwise.worker.training.compression import GradientCompressor, plain_all_
 from shardwise.worker.training.frozen_adam import frozen_variance_step_
 from shardwise.worker.training.data import StepBatches, TokenDataset
 from shardwise.worker.training.model_state import build_stage, init_optimizer_state, model_files, optimizer_slices, param_slices
-from shardwise.worker.training.options import TrainOptions, layout_record, options_from_contract, pod_rank  # noqa: F401
+from shardwise.worker.training.options import (TrainOptions, layout_record, options_from_contract, pod_rank,  # noqa: F401
+                                              shared_store)
 from shardwise.worker.training.progress import announce, emitter, read_progress, write_progress  # noqa: F401
 from shardwise.worker.weights.loader import DTYPES, check_layout, open_model
 from shardwise.worker.weights.tokenizer import load_tokenizer
@@ -115,7 +116,7 @@ class Trainer:
         self.data = TokenDataset.from_file(opts.data, tokenizer.encode)
         self.batches = StepBatches(self.data, opts.seq_len, opts.batch_size, opts.seed)
         self.manager = tiers.CheckpointManager(
-            opts.checkpoint_dir, rank=rank, group=self.checkpoint_group,
+            shared_store(opts), rank=rank, group=self.checkpoint_group,
             model_meta=ckpt.structure_of(self.config.to_dict()), keep=opts.keep,
             asynchronous=opts.async_checkpoint, log=lambda m: self.emit({"event": "log", "message": m}),
             files=model_files(source, tokenizer))
@@ -195,7 +196,7 @@ class Trainer:
         """Load the newest state: the local tier's when every rank has a matching local checkpoint
         newer than the newest complete shared one, else the shared tier's (resharded if need be)."""
         slices = self.state_slices()
-        shared = ckpt.newest_shared(self.opts.checkpoint_dir)
+        shared = self.manager.newest()
         meta = self._resume_local(slices, shared) if self.local is not None else None
         if meta is not None:
             if shared is not None:   # progress.json's last_checkpoint stays the shared tier's
@@ -205,8 +206,7 @@ class Trainer:
         if meta is None:
             return None
         if self.compressor is not None:
-            path = Path(self.opts.checkpoint_dir) / ckpt.step_dir_name(int(meta["step"]))
-            how = cstate.load_residuals(path, self.residual_slices(), self.mesh["dp_replicate"].get_local_rank(),
+            how = cstate.load_residuals(self.manager.store, int(meta["step"]), self.residual_slices(), self.mesh["dp_replicate"].get_local_rank(),
                                         self.opts.mesh_shape.replicate)
             self.emit({"event": "log", "message": how})
         return self._resumed(meta, "shared")
@@ -448,7 +448,7 @@ def _finish(trainer: Trainer, last_loss: float | None, emit) -> None:
         write_progress(opts, trainer, {"step": trainer.step, "done": True, "loss": last_loss})
     emit({"event": "done", "step": trainer.step,
           "message": f"done: {trainer.step} steps, last checkpoint "
-                     f"{ckpt.step_dir_name(trainer.step)} in {opts.checkpoint_dir}"})
+                     f"{ckpt.step_dir_name(trainer.step)} in {trainer.manager.store}"})
     dist.barrier()
 
 

@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.storage import StorageReader
 
 from shardwise.worker.weights.checkpoint_metadata import SafeFileSystemReader, UnsafeCheckpoint, load_metadata
 
@@ -119,9 +120,12 @@ class _SliceLoadPlanner(DefaultLoadPlanner):
         return self.slices[index.fqn].tensor
 
 
-def read_slices(path: str | Path, slices: dict[str, Slice]) -> None:
-    """Fill each Slice's tensor in place from the checkpoint at `path`; no process group needed."""
-    reader = SafeFileSystemReader(str(path), _metadata(path))   # checked before DCP sees the folder
+def read_slices(path: str | Path, slices: dict[str, Slice], reader: StorageReader | None = None) -> None:
+    """Fill each Slice's tensor in place from the checkpoint at `path`; no process group needed.
+    `reader`: DCP's reader of a checkpoint kept elsewhere (an object store), its metadata already
+    read and checked; `path` then only names it in messages."""
+    if reader is None:
+        reader = SafeFileSystemReader(str(path), _metadata(path))   # checked before DCP sees the folder
     try:
         with warnings.catch_warnings():  # "loading in a single process" is exactly what we ask for
             warnings.simplefilter("ignore", UserWarning)
@@ -183,15 +187,24 @@ def verify(path: Path, fmt: str = FORMAT) -> dict:
         meta = json.loads((path / META).read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint {path}: marker or meta.json unreadable ({e})") from None
-    if meta.get("format") != fmt:
-        raise CheckpointError(f"checkpoint {path}: unknown format {meta.get('format')!r}")
-    for name, size in marker.get("files", {}).items():
-        f = path / name
-        if not f.is_file():
-            raise CheckpointError(f"checkpoint {path}: file {name} is missing")
-        if f.stat().st_size != size:
-            raise CheckpointError(f"checkpoint {path}: file {name} has {f.stat().st_size} bytes, expected {size}")
+    sizes = {name: (path / name).stat().st_size for name in marker.get("files", {}) if (path / name).is_file()}
+    check_complete(path, marker, meta, sizes, fmt)
     return meta
+
+
+def check_complete(where: str | Path, marker: dict, meta: dict, sizes: dict[str, int], fmt: str = FORMAT) -> None:
+    """The rule of a complete checkpoint, wherever it is stored: its meta has the format, and every
+    file its marker lists is there (`sizes`: name -> stored size) with the listed size."""
+    if meta.get("format") != fmt:
+        raise CheckpointError(f"checkpoint {where}: unknown format {meta.get('format')!r}")
+    files = marker.get("files", {})
+    if not isinstance(files, dict):
+        raise CheckpointError(f"checkpoint {where}: its marker lists no files")
+    for name, size in files.items():
+        if name not in sizes:
+            raise CheckpointError(f"checkpoint {where}: file {name} is missing")
+        if sizes[name] != size:
+            raise CheckpointError(f"checkpoint {where}: file {name} has {sizes[name]} bytes, expected {size}")
 
 
 def latest_complete(root: str | Path) -> tuple[int, Path, dict] | None:

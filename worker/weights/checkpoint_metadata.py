@@ -109,18 +109,22 @@ def load_metadata(folder: str | Path, name: str = METADATA_FILE) -> dcp_metadata
     """DCP's metadata of the checkpoint in `folder`, read without unpickling anything but DCP's
     metadata classes; UnsafeCheckpoint (one line) for anything else, OSError if unreadable."""
     path = Path(folder) / name
-    where = str(path)
     with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size > MAX_METADATA_BYTES:
-            raise UnsafeCheckpoint(f"{where}: {size} bytes, more than the {MAX_METADATA_BYTES} "
-                                   f"checkpoint metadata may have")
-        try:
-            md = _MetadataUnpickler(f, where).load()
-        except UnsafeCheckpoint:
-            raise
-        except Exception as e:  # truncated or garbage: a pickle error of any kind
-            raise UnsafeCheckpoint(f"{where}: not readable checkpoint metadata ({type(e).__name__})") from None
+        return load_metadata_stream(f, os.fstat(f.fileno()).st_size, str(path))
+
+
+def load_metadata_stream(f: Any, size: int, where: str) -> dcp_metadata.Metadata:
+    """load_metadata's rules for metadata of `size` bytes read from the binary stream `f` (a file,
+    or an object of a store); `where` names it in messages."""
+    if size > MAX_METADATA_BYTES:
+        raise UnsafeCheckpoint(f"{where}: {size} bytes, more than the {MAX_METADATA_BYTES} "
+                               f"checkpoint metadata may have")
+    try:
+        md = _MetadataUnpickler(f, where).load()
+    except UnsafeCheckpoint:
+        raise
+    except Exception as e:  # truncated or garbage: a pickle error of any kind
+        raise UnsafeCheckpoint(f"{where}: not readable checkpoint metadata ({type(e).__name__})") from None
     _check_shape(md, where)
     return md
 

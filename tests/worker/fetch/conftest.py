@@ -1,11 +1,7 @@
 """A real S3 server (MinIO, shardwise.e2e.s3server) for the fetch tests, and a tiny model stored in
 it as a sharded safetensors folder.
 
-Fixtures
-  s3_server (session)   MinIO on a loopback port, a temporary data folder, random credentials;
-                        skipped when the binary is not built (`shardwise dev build-s3`)
-                        unless SHARDWISE_REQUIRE_CLUSTER is set
-  s3_client (session)   a boto3 client signed with the server's credentials (uploads, rewrites)
+Fixtures (the server itself, s3_server, s3_config and s3_client: tests/worker/conftest.py)
   sharded_model (session)  a 4-layer tiny model split into one safetensors file per layer, one for
                         the embedding and one for the norm and head, with its index (and an empty
                         added_tokens.json)
@@ -14,39 +10,9 @@ Fixtures
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
-
-from shardwise.e2e import s3server
-from shardwise.worker.fetch.s3 import S3Config, make_client
-
-
-@pytest.fixture(scope="session")
-def s3_server(tmp_path_factory):
-    if not os.access(s3server.minio_path(), os.X_OK) and not os.environ.get("SHARDWISE_REQUIRE_CLUSTER"):
-        pytest.skip("the S3 server is not built: shardwise dev build-s3")
-    with s3server.running_s3_server(tmp_path_factory.mktemp("minio")) as server:
-        yield server
-
-
-@pytest.fixture(scope="session")
-def s3_config(s3_server) -> S3Config:
-    return S3Config(endpoint=s3_server.endpoint, region=s3_server.region, path_style=True,
-                    read_timeout_s=10, attempts=2)
-
-
-@pytest.fixture(scope="session")
-def s3_client(s3_server, s3_config):
-    client = make_client(s3_config, s3_server.env())
-    # boto3 sends an empty PUT with "Expect: 100-continue"; MinIO answers without a 100, and the
-    # pooled connection's next request then waits about 30 s. An empty body has nothing to hold back.
-    def no_expect_for_empty(request, **_):
-        if request.headers.get("Content-Length") in ("0", b"0"):
-            request.headers.pop("Expect", None)
-    client.meta.events.register("before-send.s3.PutObject", no_expect_for_empty)
-    return client
 
 
 def shard_by_layer(folder: Path) -> Path:
