@@ -11,13 +11,11 @@ from pydantic import Field
 
 from shardwise.crds.access import DNS_SUBDOMAIN_PATTERN
 from shardwise.crds.apimodel import ApiModel
+from shardwise.crds.sourcespec import ENDPOINT_PATTERN, REGION_PATTERN, SCHEME_SHAPES
 
-# An s3:// uri's shape, what the API server can check (crds/modelsource.parse_s3_uri checks the rest).
-S3_URI_PATTERN = r"^s3://[a-z0-9][-a-z0-9.]{1,61}[a-z0-9](/.*)?$"
-# An S3-compatible endpoint: http(s), a host and an optional port and path; no user:password@ (the
-# endpoint is written into the pod contract, which must carry no credential), no query or fragment.
-ENDPOINT_PATTERN = r"^https?://[A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?(:[0-9]{1,5})?(/[-A-Za-z0-9._~/]*)?$"
-REGION_PATTERN = r"^[a-z0-9][-a-z0-9]*$"
+# An s3:// uri's shape (what the API server can check; crds/modelsource.parse_s3_uri checks the rest),
+# the endpoint's and the region's: spec.model's own (crds/sourcespec.py).
+S3_URI_PATTERN = SCHEME_SHAPES["s3"][0]
 
 STORE_OPTIONS_NEED_URI = ("checkpoint.endpoint, checkpoint.region, checkpoint.pathStyle and "
                           "checkpoint.credentialsRef are for checkpoint.uri only")
