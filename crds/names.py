@@ -154,6 +154,10 @@ CREDENTIAL_ENV: dict[str, tuple[str, ...]] = {
     "hf": (ENV_HF_TOKEN,),
     "oci": (ENV_OCI_USERNAME, ENV_OCI_PASSWORD),
 }
+# spec.checkpoint.credentialsRef's keys (the s3 ones) reach a training pod under this prefix
+# (CHECKPOINT_AWS_ACCESS_KEY_ID, ...), so that a model fetched from one S3 store and checkpoints
+# kept in another each get their own credentials in one pod.
+CHECKPOINT_CREDENTIAL_PREFIX = "CHECKPOINT_"
 # The node-local model cache: the node directory the chart names by default (`operator run
 # --model-cache-host-path`, the chart's operator.modelCache.hostPath), and where a pod sees its
 # namespace's part of it (the contract's source.cache_dir).

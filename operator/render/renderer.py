@@ -241,7 +241,8 @@ def _env(placement: StagePlacement, addr: str, port: int) -> list[dict]:
 
 def _volumes(model: ShardedModel) -> tuple[list[dict], list[dict]]:
     """(volumes, volumeMounts): the contract, the model's claim, the data's claim (training), the
-    checkpoint claim."""
+    checkpoint claim (or, with checkpoints in an object store only, a small emptyDir for the
+    progress report)."""
     spec = model.spec
     volumes = [{"name": "plan", "configMap": {"name": configmap_name(model.name)}}]
     mounts = [{"name": "plan", "mountPath": names.CONTRACT_MOUNT, "readOnly": True}]
@@ -254,6 +255,10 @@ def _volumes(model: ShardedModel) -> tuple[list[dict], list[dict]]:
             mounts.append(mount)
     if spec.checkpoint is not None and spec.checkpoint.claim:
         volumes.append({"name": "checkpoint", "persistentVolumeClaim": {"claimName": spec.checkpoint.claim}})
+        mounts.append({"name": "checkpoint", "mountPath": spec.checkpoint.path})
+    elif spec.checkpoint is not None and spec.checkpoint.uri:
+        # checkpoints in an object store and no claim: `path` holds only the job's progress report
+        volumes.append({"name": "checkpoint", "emptyDir": {"sizeLimit": "16Mi"}})
         mounts.append({"name": "checkpoint", "mountPath": spec.checkpoint.path})
     if spec.checkpoint is not None and spec.checkpoint.local is not None:
         volumes.append({"name": "local-checkpoint", "hostPath": {

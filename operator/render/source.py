@@ -61,6 +61,17 @@ def credentials_env(model: ShardedModel) -> list[dict]:
             for key in names.CREDENTIAL_ENV.get(m.remote_scheme(), ())]
 
 
+def checkpoint_credentials_env(model: ShardedModel) -> list[dict]:
+    """spec.checkpoint.credentialsRef's S3 keys under CHECKPOINT_CREDENTIAL_PREFIX (a pod may fetch its
+    model from another store with other credentials)."""
+    c = model.spec.checkpoint
+    if c is None or c.uri is None or c.credentials_ref is None:
+        return []
+    return [{"name": names.CHECKPOINT_CREDENTIAL_PREFIX + key, "valueFrom": {"secretKeyRef": {
+             "name": c.credentials_ref.name, "key": key, "optional": True}}}
+            for key in names.CREDENTIAL_ENV["s3"]]
+
+
 def cache_volume(model: ShardedModel, settings: Settings) -> tuple[dict, dict]:
     """(volume, mount) of the cache a pod fetches into."""
     if cache_mode(model, settings) == ModelCache.NODE:
@@ -85,7 +96,10 @@ def _prepare(default_image: str) -> dict:
 
 
 def apply(pod_spec: dict[str, Any], model: ShardedModel, settings: Settings, default_image: str) -> None:
-    """Give a pod of a remote model its credentials and its cache (nothing for any other model)."""
+    """Give a pod of a remote model its credentials and its cache, and a pod checkpointing to an
+    object store that store's credentials (nothing for any other model)."""
+    for container in pod_spec["containers"]:
+        container["env"].extend(checkpoint_credentials_env(model))
     if not model.spec.model.remote_scheme():
         return
     volume, mount = cache_volume(model, settings)

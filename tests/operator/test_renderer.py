@@ -1,6 +1,8 @@
 """Renderer: what a ShardPlan becomes in Kubernetes objects (pure; no cluster)."""
 from __future__ import annotations
 
+import json
+
 import base64
 import gzip
 
@@ -223,6 +225,30 @@ def test_training_pods_form_one_world_over_all_replicas_and_get_the_job_settings
     assert volumes["checkpoint"]["persistentVolumeClaim"] == {"claimName": "ckpt"}
     assert mounts["checkpoint"]["mountPath"] == "/ckpt/run1" and not mounts["checkpoint"].get("readOnly")
     assert contract.termination_log == spec["containers"][0]["terminationMessagePath"]
+
+
+def test_a_job_checkpointing_to_an_object_store_gets_its_credentials_apart_and_no_claim():
+    """checkpoint.uri alone: no claim to mount, a small emptyDir for the progress report at `path`;
+    the Secret's S3 keys under CHECKPOINT_ (a model fetched from another store keeps its own AWS_*);
+    the contract names the store and no credential."""
+    model = _training_model(checkpoint={"uri": "s3://ckpts/run1", "endpoint": "http://minio.storage:9000",
+                                        "pathStyle": True, "credentialsRef": {"name": "ckpt-creds"}})
+    plan = _plan()
+    objects = _render(model, plan, {0: 0})
+    spec = next(o for o in objects if o["kind"] == "Pod")["spec"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["name"]: m for m in spec["containers"][0]["volumeMounts"]}
+    assert "persistentVolumeClaim" not in volumes["checkpoint"] and "emptyDir" in volumes["checkpoint"]
+    assert mounts["checkpoint"]["mountPath"] == "/checkpoints"
+    env = {e["name"]: e for e in spec["containers"][0]["env"]}
+    assert env["CHECKPOINT_AWS_ACCESS_KEY_ID"]["valueFrom"]["secretKeyRef"] == {
+        "name": "ckpt-creds", "key": "AWS_ACCESS_KEY_ID", "optional": True}
+    assert {"CHECKPOINT_AWS_SECRET_ACCESS_KEY", "CHECKPOINT_AWS_SESSION_TOKEN"} <= set(env)
+    assert "AWS_ACCESS_KEY_ID" not in env and not spec["containers"][0].get("envFrom")
+    configmap = next(o for o in objects if o["kind"] == "ConfigMap")
+    ck = _contract(configmap).checkpoint
+    assert (ck.uri, ck.endpoint, ck.path_style) == ("s3://ckpts/run1", "http://minio.storage:9000", True)
+    assert "AWS_" not in json.dumps(configmap)
 
 
 def test_a_training_job_has_no_serving_service_and_no_disruption_budget():

@@ -3,8 +3,10 @@ optimizer, batch), the checks that a layout can train a model, and the options o
 from its ShardPlan and pod contract."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
+from shardwise.crds import names
 from shardwise.crds.layout import RankLayout
 from shardwise.crds.modelsource import ModelUriError, parse_s3_uri
 
@@ -35,6 +37,9 @@ class TrainOptions:
     checkpoint_every: int = 0          # 0: only at the end
     checkpoint_uri: str | None = None  # s3://bucket/prefix: the shared tier in an object store
     checkpoint_s3: S3Config = S3Config()   # its endpoint, region, path style
+    # the prefix of the environment variables its credentials are read under: "" (AWS_ACCESS_KEY_ID,
+    # ...) for `shardwise train`, crds.names.CHECKPOINT_CREDENTIAL_PREFIX in a pod
+    checkpoint_env_prefix: str = ""
     keep: int = 3
     local_checkpoint_dir: str | None = None   # node-local tier: each rank's own state, no collective
     local_every: int = 0               # 0: no local tier
@@ -111,7 +116,9 @@ def shared_store(opts: TrainOptions, field: str = "--checkpoint-uri"):
         uri = parse_s3_uri(opts.checkpoint_uri, field)
     except ModelUriError as e:
         raise WorkerError(str(e)) from None
-    return S3CheckpointStore(uri, opts.checkpoint_s3)
+    prefix = opts.checkpoint_env_prefix
+    env = {k[len(prefix):]: v for k, v in os.environ.items() if k.startswith(prefix)} if prefix else None
+    return S3CheckpointStore(uri, opts.checkpoint_s3, env=env)
 
 
 def layout_record(opts: TrainOptions) -> dict:
@@ -156,5 +163,6 @@ def options_from_contract(contract, *, device: str, dtype: str) -> TrainOptions:
         compression_warmup=t.gradient_compression.warmup_steps if t.gradient_compression else 0,
         checkpoint_uri=c.uri, checkpoint_s3=S3Config(endpoint=c.endpoint, region=c.region or S3Config().region,
                                                      path_style=bool(c.path_style)),
+        checkpoint_env_prefix=names.CHECKPOINT_CREDENTIAL_PREFIX,
         local_checkpoint_dir=local.path if local else None, local_every=local.interval_steps if local else 0,
         local_keep=local.keep if local else 2, device=device, dtype=dtype, json=True)

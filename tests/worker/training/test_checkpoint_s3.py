@@ -73,3 +73,23 @@ def test_keep_n_deletes_the_marker_and_objects_of_older_steps(store, bucket):
     assert store.steps() == [3, 4]
     keys = [o["Key"] for o in bucket.list_objects_v2(Bucket=BUCKET, Prefix=store.uri.prefix + "/")["Contents"]]
     assert sorted({k.split("/")[1] for k in keys}) == ["step-00000003", "step-00000004"]
+
+
+def test_a_pod_reads_the_checkpoint_stores_credentials_under_their_own_prefix(bucket, s3_server, monkeypatch):
+    """In a pod the model may come from another S3 store with other credentials: the checkpoint
+    store signs with CHECKPOINT_AWS_*, never the pod's AWS_* (and `shardwise train` uses AWS_*)."""
+    from shardwise.worker.fetch.s3 import S3Config
+    from shardwise.worker.weights.checkpoint_format import CheckpointError
+    from shardwise.worker.training.options import TrainOptions, shared_store
+    right = s3_server.env()
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.setenv("CHECKPOINT_" + key, right[key])
+        monkeypatch.setenv(key, "wrong-" + key.lower())
+    config = S3Config(endpoint=s3_server.endpoint, region=s3_server.region, path_style=True)
+    pod = TrainOptions(model="m", data="d", checkpoint_dir="/unused", steps=1, checkpoint_uri=f"s3://{BUCKET}/pod", checkpoint_s3=config,
+                       checkpoint_env_prefix="CHECKPOINT_")
+    assert newest_in(shared_store(pod)) is None          # signed with the right keys: an empty prefix
+    cli = TrainOptions(model="m", data="d", checkpoint_dir="/unused", steps=1, checkpoint_uri=f"s3://{BUCKET}/pod", checkpoint_s3=config)
+    with pytest.raises(CheckpointError) as e:                 # signed with the pod's AWS_*: refused
+        newest_in(shared_store(cli))
+    assert "access denied" in str(e.value) and "wrong-" not in str(e.value) and "\n" not in str(e.value)
