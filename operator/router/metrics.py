@@ -8,21 +8,21 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 class Metrics:
     def __init__(self):
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("shardwise_router_requests", "requests answered, by endpoint and status code",
+        self.requests = Counter("shardwise_router_requests_total", "requests answered, by endpoint and status code",
                                 ["endpoint", "code"], registry=r)
-        self.routed = Counter("shardwise_router_routed", "requests sent to each replica", ["replica"], registry=r)
-        self.prefix_blocks = Counter("shardwise_router_prefix_blocks",
+        self.routed = Counter("shardwise_router_routed_total", "requests sent to each replica", ["replica"], registry=r)
+        self.prefix_blocks = Counter("shardwise_router_prefix_blocks_total",
                                      "prompt blocks found in the chosen replica's prefix index", registry=r)
-        self.migrations = Counter("shardwise_router_migrations",
+        self.migrations = Counter("shardwise_router_migrations_total",
                                   "streams moved to another replica after theirs failed", registry=r)
-        self.retries = Counter("shardwise_router_retries",
+        self.retries = Counter("shardwise_router_retries_total",
                                "requests sent again to another replica before any byte was answered", registry=r)
-        self.upstream_errors = Counter("shardwise_router_upstream_errors",
+        self.upstream_errors = Counter("shardwise_router_upstream_errors_total",
                                        "failed exchanges with a replica, by kind", ["kind"], registry=r)
-        self.holds = Counter("shardwise_router_holds", "requests held while no replica was Ready", registry=r)
-        self.hold_timeouts = Counter("shardwise_router_hold_timeouts",
+        self.holds = Counter("shardwise_router_holds_total", "requests held while no replica was Ready", registry=r)
+        self.hold_timeouts = Counter("shardwise_router_hold_timeouts_total",
                                      "held requests answered 503 when the hold bound passed", registry=r)
-        self.rate_limited = Counter("shardwise_router_rate_limited", "requests answered 429 by a key's limit",
+        self.rate_limited = Counter("shardwise_router_rate_limited_total", "requests answered 429 by a key's limit",
                                     registry=r)
         self.ready = Gauge("shardwise_router_ready_replicas", "replicas whose health check passes", registry=r)
         self.added = Histogram("shardwise_router_added_seconds",
