@@ -24,6 +24,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 from shardwise.crds.apimodel import (LABEL_KEY_PATTERN, QUANTITY_PATTERN, ApiModel, cel, describe_validation_error,
                                      malformed_pvc, parse_pvc, parse_quantity, pvc_rule)
 from shardwise.crds.autoscaling import Autoscaling
+from shardwise.crds.router import ROUTER_RULE, Router, check_workload as router_check
 from shardwise.crds.capacity import DecodeMode, ServingCapacity
 from shardwise.crds.access import (DNS_SUBDOMAIN_PATTERN, LABEL_VALUE_PATTERN, PEER_NEEDS_SELECTOR,  # noqa: F401
                                    LabelSelector, NetworkPeer, SecretKeyRef, ServingAuth)
@@ -406,6 +407,7 @@ class Serving(ServingCapacity):
     speculative: Speculative = Field(default_factory=Speculative, json_schema_extra={"default": {}}, description=(
         "Speculative decoding (prompt lookup): several tokens a step for greedy requests whose text "
         "repeats its prompt or itself (code edits, summaries, quotes)."))
+    router: Optional[Router] = Field(None, description="The model's router in front of its replicas (docs/operator.md, The router).")
 
 
 class Resources(ApiModel):
@@ -467,6 +469,7 @@ class ShardedModelSpec(ApiModel):
         ("!has(self.training) || self.workload == 'training'",
          "spec.training is only for workload: training", ".training"),
         ("!has(self.autoscaling) || self.workload != 'training'", AUTOSCALING_SERVING_ONLY, ".autoscaling"),
+        ROUTER_RULE,
         *_TRAINING_LAYOUT_RULES,
     ))
 
@@ -507,6 +510,7 @@ class ShardedModelSpec(ApiModel):
             raise ValueError("spec.training is only for workload: training")
         if self.autoscaling is not None and self.workload == Workload.TRAINING:
             raise ValueError(AUTOSCALING_SERVING_ONLY)
+        router_check(self.serving.router, self.workload == Workload.TRAINING)
         if self.training is not None:
             self._training_checks(self.training, self.parallelism)
         return self

@@ -11,6 +11,7 @@ LABEL_STAGE = "shardwise.dev/stage"            # a worker pod's pipeline stage
 LABEL_ATTEMPT = "shardwise.dev/attempt"        # the incarnation of the pod's replica group
 LABEL_PLAN_HASH = "shardwise.dev/plan-hash"    # hash of the replica's placements
 LABEL_SPEC_HASH = "shardwise.dev/spec-hash"    # hash of what the pod was made from
+LABEL_ROUTER = "shardwise.dev/router"          # a router pod of the model named (not LABEL_MODEL: not a worker)
 LABEL_ROLE = "shardwise.dev/role"              # a pod that is not a worker (the model-shape probe)
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_APP_NAME = "app.kubernetes.io/name"
@@ -109,6 +110,11 @@ def pdb_name(model: str) -> str:
 
 def network_policy_name(model: str) -> str:
     return model
+
+
+def router_name(model: str) -> str:
+    """The router's Deployment, its replicas-file ConfigMap and its NetworkPolicy."""
+    return f"{model}-router"
 
 
 def probe_pod_name(model: str, digest: str) -> str:

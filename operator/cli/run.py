@@ -27,6 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     run.add_argument("--worker-image", default=None,
                      help="worker image for ShardedModels that set no spec.image")
+    run.add_argument("--router-image", default="",
+                     help="image of the models' router pods (spec.serving.router): the operator's own; "
+                          "default: the worker image")
     run.add_argument("--lease-namespace", default=None,
                      help="namespace of the leader-election Lease (default: $POD_NAMESPACE, else 'default')")
     run.add_argument("--lease-name", default="shardwise-operator")
@@ -178,7 +181,8 @@ def _render_settings(args: argparse.Namespace):
                              model_cache_budget=budget, prepare_model_cache=args.prepare_model_cache,
                              operator_namespace=os.environ.get("POD_NAMESPACE", ""), operator_labels=labels,
                              local_checkpoint_roots=tuple(roots),
-                             prepare_local_checkpoints=args.prepare_local_checkpoints)
+                             prepare_local_checkpoints=args.prepare_local_checkpoints,
+                             router_image=args.router_image)
 
 
 def _configure_logging(level: str) -> None:

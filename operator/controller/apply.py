@@ -97,6 +97,7 @@ class Applier:
         self.core = client.CoreV1Api(self.api)
         self.policy = client.PolicyV1Api(self.api)
         self.networking = client.NetworkingV1Api(self.api)
+        self.apps = client.AppsV1Api(self.api)
         self.custom = client.CustomObjectsApi(self.api)
         self.requests = 0
         # Called before every write; raises to stop it (leader.LeaseLock.check). No-op without election.
@@ -234,6 +235,8 @@ class Applier:
             self.policy.patch_namespaced_pod_disruption_budget(name, ns, obj, **kw)
         elif kind == "NetworkPolicy":
             self.networking.patch_namespaced_network_policy(name, ns, obj, **kw)
+        elif kind == "Deployment":
+            self.apps.patch_namespaced_deployment(name, ns, obj, **kw)
         elif kind in CUSTOM_KINDS:
             group, version = obj["apiVersion"].split("/")
             self.custom.patch_namespaced_custom_object(group, version, ns, CUSTOM_KINDS[kind], name, obj, **kw)
@@ -251,6 +254,8 @@ class Applier:
                 return _json(self.policy.read_namespaced_pod_disruption_budget(name, ns, _preload_content=False))
             if kind == "NetworkPolicy":
                 return _json(self.networking.read_namespaced_network_policy(name, ns, _preload_content=False))
+            if kind == "Deployment":
+                return _json(self.apps.read_namespaced_deployment(name, ns, _preload_content=False))
             if kind in CUSTOM_KINDS:
                 group, version = CUSTOM_VERSIONS[kind]
                 return _json(self.custom.get_namespaced_custom_object(group, version, ns, CUSTOM_KINDS[kind], name,
@@ -260,6 +265,27 @@ class Applier:
                 return None
             raise
         raise ValueError(f"apply does not handle kind {kind}")
+
+    def exists_owned(self, kind: str, namespace: str, name: str, uid: str) -> bool:
+        """Whether the object exists and the model (`uid`) owns it."""
+        found = self._read(kind, namespace, name)
+        return found is not None and owned_by(found, uid)
+
+    def delete_owned(self, kind: str, namespace: str, name: str, uid: str) -> None:
+        """Delete a per-model object (ConfigMap, NetworkPolicy, Deployment) if the model owns it; gone
+        already is fine, someone else's is left alone."""
+        if not self.exists_owned(kind, namespace, name, uid):
+            return
+        self.fence()
+        self._count("delete", kind)
+        delete = {"ConfigMap": self.core.delete_namespaced_config_map,
+                  "NetworkPolicy": self.networking.delete_namespaced_network_policy,
+                  "Deployment": self.apps.delete_namespaced_deployment}[kind]
+        try:
+            delete(name, namespace, propagation_policy="Background", _preload_content=False)
+        except ApiException as e:
+            if e.status != 404:
+                raise
 
     def delete_pods(self, namespace: str, names: list[str], force: bool = False) -> None:
         """Delete pods by name; gone already is fine. `force` (grace 0) for pods on a lost node, whose

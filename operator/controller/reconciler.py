@@ -36,6 +36,7 @@ from shardwise.operator.render import renderer, source
 from shardwise.operator.controller import report
 from shardwise.operator.controller import download
 from shardwise.operator.controller.inferencepool import POOLS
+from shardwise.operator.controller.routers import ROUTERS
 from shardwise.operator.controller import progress as training
 from shardwise.operator.controller.apply import Applier, ObjectConflict, PodRefused, StaleStatus
 from shardwise.operator.decide.decisions import Decision, Event, World
@@ -71,6 +72,7 @@ def reconcile(applier: Applier, namespace: str, name: str, nodes: Mapping[str, M
         if state is None:
             metrics.forget(namespace, name)
             POOLS.forget(namespace, name)
+            ROUTERS.forget(namespace, name)
             return out
         with capacity.lock:
             decision = decisions.decide(state, World(nodes, capacity.pods(set())), now())
@@ -86,6 +88,7 @@ def reconcile(applier: Applier, namespace: str, name: str, nodes: Mapping[str, M
             return out
         if decision.plan is not None:
             POOLS.ensure(applier, state)     # the inference gateway's pool, when the cluster has the API
+        ROUTERS.ensure(applier, state)       # the model's router, when spec.serving.router asks for one
         _report(writer, state, decision, (progress, downloads), now(), out)
     except StaleStatus as e:
         log.info(f"{e}; reading it again")

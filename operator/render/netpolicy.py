@@ -5,7 +5,8 @@
       exchange pickles and must hear no one else;
     - the serving port, from anywhere, or, when spec.serving.allowFrom names peers, from those and
       from the operator's own pods (it reads a training pod's /progress and, for autoscaling, a
-      serving pod's /metrics there).
+      serving pod's /metrics there); with spec.serving.router enabled, from the model's router pods
+      and the operator's only (allowFrom then applies to the router's own policy, render/router.py).
 
 Ingress only: what the pods may reach is left alone. The policy selects the pods by the model's
 label; it is owned by the model like every object it makes (garbage-collected with it). Whether it
@@ -44,14 +45,24 @@ def operator_peer(settings: Settings) -> dict | None:
     return peer
 
 
+def router_peer(model: str) -> dict:
+    """The model's router pods (same namespace)."""
+    return {"podSelector": {"matchLabels": {names.LABEL_ROUTER: model}}}
+
+
 def render(model: ShardedModel, meta: dict, settings: Settings) -> dict:
     """The model's NetworkPolicy; `meta`: its metadata (name, namespace, labels, ownerReferences)."""
     own = {"podSelector": {"matchLabels": {names.LABEL_MODEL: model.name}}}
     serving: dict[str, Any] = {"ports": [{"protocol": "TCP", "port": model.spec.serving.port}]}
     allow = model.spec.serving.allow_from
-    if allow:
+    operator = operator_peer(settings)
+    router = model.spec.serving.router
+    if router is not None and router.enabled:
+        # the router's pods stand in front: allowFrom is their policy's (render/router.py), and
+        # the workers' serving port hears only them and the operator
+        serving["from"] = [router_peer(model.name)] + ([operator] if operator else [])
+    elif allow:
         peers = [_peer(p) for p in allow]
-        operator = operator_peer(settings)
         serving["from"] = peers + ([operator] if operator else [])
     return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": meta,
             "spec": {"podSelector": {"matchLabels": {names.LABEL_MODEL: model.name}},

@@ -96,7 +96,8 @@ def spec_hash(spec: ShardedModelSpec, default_image: str = DEFAULT_IMAGE) -> str
     typed spec has its defaults filled in, so writing a default out changes nothing either."""
     # serving.allowFrom is the NetworkPolicy's alone; serving.auth and the capacity settings, when
     # unset, are left out so that models made before they existed keep their hash (and their pods).
-    serving_out = {"allow_from"} | {f for f in ("auth", *CAPACITY_OPTIONAL) if getattr(spec.serving, f) is None}
+    # serving.router is the router's Deployment's alone (render/router.py): it never rolls the pods.
+    serving_out = {"allow_from", "router"} | {f for f in ("auth", *CAPACITY_OPTIONAL) if getattr(spec.serving, f) is None}
     if spec.serving.decode == DecodeMode.AUTO:
         serving_out.add("decode")
     # spec.model's remote options, when unset, likewise (crds/sourcespec.py)
@@ -163,7 +164,8 @@ def pod_contract(model: ShardedModel, plan: ShardPlan, settings: Settings | None
         plan=plan,
         model=ModelContract(path=model_volume(spec.model.uri)[0], format=spec.model.format, dtype=spec.dtype),
         workload=spec.workload,
-        serving=ServingContract(**spec.serving.model_dump(exclude={"auth", "allow_from"}), model_name=model.name),
+        serving=ServingContract(**spec.serving.model_dump(exclude={"auth", "allow_from", "router"}),
+                                model_name=model.name),
         training=training, checkpoint=spec.checkpoint, termination_log=TERMINATION_LOG,
         source=source.contract(model, settings or current()))
 
@@ -399,11 +401,21 @@ def render_headless_service(model: ShardedModel) -> dict:
 
 
 def render_serving_service(model: ShardedModel) -> dict:
+    """In front of every replica's stage 0, or of the router's pods when spec.serving.router is
+    enabled (they listen on the same port)."""
     name, port = model.name, model.spec.serving.port
+    selector = ({names.LABEL_ROUTER: name} if router_enabled(model)
+                else {names.LABEL_MODEL: name, names.LABEL_STAGE: "0"})
     return {"apiVersion": "v1", "kind": "Service",
             "metadata": _meta(model, serving_service_name(name), model_labels(name)),
-            "spec": {"selector": {names.LABEL_MODEL: name, names.LABEL_STAGE: "0"},
+            "spec": {"selector": selector,
                      "ports": [{"name": "http", "port": port, "targetPort": port}]}}
+
+
+def router_enabled(model: ShardedModel) -> bool:
+    """Whether the model runs its router (render/router.py): a serving model that asks for it."""
+    router = model.spec.serving.router
+    return router is not None and router.enabled and model.spec.workload != Workload.TRAINING
 
 
 def render_configmap(model: ShardedModel, plan: ShardPlan, settings: Settings | None = None) -> dict:

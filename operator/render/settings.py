@@ -28,6 +28,9 @@ class Settings:
     model_cache_host_path: str = names.MODEL_CACHE_ROOT
     model_cache_budget: int = names.MODEL_CACHE_BUDGET
     prepare_model_cache: bool = True
+    # The image of a model's router pods (render/router.py): the operator's own; "" for the
+    # operator's default worker image (which holds the same `shardwise` command).
+    router_image: str = ""
 
 
 CURRENT = Settings()

@@ -73,6 +73,7 @@ app.kubernetes.io/part-of: shardwise
 - --metrics-port={{ .Values.operator.metricsPort }}
 - --log-level={{ .Values.operator.logLevel }}
 - --worker-image={{ .Values.operator.workerImage }}
+- --router-image={{ include "shardwise.image" . }}
 {{- with .Values.operator.modelRoot.path }}
 - --model-root={{ . }}
 {{- end }}

@@ -53,15 +53,25 @@ tests/e2e/test_chart_install.py runs the operator as this ServiceAccount against
 # is read first: one that exists without the model's ownerReference is not taken over. The plan
 # ConfigMap is also where the plan is stored: each pass reads it back.
 - apiGroups: [""]
-  resources: ["services", "configmaps"]
+  resources: ["services"]
   verbs: ["get", "create", "patch"]
+# The plan ConfigMap, and a router's replicas file (spec.serving.router), deleted with the router
+# when it is turned off.
+- apiGroups: [""]
+  resources: ["configmaps"]
+  verbs: ["get", "create", "patch", "delete"]
+# A model's router (spec.serving.router): its Deployment applied, read back and deleted when turned off.
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["get", "create", "patch", "delete"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["get", "create", "patch"]
-# Each model's NetworkPolicy (operator.networkPolicy), applied and read back the same way.
+# Each model's NetworkPolicy (operator.networkPolicy), applied and read back the same way (a
+# router's deleted when it is turned off).
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["get", "create", "patch", "delete"]
 # An Event on every phase transition (kopf posts core/v1 Events).
 - apiGroups: [""]
   resources: ["events"]
