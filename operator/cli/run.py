@@ -11,6 +11,7 @@ from typing import Callable
 
 from shardwise.crds.apimodel import parse_quantity
 from shardwise.crds.names import LOCAL_CHECKPOINT_ROOT, MODEL_CACHE_BUDGET, MODEL_CACHE_ROOT
+from shardwise.operator.render.settings import DEFAULT_ROUTER_IMAGE
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,9 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     run.add_argument("--worker-image", default=None,
                      help="worker image for ShardedModels that set no spec.image")
-    run.add_argument("--router-image", default="",
-                     help="image of the models' router pods (spec.serving.router): the operator's own; "
-                          "default: the worker image")
+    run.add_argument("--router-image", default=DEFAULT_ROUTER_IMAGE,
+                     help="image of the models' router pods (spec.serving.router): the operator's own "
+                          "(default %s)" % DEFAULT_ROUTER_IMAGE)
     run.add_argument("--lease-namespace", default=None,
                      help="namespace of the leader-election Lease (default: $POD_NAMESPACE, else 'default')")
     run.add_argument("--lease-name", default="shardwise-operator")

@@ -278,11 +278,16 @@ class Applier:
             return
         self.fence()
         self._count("delete", kind)
-        delete = {"ConfigMap": self.core.delete_namespaced_config_map,
-                  "NetworkPolicy": self.networking.delete_namespaced_network_policy,
-                  "Deployment": self.apps.delete_namespaced_deployment}[kind]
+        kw = dict(propagation_policy="Background", _preload_content=False)
         try:
-            delete(name, namespace, propagation_policy="Background", _preload_content=False)
+            if kind == "ConfigMap":
+                self.core.delete_namespaced_config_map(name, namespace, **kw)
+            elif kind == "NetworkPolicy":
+                self.networking.delete_namespaced_network_policy(name, namespace, **kw)
+            elif kind == "Deployment":
+                self.apps.delete_namespaced_deployment(name, namespace, **kw)
+            else:
+                raise ValueError(f"delete_owned does not handle kind {kind}")
         except ApiException as e:
             if e.status != 404:
                 raise

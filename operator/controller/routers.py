@@ -38,7 +38,7 @@ class Routers:
             return
         model, key = state.model, (state.namespace, state.name)
         pods = [p for group in state.pods.values() for p in group]
-        objs = router.render(model, pods, state.default_image)
+        objs = router.render(model, pods)
         with self.lock:
             last = self.applied.get(key)
         try:

@@ -1,9 +1,10 @@
 """The model's router, pure: spec.serving.router -> a Deployment of `shardwise router` pods, the
 ConfigMap of its replicas file, and the router pods' NetworkPolicy.
 
-The router pods run the operator's own image (settings.router_image; the operator's default worker
-image when unset, which holds the same `shardwise` command), never spec.image: a user's image is
-the workers' business, the front door of the model is the operator's. They listen on the model's
+The router pods run the operator's own image (settings.router_image, which `operator run
+--router-image` sets and the chart passes), never spec.image nor the worker image: a user's image
+is the workers' business, the front door of the model is the operator's, and the worker image has
+no aiohttp. They listen on the model's
 serving port, so the serving Service (renderer.render_serving_service) keeps its port and only
 changes its selector to LABEL_ROUTER.
 
@@ -24,7 +25,7 @@ from typing import Any, Iterable, Mapping
 from shardwise.crds import names
 from shardwise.crds.models import ShardedModel
 from shardwise.operator.render import netpolicy
-from shardwise.operator.render.renderer import (DEFAULT_IMAGE, WORKER_CONTAINER_SECURITY, WORKER_POD_SECURITY,
+from shardwise.operator.render.renderer import (WORKER_CONTAINER_SECURITY, WORKER_POD_SECURITY,
                                                 _api_keys, owner_reference, router_enabled)
 from shardwise.operator.render.settings import Settings, current
 
@@ -117,11 +118,10 @@ def _pod_spec(model: ShardedModel, image: str) -> dict:
     return spec
 
 
-def render_deployment(model: ShardedModel, default_image: str = DEFAULT_IMAGE,
-                      settings: Settings | None = None) -> dict:
+def render_deployment(model: ShardedModel, settings: Settings | None = None) -> dict:
     router = model.spec.serving.router
     assert router is not None
-    image = (settings or current()).router_image or default_image
+    image = (settings or current()).router_image
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(model),
             "spec": {"replicas": router.replicas, "selector": {"matchLabels": {names.LABEL_ROUTER: model.name}},
                      # one router pod at a time, the others keep serving
@@ -139,8 +139,7 @@ def render_network_policy(model: ShardedModel, settings: Settings | None = None)
                      "policyTypes": ["Ingress"], "ingress": [serving]}}
 
 
-def render(model: ShardedModel, pods: Iterable[Mapping[str, Any]], default_image: str = DEFAULT_IMAGE,
-           settings: Settings | None = None) -> list[dict]:
+def render(model: ShardedModel, pods: Iterable[Mapping[str, Any]], settings: Settings | None = None) -> list[dict]:
     """The router's objects, the policy first (no router pod runs before it), the replicas file
     before the pods that read it; [] when the model runs no router."""
     if not router_enabled(model):
@@ -148,7 +147,7 @@ def render(model: ShardedModel, pods: Iterable[Mapping[str, Any]], default_image
     settings = settings or current()
     policy = [render_network_policy(model)] if settings.network_policy else []
     addresses = ready_addresses(pods, model.spec.serving.port)
-    return policy + [render_replicas_configmap(model, addresses), render_deployment(model, default_image, settings)]
+    return policy + [render_replicas_configmap(model, addresses), render_deployment(model, settings)]
 
 
 ROUTER_KINDS = ("NetworkPolicy", "ConfigMap", "Deployment")   # what render() makes, all named router_name

@@ -8,6 +8,8 @@ from typing import Mapping
 
 from shardwise.crds import names
 
+DEFAULT_ROUTER_IMAGE = "ghcr.io/shardwise/operator:0.1.0"   # the chart's default operator image
+
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
@@ -28,9 +30,9 @@ class Settings:
     model_cache_host_path: str = names.MODEL_CACHE_ROOT
     model_cache_budget: int = names.MODEL_CACHE_BUDGET
     prepare_model_cache: bool = True
-    # The image of a model's router pods (render/router.py): the operator's own; "" for the
-    # operator's default worker image (which holds the same `shardwise` command).
-    router_image: str = ""
+    # The image of a model's router pods (render/router.py): the operator's own (the chart passes
+    # its image); the worker image lacks the router's HTTP stack.
+    router_image: str = DEFAULT_ROUTER_IMAGE
 
 
 CURRENT = Settings()

@@ -153,6 +153,7 @@ def test_non_default_values_render_namespaced_rbac_monitors_and_dashboard(tmp_pa
     assert "--all-namespaces" not in c["args"]
     assert "--log-level=debug" in c["args"] and "--some-flag" in c["args"]
     assert "--worker-image=registry.example.com/shardwise/worker:1-cpu" in c["args"]
+    assert f"--router-image={c['image']}" in c["args"]     # a model's router runs the operator's image
     assert c["livenessProbe"]["httpGet"]["port"] == "health"
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"health": 18080, "metrics": 19090}
     assert pod["serviceAccountName"] == "llm-operator"
@@ -288,7 +289,7 @@ def test_chart_crd_is_the_generated_crd():
 OPERATOR = ROOT / "operator"
 API_GROUPS = {"pods": "", "services": "", "configmaps": "", "events": "", "nodes": "", "namespaces": "",
               "poddisruptionbudgets": "policy", "leases": "coordination.k8s.io",
-              "networkpolicies": "networking.k8s.io",
+              "networkpolicies": "networking.k8s.io", "deployments": "apps",
               "shardedmodels": "shardwise.dev", "shardedmodels/status": "shardwise.dev",
               "shardedmodels/scale": "shardwise.dev",
               "customresourcedefinitions": "apiextensions.k8s.io"}
@@ -330,7 +331,7 @@ def operator_api_calls() -> set[tuple[str, str, str]]:
             for node in ast.walk(func):
                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
                         and isinstance(node.func.value, ast.Attribute) \
-                        and node.func.value.attr in ("core", "policy", "custom", "coord", "networking"):
+                        and node.func.value.attr in ("core", "policy", "custom", "coord", "networking", "apps"):
                     if node.func.attr == "get_api_resources" or (other_apis and node.func.value.attr == "custom"):
                         continue     # discovery: a non-resource URL every authenticated client may read
                     m = method.match(node.func.attr)

@@ -88,10 +88,11 @@ def test_enabled_router_is_a_restricted_deployment_of_the_operators_image():
     assert {"name": "api-keys", "mountPath": names.API_KEYS_MOUNT, "readOnly": True} in c["volumeMounts"]
 
 
-def test_without_a_router_image_the_router_runs_the_default_worker_image():
+def test_the_router_runs_the_operators_image_never_the_models():
     model = _model(router={"enabled": True})
-    deploy = router.render_deployment(model, "registry/worker:2", Settings())
-    assert deploy["spec"]["template"]["spec"]["containers"][0]["image"] == "registry/worker:2"
+    model.spec.image = "someone/custom-worker:1"
+    deploy = router.render_deployment(model, Settings())
+    assert deploy["spec"]["template"]["spec"]["containers"][0]["image"] == "ghcr.io/shardwise/operator:0.1.0"
     assert "--api-key-file" not in deploy["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
