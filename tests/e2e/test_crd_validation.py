@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from shardwise.crds.autoscaling import KV_OVER_ONE, MIN_OVER_MAX
+from shardwise.crds.router import ROUTER_SERVING_ONLY
 from shardwise.crds.capacity import CONTEXT_OVER_CACHE
 from shardwise.crds.models import (AUTOSCALING_SERVING_ONLY, DP_DIVIDES, DP_PRODUCT, INTERLEAVED_MICRO_BATCHES, LOCAL_NEEDS_CLAIM,
                                    LOCAL_PATH_DIFFERS, MIN_REPLICAS, NAME_NOT_DNS_LABEL, NAME_TOO_LONG,
@@ -176,6 +177,14 @@ BAD = {
     "autoscaling-for-training": (training_manifest(2) | {"spec": training_manifest(2)["spec"] |
                                                          {"autoscaling": {"maxReplicas": 3}}},
                                  "spec.autoscaling", AUTOSCALING_SERVING_ONLY),
+    # the model's router (crds/router.py)
+    "router-for-training": (training_manifest(2) | {"spec": training_manifest(2)["spec"] |
+                                                    {"serving": {"router": {"enabled": True}}}},
+                            "spec.serving.router", ROUTER_SERVING_ONLY),
+    "router-replicas-over": (manifest("a", serving={"router": {"enabled": True, "replicas": 17}}),
+                             "spec.serving.router.replicas", "less than or equal to 16"),
+    "router-rate-limit-shape": (manifest("a", serving={"router": {"enabled": True, "rateLimit": "fast"}}),
+                                "spec.serving.router.rateLimit", "should match"),
 }
 
 
