@@ -139,17 +139,16 @@ class Client:
 
     async def finish(self, payload: bytes) -> None:
         """The last events and the end of the response in one write (one system call)."""
-        await self.open()
-        try:
-            await self.resp.write_eof(payload)
-        except (ConnectionError, aiohttp.ClientConnectionResetError):
-            self.gone = True
-            raise
+        await self._write(payload, last=True)
 
     async def send(self, payload: bytes) -> None:
+        await self._write(payload, last=False)
+
+    async def _write(self, payload: bytes, last: bool) -> None:
+        """Write to the client; a client gone is remembered (nothing more is sent) and raised."""
         await self.open()
         try:
-            await self.resp.write(payload)
+            await (self.resp.write_eof(payload) if last else self.resp.write(payload))
         except (ConnectionError, aiohttp.ClientConnectionResetError):
             self.gone = True
             raise

@@ -5,10 +5,11 @@ counts the requests since the last read only."""
 from __future__ import annotations
 
 import http.server
-import threading
 import time
 
 import pytest
+
+from tests.operator import fakepods
 
 from shardwise.crds.capacity import MAX_SEQUENCES
 from shardwise.operator.controller import autoscaler
@@ -45,13 +46,7 @@ class _Pod(http.server.BaseHTTPRequestHandler):
             except OSError:
                 pass
             return
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        try:
-            self.wfile.write(body)
-        except OSError:
-            pass
+        fakepods.send(self, body)
 
     def log_message(self, *args) -> None:
         pass
@@ -62,16 +57,14 @@ def pods():
     servers = []
 
     def make(replica: int, body: bytes, uid: str = "") -> dict:
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Pod)
-        server.daemon_threads = True
+        server = fakepods.serve(_Pod)
         _Pod.bodies[server.server_address[1]] = body
-        threading.Thread(target=server.serve_forever, daemon=True).start()
         servers.append(server)
         return {"metadata": {"name": f"m-r{replica}-s0-a0", "uid": uid or f"u{replica}",
                              "labels": {"shardwise.dev/replica": str(replica), "shardwise.dev/stage": "0",
                                         "shardwise.dev/attempt": "0"}},
                 "status": {"podIP": "127.0.0.1", "phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]},
-                "spec": {"containers": [{"ports": [{"name": "http", "containerPort": server.server_address[1]}]}]}}
+                "spec": fakepods.http_port(server)}
 
     yield make
     for s in servers:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import http.server
 import json
-import threading
 import time
 
 import pytest
+
+from tests.operator import fakepods
 
 from shardwise.crds import names
 from shardwise.crds.download import STALL_SECONDS, DownloadReport
@@ -78,13 +79,7 @@ class _Pod(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802
         type(self).paths.append(self.path)
         body = type(self).body
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        try:
-            self.wfile.write(body)
-        except OSError:
-            pass
+        fakepods.send(self, body)
 
     def log_message(self, *args) -> None:
         pass
@@ -92,12 +87,10 @@ class _Pod(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def pod():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Pod)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = fakepods.serve(_Pod)
     yield {"metadata": {"name": "m-r0-s0-a0", "labels": {names.LABEL_ATTEMPT: "0"}},
            "status": {"podIP": "127.0.0.1", "phase": "Running"},
-           "spec": {"containers": [{"ports": [{"name": "http", "containerPort": server.server_address[1]}]}]}}
+           "spec": fakepods.http_port(server)}
     server.shutdown()
 
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import http.server
 import json
-import threading
 import time
 
 import pytest
+
+from tests.operator import fakepods
 
 from shardwise.operator.controller import progress
 
@@ -44,13 +45,7 @@ class _Pod(http.server.BaseHTTPRequestHandler):
             return
         body = {"ok": b'{"step": 3, "steps": 10, "loss": 1.5}', "flood": b'{"pad": "' + b"x" * (10 << 20) + b'"}',
                 "bad-step": b'{"step": "x", "steps": 10}', "deep": b"[" * 50_000, "elsewhere": b'{"step": 9, "steps": 10}'}[mode]
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        try:
-            self.wfile.write(body)
-        except OSError:
-            pass
+        fakepods.send(self, body)
 
     def log_message(self, *args) -> None:
         pass
@@ -58,12 +53,10 @@ class _Pod(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def pod():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Pod)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = fakepods.serve(_Pod)
     yield {"metadata": {"name": "job-r0-s0-a0"}, "status": {"podIP": "127.0.0.1", "phase": "Running",
                                                             "conditions": [{"type": "Ready", "status": "True"}]},
-           "spec": {"containers": [{"ports": [{"name": "http", "containerPort": server.server_address[1]}]}]}}
+           "spec": fakepods.http_port(server)}
     server.shutdown()
 
 
