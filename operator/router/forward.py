@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from typing import AsyncIterator
 
 import aiohttp
 from aiohttp import web
@@ -34,17 +35,24 @@ def upstream_headers(request: web.Request) -> dict:
     return h
 
 
+async def replicas_to_try(router, hashes: list[bytes], t0: float | None) -> AsyncIterator:
+    """The replica of each attempt, at most max_attempts, each counted as routed; the time from the
+    request's arrival to its first forwarding observed once. Ends when no replica is Ready."""
+    for attempt in range(router.settings.max_attempts):
+        replica = await router.pick(hashes)
+        if replica is None:
+            return
+        router.routed(replica, hashes)
+        if attempt == 0 and t0 is not None:
+            router.metrics.added.observe(time.perf_counter() - t0)
+        yield replica
+
+
 async def whole(router, request: web.Request, path: str, body: dict | None, hashes: list[bytes],
                 t0: float | None = None) -> tuple[web.Response, int]:
     """A request answered in one piece (or GET /v1/models): (the response, tokens generated)."""
     last: web.Response | None = None
-    for _ in range(router.settings.max_attempts):
-        replica = await router.pick(hashes)
-        if replica is None:
-            return last or router.unavailable(), 0
-        router.routed(replica, hashes)
-        if t0 is not None:
-            router.metrics.added.observe(time.perf_counter() - t0)
+    async for replica in replicas_to_try(router, hashes, t0):
         replica.running += 1
         try:
             if body is None:
@@ -80,13 +88,7 @@ async def passthrough(router, request: web.Request, path: str, body: dict, hashe
     replica only when its replica fails before answering."""
     client = Client(request)
     payload = json.dumps(body).encode()
-    for attempt in range(router.settings.max_attempts):
-        replica = await router.pick(hashes)
-        if replica is None:
-            break
-        router.routed(replica, hashes)
-        if attempt == 0:
-            router.metrics.added.observe(time.perf_counter() - t0)
+    async for replica in replicas_to_try(router, hashes, t0):
         replica.running += 1
         try:
             async with router.session.post(replica.address + path, data=payload,
@@ -160,13 +162,7 @@ async def stream(router, request: web.Request, path: str, body: dict, hashes: li
     state = StreamState.of(body, chat=path.endswith("/chat/completions"))
     client = Client(request)
     target, payload = path, with_token_ids(body)
-    for attempt in range(router.settings.max_attempts):
-        replica = await router.pick(hashes)
-        if replica is None:
-            break
-        router.routed(replica, hashes)
-        if attempt == 0:
-            router.metrics.added.observe(time.perf_counter() - t0)
+    async for replica in replicas_to_try(router, hashes, t0):
         outcome = await relay(router, request, replica, target, payload, state, client)
         if outcome is not None:
             return outcome, len(state.generated)

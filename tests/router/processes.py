@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
 from typing import Iterator
 
-from tests.worker.serving.serve_process import ROOT, serve_process
+from tests.worker.serving.serve_process import ROOT, listening, serve_process
 
 __all__ = ["router_process", "serve_process", "replica_args", "post", "stream", "metric"]
 
@@ -27,26 +25,8 @@ def replica_args(model, port: int = 0) -> list[str]:
 def router_process(args: list[str]) -> Iterator[tuple[str, list[str], subprocess.Popen]]:
     """`shardwise router ARGS --port 0`: yields its base URL, its stderr lines, the process."""
     cmd = [sys.executable, "-m", "shardwise", "router", "--port", "0", "--check-interval", "0.2", *args]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
-    lines: list[str] = []
-    base = None
-    for line in proc.stderr:
-        lines.append(line)
-        m = re.search(r"listening on (http://\S+)", line)
-        if m:
-            base = m.group(1)
-            break
-    threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
-    try:
-        assert base, "".join(lines)
-        yield base, lines, proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with listening(cmd, stop_seconds=10) as started:
+        yield started
 
 
 def post(base: str, path: str, body: dict, key: str | None = None, timeout: float = 120):

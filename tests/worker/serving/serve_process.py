@@ -16,10 +16,9 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 @contextlib.contextmanager
-def serve_process(args: list[str], ready_seconds: float = 120) -> Iterator[tuple[str, list[str]]]:
-    """`shardwise serve ARGS` (give it `--port 0`): yields its base URL and its stderr lines so far
-    (the list keeps growing while it runs)."""
-    cmd = [sys.executable, "-m", "shardwise", "serve", *args]
+def listening(cmd: list[str], stop_seconds: float = 30) -> Iterator[tuple[str, list[str], subprocess.Popen]]:
+    """Run `cmd` (a shardwise server), wait for its "listening on URL" line: yields the URL, its stderr
+    lines so far (the list keeps growing while it runs) and the process; stopped however the test ends."""
     proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     base = None
@@ -32,6 +31,21 @@ def serve_process(args: list[str], ready_seconds: float = 120) -> Iterator[tuple
     threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
     try:
         assert base, "".join(lines)
+        yield base, lines, proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(stop_seconds)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.contextmanager
+def serve_process(args: list[str], ready_seconds: float = 120) -> Iterator[tuple[str, list[str]]]:
+    """`shardwise serve ARGS` (give it `--port 0`): yields its base URL and its stderr lines so far
+    (the list keeps growing while it runs), once /healthz answers."""
+    with listening([sys.executable, "-m", "shardwise", "serve", *args]) as (base, lines, proc):
         deadline = time.monotonic() + ready_seconds
         while True:
             try:
@@ -41,10 +55,3 @@ def serve_process(args: list[str], ready_seconds: float = 120) -> Iterator[tuple
                 assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
                 time.sleep(0.2)
         yield base, lines
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
