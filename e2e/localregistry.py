@@ -18,7 +18,7 @@ import urllib.request
 import warnings
 from pathlib import Path
 
-from shardwise.e2e import build
+from shardwise.e2e import build, processes
 from shardwise.e2e.tokenauth import TokenService
 
 START_TIMEOUT_S = 30.0
@@ -100,13 +100,8 @@ class LocalRegistry:
     def __exit__(self, *exc) -> None:
         if self.tokens is not None:
             self.tokens.close()
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+        if self._proc is not None:
+            processes.stop(self._proc, 10)
 
     def blob_path(self, digest: str) -> Path:
         """Where the registry keeps a blob's bytes (its filesystem driver's layout)."""

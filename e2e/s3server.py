@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from shardwise.e2e import processes
 from shardwise.e2e.build import BuildError, cache_root, run_with_progress, _check_go, _go_env
 
 # MinIO publishes no semantic versions to the Go proxy: a pinned commit's pseudo-version.
@@ -124,12 +125,7 @@ def running_s3_server(data_dir: Path, say=print) -> Iterator[S3Server]:
         _wait_healthy(server.endpoint, proc, log_path)
         yield server
     finally:
-        proc.terminate()
-        try:
-            proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(STOP_TIMEOUT_S)
+        processes.stop(proc, STOP_TIMEOUT_S)
 
 
 if __name__ == "__main__":

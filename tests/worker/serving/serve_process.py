@@ -12,6 +12,8 @@ import urllib.request
 from pathlib import Path
 from typing import Iterator
 
+from shardwise.e2e import processes
+
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -33,12 +35,7 @@ def listening(cmd: list[str], stop_seconds: float = 30) -> Iterator[tuple[str, l
         assert base, "".join(lines)
         yield base, lines, proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(stop_seconds)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        processes.stop(proc, stop_seconds)
 
 
 @contextlib.contextmanager
