@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 from shardwise.e2e import build  # noqa: E402
 
 from shardwise.e2e.kind import images
+from shardwise.e2e.kind.docker import image_size
 
 from shardwise.e2e.kind import nodeimage
 
@@ -74,7 +75,7 @@ def main() -> int:
     registry.build_image(say=quiet)
     print("image sizes:")
     for ref in (nodeimage.NODE_IMAGE, names.operator, names.worker, registry.IMAGE):
-        print(f"  {ref:<48} {images.image_size(ref) / 1e9:6.2f} GB")
+        print(f"  {ref:<48} {image_size(ref) / 1e9:6.2f} GB")
     if args.cold:
         print(f"node image build (Go binaries cached): {node_build:6.1f} s")
 

@@ -93,9 +93,8 @@ def _docker(args) -> int:
 def _build(args) -> int:
     from shardwise.e2e import build
     from shardwise.e2e.kind import images
-    from shardwise.e2e.kind import nodeimage
-
-    from shardwise.e2e.kind.docker import check_daemon
+    from shardwise.e2e.kind import nodeimage, space
+    from shardwise.e2e.kind.docker import check_daemon, image_size
 
     def say(line: str) -> None:
         print(line, flush=True)
@@ -104,8 +103,9 @@ def _build(args) -> int:
     build.build(say=say, wanted=(*build.ALL_BINARIES, *build.KIND_BINARIES))
     nodeimage.build_node_image(say=say, force=args.force)
     names = images.build_product(args.tag, base=args.base, say=say)
+    space.prune_superseded(say)
     for ref in (nodeimage.NODE_IMAGE, names.operator, names.worker):
-        print(f"  {ref:<40} {images.image_size(ref) / 1e9:6.2f} GB")
+        print(f"  {ref:<40} {image_size(ref) / 1e9:6.2f} GB")
     return 0
 
 
@@ -114,11 +114,12 @@ def _up(args) -> int:
     from shardwise.e2e.kind.cluster import KindCluster
 
     cluster = KindCluster(args.name)
+    names = images.product_images(args.tag)
     if args.reuse and cluster.exists():
         cluster.advertise_gpus()   # a node container that restarted lost its fake GPUs
     else:
-        cluster.create()
-    pushed = cluster.push_product(images.product_images(args.tag))
+        cluster.create(room_for=(names.operator, names.worker))
+    pushed = cluster.push_product(names)
     print(f"images for the chart: image.repository={pushed.operator.rsplit(':', 1)[0]} "
           f"image.tag={pushed.operator.rsplit(':', 1)[1]} operator.workerImage={pushed.worker}")
     print(f'export KUBECONFIG={shlex.quote(str(cluster.kubeconfig))}')

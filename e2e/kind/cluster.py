@@ -22,8 +22,8 @@ import yaml
 
 from shardwise.e2e import build
 
-from shardwise.e2e.kind import registry
-from shardwise.e2e.kind.docker import DockerError, capabilities_missing, docker, image_exists
+from shardwise.e2e.kind import registry, space
+from shardwise.e2e.kind.docker import DockerError, capabilities_missing, docker, image_exists, image_size
 from shardwise.e2e.kind.nodeimage import NODE_IMAGE
 
 # Package data next to this module, so an installed package finds it too (kind reads it as a file).
@@ -57,6 +57,10 @@ def effective_config(config: Path, lacking: list[str], shared: Path) -> dict:
     if "CAP_SYS_RESOURCE" in lacking:
         patches.append(_NO_SYS_RESOURCE_PATCH)
     return data
+
+
+class DiskFull(RuntimeError):
+    """A node could not unpack an image: Docker's disk is full (see e2e/kind/space.py)."""
 
 
 @dataclass
@@ -133,10 +137,15 @@ class KindCluster:
     def exists(self) -> bool:
         return self.name in self.kind("get", "clusters").split()
 
-    def create(self, image: str = NODE_IMAGE, config: Path = CONFIG, say=print) -> None:
+    def create(self, image: str = NODE_IMAGE, config: Path = CONFIG, say=print,
+               room_for: tuple[str, ...] = ()) -> None:
+        """Make the cluster; first check that Docker's disk has room for every GPU node to unpack
+        the images `room_for` names (space.check_room)."""
         self._tool("kind")   # the binaries first: that check needs no Docker daemon
-        if not image_exists(image):
-            raise DockerError(f"node image {image} is not there: build it with `shardwise kind build`")
+        for ref in (image, *room_for):
+            if not image_exists(ref):
+                raise DockerError(f"image {ref} is not there: build it with `shardwise kind build`")
+        space.check_room([image_size(ref) for ref in room_for], self.gpu_node_count(config))
         if self.exists():
             raise DockerError(f"a kind cluster named {self.name!r} already exists: use it "
                               f"(`shardwise kind up --reuse`) or delete it (`shardwise kind down "
@@ -163,6 +172,12 @@ class KindCluster:
         self.kind("delete", "cluster", "--name", self.name, "--kubeconfig", str(self.kubeconfig))
         shutil.rmtree(self.shared_dir, ignore_errors=True)
 
+    def gpu_node_count(self, config: Path = CONFIG) -> int:
+        """How many nodes of the cluster's config are GPU nodes (those a worker pod can land on)."""
+        key, _, value = GPU_NODE_LABEL.partition("=")
+        nodes = yaml.safe_load(config.read_text()).get("nodes", [])
+        return sum(1 for n in nodes if str((n.get("labels") or {}).get(key)) == value)
+
     def nodes(self, selector: str = GPU_NODE_LABEL) -> list[str]:
         out = self.kubectl("get", "nodes", "-l", selector, "-o", "jsonpath={.items[*].metadata.name}")
         return out.split()
@@ -178,8 +193,10 @@ class KindCluster:
         """Push the operator and worker images to the registry the nodes pull from; returns the
         names to give the chart (`localhost:5001/...`)."""
         registry.ensure_running(say)
-        return type(names)(operator=registry.push(names.operator, say),
-                           worker=registry.push(names.worker, say))
+        pushed = type(names)(operator=registry.push(names.operator, say),
+                             worker=registry.push(names.worker, say))
+        registry.collect_garbage(say)   # the layers of the images these tags named before
+        return pushed
 
     def get(self, kind: str, name: str, namespace: str) -> dict:
         return json.loads(self.kubectl("get", kind, name, "-n", namespace, "-o", "json"))
@@ -189,6 +206,17 @@ class KindCluster:
         pods = json.loads(self.kubectl("get", "pods", "-n", namespace, "-l", selector, "-o", "json"))["items"]
         return [p for p in pods if not p["metadata"].get("deletionTimestamp") and any(
             c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", []))]
+
+    def check_pulls(self, namespace: str) -> None:
+        """Raise DiskFull when a pod's image cannot be unpacked for want of room on its node: no
+        retry of the kubelet's will ever succeed, so a test waiting for the pod should stop now."""
+        pods = json.loads(self.kubectl("get", "pods", "-n", namespace, "-o", "json"))["items"]
+        for pod in pods:
+            for status in pod.get("status", {}).get("containerStatuses", []) or []:
+                message = ((status.get("state") or {}).get("waiting") or {}).get("message", "")
+                if "no space left on device" in message:
+                    raise DiskFull(f"{pod['metadata']['name']} on {pod['spec'].get('nodeName')}: "
+                                   f"{message.splitlines()[0][:300]}")
 
     @contextlib.contextmanager
     def port_forward(self, namespace: str, target: str, remote: int):

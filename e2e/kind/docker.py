@@ -82,6 +82,11 @@ def image_exists(ref: str) -> bool:
     return docker("image", "inspect", ref, check=False).returncode == 0
 
 
+def image_size(ref: str) -> int:
+    """Bytes of an image's layers, as `docker image inspect` reports them."""
+    return int(docker("image", "inspect", "--format", "{{.Size}}", ref).stdout.decode().strip())
+
+
 def runtime_wrapper_path() -> Path:
     return build.cache_root() / "docker" / "runc-capped"
 

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardwise.e2e import build
-from shardwise.e2e.kind.docker import DockerError, docker, image_exists
+from shardwise.e2e.kind import space
+from shardwise.e2e.kind.docker import DockerError, image_exists
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILES = ROOT / "docker"
@@ -120,16 +121,19 @@ def build_debian(say=print, force: bool = False) -> str:
 
 
 def docker_build(dockerfile: Path, tag: str, context: Path, say, build_args: dict[str, str] | None = None,
-                 force: bool = True) -> str:
-    """`docker build` (with `force=False`, only if the image is not there yet); EXTRA_CA_CERTS is
-    passed where the Dockerfile takes it."""
+                 force: bool = True, target: str | None = None) -> str:
+    """`docker build` (with `force=False`, only if the image is not there yet; `target`: one stage);
+    EXTRA_CA_CERTS is passed where the Dockerfile takes it. The image carries space.LABEL, so one a
+    later build supersedes can be told from anyone else's."""
     if not force and image_exists(tag):
         say(f"{tag}: present")
         return tag
     args = dict(build_args or {})
     if "ARG EXTRA_CA_CERTS" in dockerfile.read_text():
         args.setdefault("EXTRA_CA_CERTS", extra_ca_certs())
-    cmd = ["docker", "build", "-f", str(dockerfile), "-t", tag]
+    cmd = ["docker", "build", "-f", str(dockerfile), "-t", tag, "--label", f"{space.LABEL}=1"]
+    if target:
+        cmd += ["--target", target]
     for key, value in args.items():
         cmd += ["--build-arg", f"{key}={value}"]
     say(f"building {tag} ({dockerfile.relative_to(ROOT) if dockerfile.is_relative_to(ROOT) else dockerfile})")
@@ -156,12 +160,17 @@ def build_product(tag: str, base: str | None = None, say=print) -> ProductImages
         raise DockerError(f"base image {base} is not there: pull it, or leave --base out to build "
                           f"the offline one ({PYTHON_IMAGE})")
     names = product_images(tag)
-    docker_build(DOCKERFILES / "operator.Dockerfile", names.operator, ROOT, say, {"BASE_IMAGE": base})
-    docker_build(DOCKERFILES / "worker.Dockerfile", names.worker, ROOT, say,
-                 {"BASE_IMAGE": base, "VARIANT": "cpu", "DEMO_MODEL": "true"})
+    _build_with_stages(DOCKERFILES / "operator.Dockerfile", names.operator, say, {"BASE_IMAGE": base})
+    _build_with_stages(DOCKERFILES / "worker.Dockerfile", names.worker, say,
+                       {"BASE_IMAGE": base, "VARIANT": "cpu", "DEMO_MODEL": "true"})
     return names
 
 
-def image_size(ref: str) -> int:
-    """Bytes of an image's layers, as `docker image inspect` reports them."""
-    return int(docker("image", "inspect", "--format", "{{.Size}}", ref).stdout.decode().strip())
+def _build_with_stages(dockerfile: Path, tag: str, say, build_args: dict[str, str]) -> None:
+    """Each named stage first, under a tag of its own (space.stage_tag): Docker's cache of a stage is
+    that stage's image, which without a tag would look superseded once the build is done. The final
+    build then takes every stage from the cache."""
+    for stage in space.stages(dockerfile):
+        docker_build(dockerfile, space.stage_tag(tag, stage), ROOT, say, build_args, target=stage)
+    docker_build(dockerfile, tag, ROOT, say, build_args)
+

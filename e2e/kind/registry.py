@@ -79,6 +79,19 @@ def ensure_running(say=print) -> None:
         time.sleep(1)
 
 
+def collect_garbage(say=print) -> None:
+    """Delete the layers no tag reaches any more (an image pushed again under the same tag leaves the
+    old one's behind). Run right after this process's own pushes: the collector must not race an
+    upload, and nothing else pushes to this registry."""
+    from shardwise.e2e.kind import space
+
+    if docker("inspect", "--format", "{{.State.Running}}", NAME, check=False).stdout.decode().strip() != "true":
+        return
+    space.reclaim("the registry's untagged layers", lambda: run_logged(
+        ["docker", "exec", NAME, "/registry", "garbage-collect", "--delete-untagged",
+         "/etc/distribution/config.yml"], "registry garbage-collect", lambda line: None), say)
+
+
 def push(image: str, say=print) -> str:
     """Tag `image` as localhost:5001/<image> and push it; returns the name the nodes pull."""
     ensure_running(say)

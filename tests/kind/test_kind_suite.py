@@ -102,6 +102,7 @@ def model(cluster: KindCluster) -> dict:
 
 
 def phase(cluster: KindCluster) -> str:
+    cluster.check_pulls(MODEL_NS)   # a full disk fails the test now, not at the end of a long wait
     return (model(cluster).get("status") or {}).get("phase", "")
 
 
@@ -195,6 +196,7 @@ def test_training_job_survives_a_node_stop_and_succeeds_from_its_checkpoint(kind
     cluster.kubectl("apply", "-f", "-", input=json.dumps(sm))
 
     def status() -> dict:
+        cluster.check_pulls(MODEL_NS)
         return json.loads(cluster.kubectl("get", "sm", "tiny-train", "-n", MODEL_NS, "-o", "json")).get("status", {})
 
     first = wait_until(lambda: (s := status()).get("phase") == "Running"

@@ -147,10 +147,34 @@ def test_a_missing_node_image_and_a_taken_cluster_name_are_one_line(tmp_path):
     (bin_dir / "kind").chmod(0o755)
     with pytest.raises(docker.DockerError) as e:
         kindcluster.KindCluster("taken", bin_dir).create(image="shardwise/kind-node:not-built")
-    assert str(e.value) == ("node image shardwise/kind-node:not-built is not there: build it with "
+    assert str(e.value) == ("image shardwise/kind-node:not-built is not there: build it with "
                             "`shardwise kind build`")
     if not docker.image_exists(images.DEBIAN_IMAGE):
         pytest.skip(f"no {images.DEBIAN_IMAGE} to stand in for a node image")
     with pytest.raises(docker.DockerError) as e:
         kindcluster.KindCluster("taken", bin_dir).create(image=images.DEBIAN_IMAGE)
     assert str(e.value).startswith("a kind cluster named 'taken' already exists: use it")
+
+
+def test_a_disk_too_small_for_the_cluster_is_refused_in_one_line_before_any_node_is_made():
+    from shardwise.e2e.kind import space
+
+    gpu_nodes = kindcluster.KindCluster("shardwise-space-check").gpu_node_count()
+    assert gpu_nodes == 4   # e2e/kind/kind-config.yaml: four GPU workers, the control plane is not one
+    sizes = [int(0.5e9), int(3.8e9)]
+    need = space.needed_bytes(sizes, gpu_nodes)
+    space.check_room(sizes, gpu_nodes, free=need)            # room enough: no complaint
+    with pytest.raises(docker.DockerError) as e:
+        space.check_room(sizes, gpu_nodes, free=int(5.1e9))
+    message = str(e.value)
+    assert "\n" not in message and "5.1 GB free" in message and f"{need / 1e9:.1f} GB" in message
+
+
+def test_every_stage_of_the_product_images_is_kept_under_a_tag_of_its_own():
+    """A stage without a tag is an untagged image once the build is done, which the next build's
+    cleanup would take for a superseded one (and throw away the cache of torch's layer with it)."""
+    from shardwise.e2e.kind import space
+
+    assert space.stages(ROOT / "docker" / "worker.Dockerfile") == ["deps", "app"]
+    assert space.stages(ROOT / "docker" / "operator.Dockerfile") == ["build"]
+    assert space.stage_tag("shardwise/worker:dev-cpu", "deps") == "shardwise/worker-deps:dev-cpu"
