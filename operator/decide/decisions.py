@@ -90,6 +90,7 @@ class _Draft:
         self.replan: list[int] = []
         self.taken = 0               # old replicas taken down for their successors this pass
         self.extent = self.desired   # desired replicas, and a serving roll's surge replicas after them
+        self.unplaced: list[int] = []   # replicas the planner found no room for this pass
         self.shared = False          # shared objects applied this pass
         self.invalid = ""
         self.facts = state.facts
@@ -373,6 +374,7 @@ def _plan(d: _Draft) -> None:
         g = d.groups[r]
         g.phase, g.retry_at, g.attempt = GroupPhase.CREATING, None, attempts[r]
     for r in set(d.replan) - set(got):
+        d.unplaced.append(r)
         d.groups[r].phase = GroupPhase.PENDING
         d.groups[r].last_failure = "not enough capacity for this replica (plan shrunk)"
     d.apply_shared(again=True)   # the plan is stored first: it is what the new pods read
@@ -467,11 +469,12 @@ def _waiting_for_old_pods(d: _Draft, count: int) -> None:
 def _cannot_plan(d: _Draft, error: planning.PlanFailure) -> None:
     message = str(error)
     invalid = isinstance(error, planning.InvalidSpec)
+    d.unplaced += [] if invalid else d.replan
     for r in d.replan:
         g = d.groups[r]
         was = (g.phase, g.last_failure)
         g.phase, g.last_failure = GroupPhase.PENDING, None if invalid else message
-        if not invalid and was != (g.phase, g.last_failure):
+        if not invalid and was != (g.phase, g.last_failure) and r < d.desired:   # a surge replica: rollout.py says
             d.event("Warning", "NoFeasiblePlan", f"replica {r}: {message}")
     if invalid:
         d.invalid = message

@@ -61,7 +61,7 @@ def waits(d: Any, r: int) -> bool:
     if r < d.desired:
         return False
     g = d.groups.get(r)
-    if g is not None and g.phase == GroupPhase.PENDING and g.last_failure:
+    if _found_no_room(g):
         return True
     return (g is None or g.phase == GroupPhase.PENDING) and not all(
         d.groups[o].phase in SERVING for o in range(d.desired) if o in d.groups)
@@ -93,22 +93,28 @@ def take_down(d: Any, r: int, what: str, why: str = "") -> None:
 
 
 def after_plan(d: Any) -> None:
-    """A surge replica the planner could not place this pass: the roll goes on in place."""
-    short = [r for r in d.replan if r >= d.desired and d.groups[r].phase == GroupPhase.PENDING]
+    """A surge replica the planner found no room for this pass (not one waiting for the model's
+    shape, nor an invalid spec): the roll goes on in place."""
+    short = sorted(r for r in set(d.unplaced) if r >= d.desired)
     if not short or d.taken:
         return
-    for r in short:
-        d.groups[r].last_failure = d.groups[r].last_failure or FULL
+    for r in short:   # the mark that keeps it from being tried again in this roll
+        d.groups[r].last_failure = f"{FULL} ({d.groups[r].last_failure or 'the planner found none'})"
     old = next((r for r in range(d.desired) if is_old(d, r)), None)
     if old is not None and _all_others_serve(d, old):
-        take_down(d, old, "layout" if d.groups[old].phase == GroupPhase.OUTDATED else "spec", FULL)
+        why = d.groups[short[0]].last_failure
+        take_down(d, old, "layout" if d.groups[old].phase == GroupPhase.OUTDATED else "spec", why)
         d.save()
 
 
 def _stuck(d: Any) -> bool:
     """Nothing in the roll can move: every surge replica found no room, and none is on its way."""
     surge = [d.groups.get(r) for r in range(d.desired, d.extent)]
-    return all(g is not None and g.phase == GroupPhase.PENDING and g.last_failure for g in surge)
+    return all(_found_no_room(g) for g in surge)
+
+
+def _found_no_room(g: ReplicaGroupStatus | None) -> bool:
+    return g is not None and g.phase == GroupPhase.PENDING and (g.last_failure or "").startswith(FULL)
 
 
 def _all_others_serve(d: Any, r: int) -> bool:
