@@ -66,6 +66,8 @@ def decide(state: ModelState, world: World, now: datetime) -> Decision:
     if d.replan:
         _plan(d)
         rollout.after_plan(d)
+    if d.extent > d.desired:
+        _scale_down(d)      # a roll that ended in this pass removes its surge replicas in it
     _remove_leftovers(d)
     return d.decision()
 

@@ -114,3 +114,15 @@ def test_a_rollout_that_could_never_take_a_step_is_refused_in_one_line(rollout):
         ShardedModelSpec.model_validate({"model": {"uri": LLAMA_8B["uri"]}, "rollout": rollout})
     message = describe_validation_error(refused.value)
     assert NO_STEP in message and "\n" not in message, message
+
+
+def test_the_surge_replicas_leave_in_the_pass_the_last_successor_is_ready():
+    c = two_replicas("n0 n1")
+    c.edit(image="img:2")
+    for _ in range(12):
+        c.run_all()
+        c.reconcile()
+        if c.status["phase"] == "Ready" and c.reasons().count("Rolling") == 2:
+            break
+    assert [g["replica"] for g in c.status["groups"]] == [0, 1], c.status["groups"]
+    assert all(g["phase"] == "Ready" for g in c.status["groups"])
