@@ -223,7 +223,7 @@ def _mark_old_layout_outdated(d: _Draft) -> None:
         d.groups[r].phase = GroupPhase.OUTDATED
     if newly:
         d.event("Normal", "LayoutChanged", f"rolling from TP={d.stored.tensor} PP={d.stored.pipeline} to the "
-                                           f"spec's layout, one replica at a time")
+                                           f"spec's layout, as spec.rollout says")
         d.save()
 
 

@@ -5,7 +5,9 @@ A replica is old while its group is Outdated (a new layout) or its pods carry an
 new image or spec). While any desired replica is old, or not yet Ready after its replacement, the
 model has `maxSurge` surge replicas numbered after the desired ones (desired..desired+maxSurge-1),
 planned and created with the new spec like any replica; once every desired replica runs the new
-spec and is Ready they are removed (decisions._scale_down). Surge replicas are only started while
+spec and none is on its way (a Failed one does not hold them) they are removed
+(decisions._scale_down). They are removed at once when a desired replica's successor finds no room:
+their GPUs are what it needs, and the roll goes on in place. Surge replicas are only started while
 no desired replica is being replaced in place, so they never race a replacement for the GPUs it
 freed.
 
@@ -25,6 +27,7 @@ from shardwise.operator.decide.actions import DeleteGroup
 from shardwise.operator.planning.groups import drop_replicas, planned
 
 SERVING = (GroupPhase.READY, GroupPhase.OUTDATED)
+ON_ITS_WAY = (GroupPhase.PENDING, GroupPhase.CREATING, GroupPhase.STARTING, GroupPhase.RECOVERING)
 FULL = "no room for a surge replica"
 
 
@@ -32,13 +35,13 @@ def surge_slots(d: Any) -> int:
     """How many surge replicas the model has in this pass (0 when no roll is under way)."""
     if d.workload.gang or d.desired == 0:
         return 0
-    desired = range(d.desired)
-    rolling = any(is_old(d, r) for r in desired if r in d.groups)
+    groups = [d.groups[r] for r in range(d.desired) if r in d.groups]
+    if any(g.phase == GroupPhase.PENDING and g.last_failure for g in groups):
+        return 0    # a successor found no room: the surge replicas' GPUs are what it needs
+    rolling = any(is_old(d, g.replica) for g in groups)
     started = any(r >= d.desired for r in d.groups)
-    settled = all(r in d.groups and d.groups[r].phase == GroupPhase.READY for r in desired)
-    if rolling or (started and not settled):
-        return d.spec.rollout.max_surge
-    return 0
+    on_its_way = len(groups) < d.desired or any(g.phase in ON_ITS_WAY for g in groups)
+    return d.spec.rollout.max_surge if rolling or (started and on_its_way) else 0
 
 
 def is_old(d: Any, r: int) -> bool:
@@ -73,7 +76,9 @@ def may_take_down(d: Any, r: int) -> str | None:
     serving = sum(1 for o in range(d.extent) if o in d.groups and d.groups[o].phase in SERVING)
     if serving - 1 >= d.desired - d.spec.rollout.max_unavailable:
         return ""
-    return FULL if not d.taken and _stuck(d) and _all_others_serve(d, r) else None
+    if d.taken or not _stuck(d) or not _all_others_serve(d, r):
+        return None
+    return next((g.last_failure for g in map(d.groups.get, range(d.desired, d.extent)) if g), FULL)
 
 
 def take_down(d: Any, r: int, what: str, why: str = "") -> None:

@@ -8,6 +8,7 @@ from pydantic import ValidationError
 from shardwise.crds import names
 from shardwise.crds.models import ShardedModelSpec, describe_validation_error
 from shardwise.crds.rollout import NO_STEP
+from tests.operator.builders import k8s_node as node
 from tests.operator.test_decide import LLAMA_8B, Cluster, rack, serving
 
 
@@ -126,3 +127,20 @@ def test_the_surge_replicas_leave_in_the_pass_the_last_successor_is_ready():
             break
     assert [g["replica"] for g in c.status["groups"]] == [0, 1], c.status["groups"]
     assert all(g["phase"] == "Ready" for g in c.status["groups"])
+
+
+def test_a_surge_replica_hands_its_gpus_to_a_successor_that_found_no_room():
+    """Two old TP=4 replicas share n0; n1 (added later) is room for one TP=8 surge replica. An old
+    replica frees 4 GPUs, not the 8 its successor needs: the surge replica leaves so that the
+    successor starts on its GPUs, and the roll finishes in place."""
+    c = Cluster(serving(tensor=4, pipeline=1, replicas=2), rack("n0", "a"))
+    c.ready(2)
+    c.nodes["n1"] = node("n1", "a")
+    c.edit(parallelism={"tensor": 8, "pipeline": 1, "replicas": 2})
+    c.reconcile()
+    assert set(hashes(c)) == {0, 1, 2}, "a surge replica on n1"
+    seen = [c.status["readyReplicas"]] + roll(c, passes=20)
+    assert c.status["tensor"] == 8 and c.status["phase"] == "Ready", c.status["message"]
+    assert [g["replica"] for g in c.status["groups"]] == [0, 1] and set(hashes(c)) == {0, 1}
+    assert min(seen) >= 1, seen
+    assert "ScaledDown" in c.reasons() and c.reasons().count("Rolling") == 2
