@@ -90,11 +90,8 @@ def take_down(d: Any, r: int, what: str, why: str = "") -> None:
         d.plan = drop_replicas(d.plan, {r})
     g.phase, g.last_failure = GroupPhase.PENDING, None
     d.taken += 1
-    if why:
-        d.event("Normal", "Rolling", f"replacing replica {r} with the new {what} in place: {why}; "
-                                            f"the other replicas keep serving")
-    else:
-        d.event("Normal", "Rolling", f"replacing replica {r} with the new {what}")
+    how = f" in place: {why}; the other replicas keep serving" if why else ""
+    d.event("Normal", "Rolling", f"replacing replica {r} with the new {what}{how}")
 
 
 def after_plan(d: Any) -> None:
