@@ -6,9 +6,10 @@ One pass, in order:
   1. a changed spec reopens the groups that gave up (and a finished job asked for more steps);
   2. the workload's reshaping rule: a training job restarts whole when its layout, replica count or
      spec changed, or when it runs short (elastic) and a wider plan fits now; a served model marks
-     the groups of an old layout Outdated (replaced one by one);
-  3. replicas beyond spec.parallelism.replicas are torn down (a paused training job keeps its records);
-  4. each desired replica: rolled (Outdated, or its pods of an old spec), judged from its pods
+     the groups of an old layout Outdated (replaced as spec.rollout says: decide/rollout.py);
+  3. replicas beyond spec.parallelism.replicas, and beyond a roll's surge replicas, are torn down (a
+     paused training job keeps its records);
+  4. each desired replica and surge replica: rolled (Outdated, or its pods of an old spec), judged from its pods
      (recovery.assess -> recovery.decide; one verdict for a gang), then created, torn down or left;
   5. every group that needs a plan is planned in one planner call, with the model's shape (read by a
      probe pod for a pvc:// model); the new plan is stored in the plan ConfigMap, then the group
@@ -214,7 +215,7 @@ def _job_restart_reason(d: _Draft) -> str:
 
 def _mark_old_layout_outdated(d: _Draft) -> None:
     """A served model asked for a new layout: the groups on the stored (old) layout keep serving,
-    marked Outdated, and are replaced one at a time; the new layout's plan starts empty."""
+    marked Outdated, and are replaced as spec.rollout says; the new layout's plan starts empty."""
     if d.stored is None or d.plan is not None:
         return
     newly = [r for r in sorted(planned(d.stored)) if r in d.groups and d.groups[r].phase not in (
