@@ -25,6 +25,7 @@ from shardwise.crds.apimodel import (LABEL_KEY_PATTERN, QUANTITY_PATTERN, ApiMod
                                      malformed_pvc, parse_pvc, parse_quantity, pvc_rule)
 from shardwise.crds.autoscaling import Autoscaling
 from shardwise.crds.router import ROUTER_RULE, Router, check_workload as router_check
+from shardwise.crds.rollout import Rollout
 from shardwise.crds.capacity import DecodeMode, ServingCapacity
 from shardwise.crds.access import (DNS_SUBDOMAIN_PATTERN, LABEL_VALUE_PATTERN, PEER_NEEDS_SELECTOR,  # noqa: F401
                                    LabelSelector, NetworkPeer, SecretKeyRef, ServingAuth)
@@ -166,8 +167,7 @@ class Parallelism(ApiModel):
         "the tensor group, inside one node (EP = TP). Given alone it sets the tensor degree; given "
         "with tensor it must equal it. Omitted: the planner chooses, as for tensor. Must divide the "
         "experts."))
-    pipeline: Optional[int] = Field(None, ge=1, le=MAX_PIPELINE, description=(
-        "Pipeline stages per replica, one pod each. Omitted: the planner chooses."))
+    pipeline: Optional[int] = Field(None, ge=1, le=MAX_PIPELINE, description="Pipeline stages per replica, one pod each. Omitted: the planner chooses.")
     replicas: int = Field(1, ge=0, le=MAX_REPLICAS, description=(
         "Independent copies of the model (data parallel). Behind the scale subresource, so "
         "`kubectl scale sm/NAME --replicas=N` and HPA work."))
@@ -183,8 +183,7 @@ class Parallelism(ApiModel):
 
 
 class GPU(ApiModel):
-    resource_name: str = Field(DEFAULT_GPU_RESOURCE, min_length=1, max_length=253,
-                               description="Extended resource the pods request.")
+    resource_name: str = Field(DEFAULT_GPU_RESOURCE, min_length=1, max_length=253, description="Extended resource the pods request.")
     product: Optional[str] = Field(None, max_length=253, description=(
         "Only nodes whose nvidia.com/gpu.product label equals this."))
     min_memory: Optional[str] = Field(None, pattern=QUANTITY_PATTERN, max_length=32, description=(
@@ -488,6 +487,8 @@ class ShardedModelSpec(ApiModel):
     autoscaling: Optional[Autoscaling] = Field(None, description=(
         "Serving: size parallelism.replicas from the replicas' load (docs/operator.md, Autoscaling). Omitted: "
         "replicas are the user's (`kubectl scale`, or an HPA on the scale subresource)."))
+    rollout: Rollout = Field(default_factory=Rollout, json_schema_extra={"default": {}}, description=(
+        "Serving: how a new layout, image or spec replaces the replicas (docs/operator.md, Rollouts)."))
     image: Optional[str] = Field(None, max_length=1024, description="Worker image; the operator's default when omitted.")
     resources: Optional[Resources] = None
 

@@ -6,9 +6,10 @@ One pass, in order:
   1. a changed spec reopens the groups that gave up (and a finished job asked for more steps);
   2. the workload's reshaping rule: a training job restarts whole when its layout, replica count or
      spec changed, or when it runs short (elastic) and a wider plan fits now; a served model marks
-     the groups of an old layout Outdated (replaced one by one);
-  3. replicas beyond spec.parallelism.replicas are torn down (a paused training job keeps its records);
-  4. each desired replica: rolled (Outdated, or its pods of an old spec), judged from its pods
+     the groups of an old layout Outdated (replaced as spec.rollout says: decide/rollout.py);
+  3. replicas beyond spec.parallelism.replicas, and beyond a roll's surge replicas, are torn down (a
+     paused training job keeps its records);
+  4. each desired replica and surge replica: rolled (Outdated, or its pods of an old spec), judged from its pods
      (recovery.assess -> recovery.decide; one verdict for a gang), then created, torn down or left;
   5. every group that needs a plan is planned in one planner call, with the model's shape (read by a
      probe pod for a pvc:// model); the new plan is stored in the plan ConfigMap, then the group
@@ -29,12 +30,13 @@ from shardwise.crds import names
 from shardwise.crds.models import GroupPhase, ModelFactsStatus, ReplicaGroupStatus
 from shardwise.crds.modelshape import ModelFacts, ModelFactsError
 from shardwise.crds.plan import ShardPlan
-from shardwise.operator.decide import elastic, probe, recovery
+from shardwise.operator.decide import elastic, probe, recovery, rollout
 from shardwise.operator.decide.actions import (NOT_READY_REQUEUE, STEADY_REQUEUE, Action, ApplyShared, CreatePods,
                                                CreateProbe, Decision, DeleteGroup, DeletePods, Event, SaveGroups,
                                                World)
 from shardwise.operator.decide.conditions import condition
 from shardwise.operator.decide.recovery import StepAction
+from shardwise.operator.decide.rollout import outdated_pods as _outdated_pods
 from shardwise.operator.decide.state import ModelState
 from shardwise.operator.decide.workloads import finished
 from shardwise.operator.planning import groups as planning
@@ -64,6 +66,9 @@ def decide(state: ModelState, world: World, now: datetime) -> Decision:
     _judge_groups(d)
     if d.replan:
         _plan(d)
+        rollout.after_plan(d)
+    if d.extent > d.desired:
+        _scale_down(d)      # a roll that ended in this pass removes its surge replicas in it
     _remove_leftovers(d)
     return d.decision()
 
@@ -86,7 +91,9 @@ class _Draft:
         self.events: list[Event] = []
         self.requeue = STEADY_REQUEUE
         self.replan: list[int] = []
-        self.rolled = False          # one replica replaced per pass, at most
+        self.taken = 0               # old replicas taken down for their successors this pass
+        self.extent = self.desired   # desired replicas, and a serving roll's surge replicas after them
+        self.unplaced: list[int] = []   # replicas the planner found no room for this pass
         self.shared = False          # shared objects applied this pass
         self.invalid = ""
         self.facts = state.facts
@@ -208,7 +215,7 @@ def _job_restart_reason(d: _Draft) -> str:
 
 def _mark_old_layout_outdated(d: _Draft) -> None:
     """A served model asked for a new layout: the groups on the stored (old) layout keep serving,
-    marked Outdated, and are replaced one at a time; the new layout's plan starts empty."""
+    marked Outdated, and are replaced as spec.rollout says; the new layout's plan starts empty."""
     if d.stored is None or d.plan is not None:
         return
     newly = [r for r in sorted(planned(d.stored)) if r in d.groups and d.groups[r].phase not in (
@@ -217,13 +224,15 @@ def _mark_old_layout_outdated(d: _Draft) -> None:
         d.groups[r].phase = GroupPhase.OUTDATED
     if newly:
         d.event("Normal", "LayoutChanged", f"rolling from TP={d.stored.tensor} PP={d.stored.pipeline} to the "
-                                           f"spec's layout, one replica at a time")
+                                           f"spec's layout, as spec.rollout says")
         d.save()
 
 
 def _scale_down(d: _Draft) -> None:
+    """Replicas beyond the desired ones (and beyond a roll's surge replicas) are removed."""
+    d.extent = d.desired + rollout.surge_slots(d)
     live = {r for r, pods in d.pods.items() if _live(pods)}
-    extra = {r for r in set(d.groups) | live | planned(d.plan) if r >= d.desired and r >= 0}
+    extra = {r for r in set(d.groups) | live | planned(d.plan) if r >= d.extent and r >= 0}
     if d.workload.gang and d.desired == 0:
         extra = set()   # a paused job keeps its records (attempt numbers go on when it resumes)
     if not extra:
@@ -245,7 +254,9 @@ def _judge_groups(d: _Draft) -> None:
     # A finished job stays finished, whatever its replica count says now (more steps restart it).
     if d.workload.gang and finished(d.groups.values()):
         return
-    for r in range(d.desired):
+    for r in range(d.extent):
+        if rollout.waits(d, r):
+            continue
         g = d.group(r)
         if not _rolled_or_current(d, r):
             continue
@@ -257,25 +268,14 @@ def _judge_groups(d: _Draft) -> None:
 
 
 def _rolled_or_current(d: _Draft, r: int) -> bool:
-    """False while replica r waits its turn to be replaced (Outdated, or its pods run an old spec).
-    A replacement keeps the other replicas serving: one per pass, and only when all others serve."""
-    g = d.groups[r]
-    if g.phase == GroupPhase.OUTDATED:
-        what = "layout"
-    elif (not d.workload.gang and d.plan is not None and r in planned(d.plan) and g.phase == GroupPhase.READY
-          and _outdated_pods(d.pods.get(r, []), g.attempt, d.state.spec_hash)):
-        what = "spec"
-    else:
+    """False while replica r waits its turn to be replaced (Outdated, or its pods run an old spec):
+    spec.rollout's budgets say when (decide/rollout.py)."""
+    if d.workload.gang or r >= d.desired or not rollout.is_old(d, r):
         return True
-    if d.rolled or not _others_serving(d.groups, r, d.desired):
+    why = rollout.may_take_down(d, r)
+    if why is None:
         return False
-    d.rolled = True
-    if what == "spec":
-        d.act(DeleteGroup(r))
-        d.pods[r] = []
-        d.plan = drop_replicas(d.plan, {r})
-    g.phase, g.last_failure = GroupPhase.PENDING, None
-    d.event("Normal", "Rolling", f"replacing replica {r} with the new {what}")
+    rollout.take_down(d, r, "layout" if d.groups[r].phase == GroupPhase.OUTDATED else "spec", why)
     return True
 
 
@@ -377,6 +377,7 @@ def _plan(d: _Draft) -> None:
         g = d.groups[r]
         g.phase, g.retry_at, g.attempt = GroupPhase.CREATING, None, attempts[r]
     for r in set(d.replan) - set(got):
+        d.unplaced.append(r)
         d.groups[r].phase = GroupPhase.PENDING
         d.groups[r].last_failure = "not enough capacity for this replica (plan shrunk)"
     d.apply_shared(again=True)   # the plan is stored first: it is what the new pods read
@@ -388,7 +389,7 @@ def _plan(d: _Draft) -> None:
 
 def _call_planner(d: _Draft, facts: ModelFacts) -> ShardPlan:
     current = planned(d.plan)
-    keep = [r for r in range(d.desired) if r not in d.replan and r in current]
+    keep = [r for r in range(d.extent) if r not in d.replan and r in current]
     previous = {r: [p.node for p in d.stored.stages_of(r)] for r in d.replan} if d.stored else {}
     started = time.monotonic()
     try:
@@ -471,11 +472,12 @@ def _waiting_for_old_pods(d: _Draft, count: int) -> None:
 def _cannot_plan(d: _Draft, error: planning.PlanFailure) -> None:
     message = str(error)
     invalid = isinstance(error, planning.InvalidSpec)
+    d.unplaced += [] if invalid else d.replan
     for r in d.replan:
         g = d.groups[r]
         was = (g.phase, g.last_failure)
         g.phase, g.last_failure = GroupPhase.PENDING, None if invalid else message
-        if not invalid and was != (g.phase, g.last_failure):
+        if not invalid and was != (g.phase, g.last_failure) and r < d.desired:   # a surge replica: rollout.py says
             d.event("Warning", "NoFeasiblePlan", f"replica {r}: {message}")
     if invalid:
         d.invalid = message
@@ -537,7 +539,7 @@ def _waiting_for_facts(d: _Draft) -> None:
 
 def _remove_leftovers(d: _Draft) -> None:
     """Pods of older attempts of a live group are leftovers of an interrupted teardown."""
-    for r in range(d.desired):
+    for r in range(d.extent):
         g = d.groups.get(r)
         if g is None:       # a finished training job scaled up: nothing was made for it
             continue
@@ -555,19 +557,6 @@ def _remove_leftovers(d: _Draft) -> None:
 def _on_lost_nodes(d: _Draft, pods: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
     """Names of the pods on a lost node: force-deleted, since their kubelet will not answer."""
     return tuple(p["metadata"]["name"] for p in pods if recovery.on_lost_node(p, d.world.nodes))
-
-
-def _others_serving(groups: Mapping[int, ReplicaGroupStatus], r: int, desired: int) -> bool:
-    """A rolling replacement of replica r keeps at least one other replica serving (when there are two+)."""
-    if desired < 2:
-        return True
-    return all(o in groups and groups[o].phase in (GroupPhase.READY, GroupPhase.OUTDATED)
-               for o in range(desired) if o != r)
-
-
-def _outdated_pods(pods: list[dict], attempt: int, spec_hash: str) -> bool:
-    live = [p for p in pods if p["metadata"]["labels"].get(names.LABEL_ATTEMPT) == str(attempt)]
-    return any(p["metadata"]["labels"].get(names.LABEL_SPEC_HASH) not in (None, spec_hash) for p in live)
 
 
 def _placement_line(plan: ShardPlan, r: int, attempt: int) -> str:

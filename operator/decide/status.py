@@ -97,6 +97,9 @@ def build_status(state: ModelState, decision: Decision, job: Mapping[str, Any], 
     message = phase_message(live, desired, decision.invalid, job=workload.gang)
     phase, override = workload.model_phase(phase, decision.finished, desired)
     message = override or message
+    surge = sum(g.phase == GroupPhase.READY for r, g in decision.groups.items() if r >= desired)
+    if surge and workload.serves:
+        message += f"; {surge} surge replica(s) of a roll serving"
     if elastic.shrunk_reason(plan) and not decision.finished:
         message += f"; {elastic.shrunk_reason(plan)}"
     done = job.get("training") or state.status.get("training")
@@ -108,8 +111,10 @@ def build_status(state: ModelState, decision: Decision, job: Mapping[str, Any], 
         "observedGeneration": state.generation,
         "restarts": workload.restarts(decision.groups.values()),
         "tensor": plan.tensor if plan else None, "pipeline": plan.pipeline if plan else None,
-        "replicas": len(planned(plan)),
-        "readyReplicas": sum(g.phase in (GroupPhase.READY, GroupPhase.OUTDATED) for g in live),
+        "replicas": len({r for r in planned(plan) if r < desired}),
+        # a roll's surge replicas (decide/rollout.py) serve in place of the desired ones being replaced
+        "readyReplicas": min(desired, sum(g.phase in (GroupPhase.READY, GroupPhase.OUTDATED)
+                                          for g in decision.groups.values())),
         "readyShards": ready_shards(state, decision),
         "selector": f"{names.LABEL_MODEL}={state.name},{names.LABEL_STAGE}=0",
         "endpoint": renderer.endpoint(state.model)

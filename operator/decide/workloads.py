@@ -1,7 +1,8 @@
 """What differs between a served model and a training job, in one place.
 
 A served model's replicas are independent torch.distributed worlds: each is judged, restarted and
-replaced on its own, a new layout or spec rolls through them one at a time, and the model is Ready
+replaced on its own, a new layout or spec rolls through them as spec.rollout says (surge
+replicas beside them, or in place when the cluster has no room), and the model is Ready
 when every replica serves.
 
 A training job is one world over all its replicas (data parallel averages gradients across them), so

@@ -91,8 +91,8 @@ def replica_hash(plan: ShardPlan, replica: int) -> str:
 
 def spec_hash(spec: ShardedModelSpec, default_image: str = DEFAULT_IMAGE) -> str:
     """Hash of what a running pod depends on, besides its placement: a change rolls the replicas.
-    Replicas (training.minReplicas too), autoscaling (it only sets replicas), recovery and placement
-    preferences are left out: changing them rolls nothing. The
+    Replicas (training.minReplicas too), autoscaling (it only sets replicas), rollout (how a roll
+    proceeds, not what it rolls to), recovery and placement preferences are left out: changing them rolls nothing. The
     typed spec has its defaults filled in, so writing a default out changes nothing either."""
     # serving.allowFrom is the NetworkPolicy's alone; serving.auth and the capacity settings, when
     # unset, are left out so that models made before they existed keep their hash (and their pods).
@@ -103,7 +103,8 @@ def spec_hash(spec: ShardedModelSpec, default_image: str = DEFAULT_IMAGE) -> str
     # spec.model's remote options, when unset, likewise (crds/sourcespec.py)
     model_out = {f for f in REMOTE_OPTIONS if getattr(spec.model, f) is None}
     keep = spec.model_dump(mode="json", by_alias=True,
-                           exclude={"recovery": True, "placement": True, "autoscaling": True, "parallelism": {"replicas"},
+                           exclude={"recovery": True, "placement": True, "autoscaling": True, "rollout": True,
+                                    "parallelism": {"replicas"},
                                     "training": {"min_replicas"}, "serving": serving_out, "model": model_out})
     keep["image"] = spec.image or default_image
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:10]

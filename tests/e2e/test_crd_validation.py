@@ -16,6 +16,7 @@ import yaml
 
 from shardwise.crds.autoscaling import KV_OVER_ONE, MIN_OVER_MAX
 from shardwise.crds.router import ROUTER_SERVING_ONLY
+from shardwise.crds.rollout import NO_STEP
 from shardwise.crds.capacity import CONTEXT_OVER_CACHE
 from shardwise.crds.models import (AUTOSCALING_SERVING_ONLY, DP_DIVIDES, DP_PRODUCT, INTERLEAVED_MICRO_BATCHES, LOCAL_NEEDS_CLAIM,
                                    LOCAL_PATH_DIFFERS, MIN_REPLICAS, NAME_NOT_DNS_LABEL, NAME_TOO_LONG,
@@ -185,6 +186,10 @@ BAD = {
                              "spec.serving.router.replicas", "less than or equal to 16"),
     "router-rate-limit-shape": (manifest("a", serving={"router": {"enabled": True, "rateLimit": "fast"}}),
                                 "spec.serving.router.rateLimit", "should match"),
+    # the roll's budgets (crds/rollout.py): maxSurge 0 with maxUnavailable's default 0 allows no step
+    "rollout-no-step": (manifest("a", rollout={"maxSurge": 0}), "spec.rollout.maxSurge", NO_STEP),
+    "rollout-surge-over": (manifest("a", rollout={"maxSurge": 17}), "spec.rollout.maxSurge",
+                           "less than or equal to 16"),
 }
 
 
