@@ -110,7 +110,7 @@ class Trainer:
         self.compressor = None
         if opts.compression != "none" and opts.mesh_shape.replicate > 1:
             self.compressor = GradientCompressor(opts.compression, self.mesh.get_group("dp_replicate"),
-                                                 density=opts.compression_density)
+                                                 density=opts.compression_density, rank=opts.compression_rank)
 
         tokenizer = load_tokenizer(source)
         self.data = TokenDataset.from_file(opts.data, tokenizer.encode)
