@@ -11,6 +11,7 @@ import math
 import shutil
 
 import pytest
+from safetensors import safe_open
 
 from shardwise.worker.training import checkpoint as ckpt
 
@@ -85,8 +86,9 @@ def test_zero3_checkpoint_resumes_under_other_layouts_with_the_same_losses(train
 
 
 @pytest.mark.parametrize("method", [["--compression", "topk", "--compression-density", "0.05"],
-                                    ["--compression", "topk-int4", "--compression-warmup", "3"]],
-                         ids=["topk", "topk-int4-frozen-variance"])
+                                    ["--compression", "topk-int4", "--compression-warmup", "3"],
+                                    ["--compression", "powersgd", "--compression-rank", "2"]],
+                         ids=["topk", "topk-int4-frozen-variance", "powersgd"])
 def test_a_compressed_run_resumed_mid_run_gives_the_uninterrupted_losses(train, tmp_path, method):
     """The error-feedback residuals are in the checkpoint: a run stopped at step 10 and resumed goes on
     exactly as the run that never stopped (without them, what compression still owed is lost)."""
@@ -118,6 +120,41 @@ def test_compression_residuals_reshard_to_another_layout_and_replicate_count(tra
         assert sorted(got) == [11, 12] and all(math.isfinite(r["loss"]) for r in got.values())
 
 
+def test_powersgd_trains_two_replicas_sending_what_the_shapes_say(train, single, work, tmp_path):
+    """Two replicate groups averaged by PowerSGD at rank 2: the loss falls like the uncompressed
+    run's, and each step sends 4 (rows + cols) * 2 bytes per weight matrix plus the norms whole."""
+    got = train.run(tmp_path / "ck", "--data-parallel", "2", "--data-shard", "1", "--compression", "powersgd",
+                    "--compression-rank", "2", check=True).records
+    assert got[STEPS]["loss"] < got[1]["loss"] * 0.8, got[STEPS]        # it learns
+    assert got[STEPS]["loss"] == pytest.approx(single[STEPS]["loss"], rel=0.1)
+    with safe_open(str(work / "model" / "model.safetensors"), "pt") as f:
+        shapes = [f.get_slice(k).get_shape() for k in f.keys()]
+    dense = 4 * sum(math.prod(s) for s in shapes)
+    expected = sum(4 * (s[0] + s[1]) * 2 if len(s) == 2 and (s[0] + s[1]) * 2 * 2 < s[0] * s[1]
+                   else 4 * math.prod(s) for s in shapes)
+    assert all(r["replicate_bytes"] == expected for r in got.values()), (got[1]["replicate_bytes"], expected)
+    assert expected / dense < 0.06, expected / dense
+
+
+def test_powersgd_bases_resume_with_another_replicate_count_and_restart_with_another_shard(train, tmp_path):
+    """The warm-start bases belong to a rank's shard of each gradient, not to a replicate group: 4
+    groups read the 2 groups' bases back; sharded over 2 ranks per group, the shards' matrices
+    differ and the bases restart from their initial values, saying so."""
+    psgd = ["--compression", "powersgd", "--compression-rank", "2"]
+    saved = tmp_path / "saved"
+    train.run(saved, "--data-parallel", "2", "--data-shard", "1", *psgd, "--steps", "10", check=True)
+    for name, layout, news in [
+            ("four-groups", ["--data-parallel", "4", "--data-shard", "1"], "PowerSGD bases resumed"),
+            ("sharded", ["--data-parallel", "4", "--data-shard", "2"],
+             "restart from their initial values: they were saved for another split of the gradients")]:
+        ckdir = tmp_path / name
+        ckdir.mkdir()
+        shutil.copytree(saved / ckpt.step_dir_name(10), ckdir / ckpt.step_dir_name(10))
+        _, got, err = train.run(ckdir, *layout, *psgd, "--steps", "12", check=True)
+        assert news in err, err
+        assert sorted(got) == [11, 12] and all(math.isfinite(r["loss"]) for r in got.values())
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--data-parallel", "4", "--data-shard", "3"], "data-parallel shard degree 3 does not divide the 4"),
     (["--tensor-parallel", "3"], "tensor parallel degree 3 does not divide"),
@@ -129,6 +166,8 @@ def test_compression_residuals_reshard_to_another_layout_and_replicate_count(tra
      "compression density must be in (0, 1], got 0.0"),
     (["--data-parallel", "2", "--data-shard", "1", "--compression", "topk", "--compression-density", "1.5"],
      "compression density must be in (0, 1], got 1.5"),
+    (["--data-parallel", "2", "--data-shard", "1", "--compression", "powersgd", "--compression-rank", "0"],
+     "compression rank must be 1 to 256, got 0"),
     (["--data-parallel", "2", "--prefetch-depth", "9"], "prefetch depth must be 0 to 8 blocks, got 9"),
     (["--tensor-parallel", "2", "--sequence-parallel", "--seq-len", "33"],
      "sequence parallelism splits each sequence over the 2 tensor-parallel ranks: sequence length 33 is not "
