@@ -89,6 +89,7 @@ def ranks() -> dict:
         "regression": ("_regression", {"steps": 300, "lr": 3.0}),
         "overflow": ("_overflow_and_checkpoint", {}),
         "powersgd": ("_low_rank", {}),
+        "powersgd_overflow": ("_powersgd_overflow", {}),
     })
 
 
@@ -202,6 +203,19 @@ def _low_rank(rank: int) -> dict:
     restored.all_reduce_mean_(again)
     out["rank1_second"], out["restored_second"] = _flat(second), _flat(again)
     return out
+
+
+def _powersgd_overflow(rank: int) -> dict:
+    """Three PowerSGD steps, the second with a NaN on rank 0: it poisons that step's P and Q."""
+    comp = GradientCompressor("powersgd", None, rank=2)
+    means = []
+    for step in range(3):
+        grads = _grads(rank + 10 * step)
+        if step == 1 and rank == 0:
+            grads[0][3, 4] = float("nan")
+        comp.all_reduce_mean_(grads)
+        means.append(_flat(grads))
+    return {"means": means}
 
 
 # -- tests ----------------------------------------------------------------------------------------
@@ -344,6 +358,14 @@ def test_powersgd_recovers_a_low_rank_mean_and_carries_the_rest_to_the_next_step
         np.testing.assert_array_equal(ranks[r]["restored_second"], second)   # residual and Q in the state
     np.testing.assert_array_equal(ranks[0]["rank2"], ranks[1]["rank2"])    # replicas stay identical
     np.testing.assert_array_equal(ranks[0]["rank1_second"], ranks[1]["rank1_second"])
+
+
+def test_powersgd_overflowed_step_shows_in_the_mean_and_the_next_step_starts_its_basis_again(ranks):
+    for r in range(WORLD):
+        first, overflowed, after = ranks["powersgd_overflow"][r]["means"]
+        assert np.isfinite(first).all()
+        assert not np.isfinite(overflowed).all()    # the trainer's overflow check sees it
+        assert np.isfinite(after).all() and np.abs(after).max() > 0   # neither Q nor the residual kept it
 
 
 @pytest.mark.parametrize("rank", [0, 257, 1.5, True])
