@@ -176,5 +176,5 @@ DOWNLOAD_PROGRESS_PATH = "/download"
 
 # --- gradient compression between replicate groups (spec.training.gradientCompression, --compression) ---
 COMPRESSION_METHODS = ("none", "int8", "int4", "topk", "topk-int4", "powersgd")
-POWERSGD_DEFAULT_RANK = 4      # rank of each gradient matrix's approximation (rank)
+POWERSGD_DEFAULT_RANK = 8      # rank of each gradient matrix's approximation: the smallest that kept the loss (docs/training.md)
 POWERSGD_MAX_RANK = 256

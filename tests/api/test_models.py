@@ -91,10 +91,10 @@ def test_training_layout_fields_default_and_write_back_in_camel_case():
     out = sm.to_api()["spec"]["training"]
     assert out["dataParallel"] == {"shard": 2, "replicate": 2} and out["schedule"] == "Interleaved1F1B"
     assert out["activationCheckpointing"] is True and out["gradientCompression"] == {"method": "topk", "density": 0.05,
-                                                                                  "warmupSteps": 0, "rank": 4}
+                                                                                  "warmupSteps": 0, "rank": 8}
     assert ShardedModel.model_validate(sm.to_api()) == sm
     assert load_manifest(training(2, gradientCompression={})).spec.training.gradient_compression.model_dump() == {
-        "method": "none", "density": 0.01, "warmup_steps": 0, "rank": 4}
+        "method": "none", "density": 0.01, "warmup_steps": 0, "rank": 8}
 
 
 @pytest.mark.parametrize("replicas, fields", [

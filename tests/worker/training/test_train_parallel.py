@@ -104,19 +104,25 @@ def test_a_compressed_run_resumed_mid_run_gives_the_uninterrupted_losses(train, 
 
 
 def test_compression_residuals_reshard_to_another_layout_and_replicate_count(train, tmp_path):
-    """Saved by 2 replicate groups at step 10; resumed sharded over 2 ranks per group (the residual
-    slices read in their new split) and by 4 groups (each starting from the mean of the 2 saved)."""
+    """Saved by 2 replicate groups at step 10 (PowerSGD, rank 2); resumed sharded over 2 ranks per
+    group (the residual slices read in their new split; PowerSGD's bases, which belong to a shard's
+    matrix, restart, saying so) and by 4 groups (each residual starting from the mean of the 2 saved;
+    the bases, the same in every group, read back)."""
+    psgd = ["--compression", "powersgd", "--compression-rank", "2"]
     saved = tmp_path / "saved"
-    train.run(saved, "--data-parallel", "2", "--data-shard", "1", "--compression", "int4", "--steps", "10", check=True)
+    train.run(saved, "--data-parallel", "2", "--data-shard", "1", *psgd, "--steps", "10", check=True)
     for name, layout, news in [
-            ("sharded", ["--data-parallel", "4", "--data-shard", "2"], "compression residuals of 2 replicate groups resumed"),
+            ("sharded", ["--data-parallel", "4", "--data-shard", "2"],
+             ["compression residuals of 2 replicate groups resumed",
+              "restart from their initial values: they were saved for another split of the gradients"]),
             ("four-groups", ["--data-parallel", "4", "--data-shard", "1"],
-             "compression residuals saved by 2 replicate groups, resumed by 4: each starts from their mean")]:
+             ["compression residuals saved by 2 replicate groups, resumed by 4: each starts from their mean",
+              "PowerSGD bases resumed"])]:
         ckdir = tmp_path / name
         ckdir.mkdir()
         shutil.copytree(saved / ckpt.step_dir_name(10), ckdir / ckpt.step_dir_name(10))
-        _, got, err = train.run(ckdir, *layout, "--compression", "int4", "--steps", "12", check=True)
-        assert news in err, err
+        _, got, err = train.run(ckdir, *layout, *psgd, "--steps", "12", check=True)
+        assert all(n in err for n in news), err
         assert sorted(got) == [11, 12] and all(math.isfinite(r["loss"]) for r in got.values())
 
 
@@ -132,25 +138,6 @@ def test_powersgd_trains_two_replicas_sending_what_the_shapes_say(train, work, t
                    else 4 * math.prod(s) for s in shapes)
     assert all(r["replicate_bytes"] == expected for r in got.values()), (got[1]["replicate_bytes"], expected)
     assert expected / dense < 0.06, expected / dense
-
-
-def test_powersgd_bases_resume_with_another_replicate_count_and_restart_with_another_shard(train, tmp_path):
-    """The warm-start bases belong to a rank's shard of each gradient, not to a replicate group: 4
-    groups read the 2 groups' bases back; sharded over 2 ranks per group, the shards' matrices
-    differ and the bases restart from their initial values, saying so."""
-    psgd = ["--compression", "powersgd", "--compression-rank", "2"]
-    saved = tmp_path / "saved"
-    train.run(saved, "--data-parallel", "2", "--data-shard", "1", *psgd, "--steps", "10", check=True)
-    for name, layout, news in [
-            ("four-groups", ["--data-parallel", "4", "--data-shard", "1"], "PowerSGD bases resumed"),
-            ("sharded", ["--data-parallel", "4", "--data-shard", "2"],
-             "restart from their initial values: they were saved for another split of the gradients")]:
-        ckdir = tmp_path / name
-        ckdir.mkdir()
-        shutil.copytree(saved / ckpt.step_dir_name(10), ckdir / ckpt.step_dir_name(10))
-        _, got, err = train.run(ckdir, *layout, *psgd, "--steps", "12", check=True)
-        assert news in err, err
-        assert sorted(got) == [11, 12] and all(math.isfinite(r["loss"]) for r in got.values())
 
 
 @pytest.mark.parametrize("extra, message", [
