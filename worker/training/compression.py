@@ -5,7 +5,8 @@ than a plain fp32 all-reduce. The trainer calls `GradientCompressor(method, grou
 grads)` where it would call `plain_all_reduce_mean_(grads, group)`.
 
 What each method sends (n = elements of all the gradients together, flattened in list order into
-one fp32 buffer; every rank contributes one payload to a single all_gather):
+one fp32 buffer; every rank contributes one payload to a single all_gather, except none and
+powersgd, whose payloads are sums, all-reduced):
     none   n fp32 values through an all-reduce (SUM, then / world):       4n bytes
     int8   per chunk of `chunk` elements, scale = absmax/127, q = round(x/scale) in [-127, 127];
            the n int8 values and ceil(n/chunk) fp32 scales:                  n + 4*ceil(n/chunk) bytes
@@ -40,7 +41,7 @@ exactly the sizes above), `bytes_uncompressed` is 4n per call, what `plain_all_r
 for the same tensors; their ratio is the compression ratio. Traffic per link depends on the algorithm:
 a ring all-reduce moves about 2(w-1)/w * 4n bytes through each rank, an all_gather (w-1) payloads, so
 with w replicas int8 saves traffic while w < 8 and top-k while w < 1/density: meant for a small
-replicate axis (2-8 replicas).
+replicate axis (2-8 replicas). powersgd is all-reduced, so it saves its ratio at any w.
 
 powersgd's two all-reduces give every rank the same sums, from which it computes the same P and Q.
 Every rank adds the gathered payloads in rank order and top-k indices of one rank are distinct, so the
