@@ -33,7 +33,7 @@ from shardwise.crds.names import (LOCAL_CHECKPOINT_ROOT, MAX_MODEL_NAME, MAX_PIP
                                   MAX_REPLICAS, MODEL_NAME_PATTERN, RACK_LABEL, ZONE_LABEL)
 from shardwise.crds.speculative import (DRAFT_TOKENS, DRAFT_TOKENS_MAX, NGRAM_LIMIT, NGRAM_MAX,  # noqa: F401
                                       NGRAM_MIN, Speculative, SpeculativeMethod)
-from shardwise.crds import sourcespec
+from shardwise.crds import names, sourcespec
 from shardwise.crds.sourcespec import ENDPOINT_PATTERN, REGION_PATTERN, CredentialsRef, ModelCache
 from shardwise.crds.schedules import DEFAULT_SCHEDULE, INTERLEAVED_MICRO_BATCHES, PipelineSchedule, micro_batches_fit
 from shardwise.crds.checkpointstore import STORE_OPTIONS_NEED_URI, ObjectStoreCheckpoint, store_rule
@@ -306,14 +306,14 @@ class DataParallel(ApiModel):
 class GradientCompression(ApiModel):
     """Compression of the gradients averaged between replicated copies (the replicate axis only)."""
 
-    method: Literal["none", "int8", "int4", "topk", "topk-int4"] = Field("none", description=(
-        "none; int8, int4: gradients quantized to 8 or 4 bits for the average; topk: only the largest "
-        "`density` of the gradient elements are sent; topk-int4: those with 4-bit values. What is not "
-        "sent is carried to the next step (error feedback) and saved in checkpoints."))
-    density: float = Field(0.01, gt=0, le=1, description=(
-        "Fraction of gradient elements topk and topk-int4 send, in (0, 1]."))
+    method: Literal[names.COMPRESSION_METHODS] = Field("none", description=(
+        "none; int8, int4: quantized to 8 or 4 bits; topk: the largest `density` of the elements; topk-int4: those "
+        "in 4 bits; powersgd: each matrix as a rank-`rank` product. What is not sent is carried over (error feedback)."))
+    density: float = Field(0.01, gt=0, le=1, description="Fraction of the elements topk and topk-int4 send, in (0, 1].")
     warmup_steps: int = Field(0, ge=0, le=1000000, description=(
         "Steps uncompressed first; after them AdamW's variance is frozen (1-bit Adam). 0: none."))
+    rank: int = Field(names.POWERSGD_DEFAULT_RANK, ge=1, le=names.POWERSGD_MAX_RANK,
+                      description="powersgd: rank of each gradient matrix's approximation; bytes grow with it.")
 
 
 class Training(ApiModel):

@@ -173,3 +173,8 @@ MODEL_CACHE_BUDGET = 200 << 30   # bytes the cache keeps on a node by default (l
 # A fetching pod's download progress (crds/download.py DownloadReport): served as JSON on its http
 # port at this path while it fetches.
 DOWNLOAD_PROGRESS_PATH = "/download"
+
+# --- gradient compression between replicate groups (spec.training.gradientCompression, --compression) ---
+COMPRESSION_METHODS = ("none", "int8", "int4", "topk", "topk-int4", "powersgd")
+POWERSGD_DEFAULT_RANK = 8      # rank of each gradient matrix's approximation: the smallest that kept the loss (docs/training.md)
+POWERSGD_MAX_RANK = 256

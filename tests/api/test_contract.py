@@ -106,7 +106,7 @@ def test_zero3_schedule_and_compression_reach_the_pods_contract_json(tmp_path):
     assert raw["plan"]["data_shard"] == 2
     assert raw["training"]["data_parallel"] == {"shard": 2, "replicate": None}
     assert (raw["training"]["schedule"], raw["training"]["activation_checkpointing"]) == ("Interleaved1F1B", True)
-    assert raw["training"]["gradient_compression"] == {"method": "topk", "density": 0.05, "warmup_steps": 0}
+    assert raw["training"]["gradient_compression"] == {"method": "topk", "density": 0.05, "warmup_steps": 0, "rank": 8}
 
     contract = read_contract(str(_mounted(configmap, tmp_path)))
     assert contract.plan == planned and contract.plan.data_shard == 2 and contract.plan.data_replicate == 2

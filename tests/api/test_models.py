@@ -91,10 +91,10 @@ def test_training_layout_fields_default_and_write_back_in_camel_case():
     out = sm.to_api()["spec"]["training"]
     assert out["dataParallel"] == {"shard": 2, "replicate": 2} and out["schedule"] == "Interleaved1F1B"
     assert out["activationCheckpointing"] is True and out["gradientCompression"] == {"method": "topk", "density": 0.05,
-                                                                                  "warmupSteps": 0}
+                                                                                  "warmupSteps": 0, "rank": 8}
     assert ShardedModel.model_validate(sm.to_api()) == sm
     assert load_manifest(training(2, gradientCompression={})).spec.training.gradient_compression.model_dump() == {
-        "method": "none", "density": 0.01, "warmup_steps": 0}
+        "method": "none", "density": 0.01, "warmup_steps": 0, "rank": 8}
 
 
 @pytest.mark.parametrize("replicas, fields", [
@@ -121,7 +121,11 @@ def test_training_layouts_that_are_accepted(replicas, fields):
     (2, None, {"gradientCompression": {"method": "topk", "density": 1.01}},
      "spec.training.gradientCompression.density: Input should be less than or equal to 1"),
     (2, None, {"gradientCompression": {"method": "fp8"}},
-     "spec.training.gradientCompression.method: Input should be 'none', 'int8', 'int4', 'topk' or 'topk-int4'"),
+     "spec.training.gradientCompression.method: Input should be 'none', 'int8', 'int4', 'topk', 'topk-int4' or 'powersgd'"),
+    (2, None, {"gradientCompression": {"method": "powersgd", "rank": 0}},
+     "spec.training.gradientCompression.rank: Input should be greater than or equal to 1"),
+    (2, None, {"gradientCompression": {"method": "powersgd", "rank": 257}},
+     "spec.training.gradientCompression.rank: Input should be less than or equal to 256"),
     (2, None, {"schedule": "ZeroBubble"}, "spec.training.schedule: Input should be '1F1B', 'GPipe' or 'Interleaved1F1B'"),
     (2, None, {"minReplicas": 3}, "training.minReplicas must not exceed parallelism.replicas (minReplicas 3, replicas 2)"),
     (2, None, {"minReplicas": 0}, "spec.training.minReplicas: Input should be greater than or equal to 1"),

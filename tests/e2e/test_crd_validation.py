@@ -244,12 +244,12 @@ def test_training_layout_fields_are_accepted_with_defaults_and_kept_by_scaling(k
     training = yaml.safe_load(kubectl("create", "-o", "yaml", "-f", "-", input=yaml.safe_dump(body)))["spec"]["training"]
     assert training["dataParallel"] == {"shard": 2, "replicate": 2} and training["schedule"] == "Interleaved1F1B"
     assert training["activationCheckpointing"] is False
-    assert training["gradientCompression"] == {"method": "topk", "density": 0.05, "warmupSteps": 0}
+    assert training["gradientCompression"] == {"method": "topk", "density": 0.05, "warmupSteps": 0, "rank": 8}
     defaults = training_manifest(2, gradientCompression={})
     defaults["metadata"]["name"] = "defaults"
     training = yaml.safe_load(kubectl("create", "-o", "yaml", "-f", "-", input=yaml.safe_dump(defaults)))["spec"]["training"]
     assert (training["schedule"], training["activationCheckpointing"]) == ("1F1B", False)
-    assert training["gradientCompression"] == {"method": "none", "density": 0.01, "warmupSteps": 0}
+    assert training["gradientCompression"] == {"method": "none", "density": 0.01, "warmupSteps": 0, "rank": 8}
     # shard x replicate fixes the replicas: the scale subresource is held to the same rule, but 0 pauses
     message = refusal(kubectl, "scale", "sm/hsdp", "--replicas=3")
     assert "spec.training.dataParallel" in message and DP_PRODUCT in message, message

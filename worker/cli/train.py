@@ -16,6 +16,7 @@ import argparse
 import os
 import sys
 
+from shardwise.crds import names
 from shardwise.worker.cli.flags import add_device_argument, add_layout_arguments
 from shardwise.worker.fetch.s3 import S3Config
 from shardwise.worker.distributed.launch import Ending, Exit, Outcome, Policy, stopped_by, supervise
@@ -40,11 +41,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tensor-parallel > 1: split the norms and the activations between blocks over the "
                         "sequence as well (each rank keeps 1/T of them)")
-    p.add_argument("--compression", default="none", choices=["none", "int8", "int4", "topk", "topk-int4"],
+    p.add_argument("--compression", default="none", choices=list(names.COMPRESSION_METHODS),
                    help="compress gradients averaged across the D/S replicate groups (error feedback keeps "
                         "convergence)")
     p.add_argument("--compression-density", type=float, default=0.01, metavar="F",
                    help="topk, topk-int4: fraction of gradient elements sent, in (0, 1]")
+    p.add_argument("--compression-rank", type=int, default=names.POWERSGD_DEFAULT_RANK, metavar="R",
+                   help=f"powersgd: rank of each gradient matrix's approximation, 1 to "
+                        f"{names.POWERSGD_MAX_RANK} (default {names.POWERSGD_DEFAULT_RANK})")
     p.add_argument("--compression-warmup", type=int, default=0, metavar="N",
                    help="the first N steps dense with plain AdamW, then compressed with AdamW's variance "
                         "frozen (what keeps top-k's loss; 0: compressed from the first step, plain AdamW)")
@@ -101,6 +105,7 @@ def options(args):
         data_shard=args.data_shard, schedule=args.schedule, activation_checkpointing=args.activation_checkpointing,
         sequence_parallel=args.sequence_parallel, prefetch_depth=args.prefetch_depth,
         compression=args.compression, compression_density=args.compression_density,
+        compression_rank=args.compression_rank,
         compression_warmup=args.compression_warmup,
         checkpoint_every=args.checkpoint_every, keep=args.keep, checkpoint_uri=args.checkpoint_uri,
         checkpoint_s3=S3Config(endpoint=args.checkpoint_endpoint, region=args.checkpoint_region,

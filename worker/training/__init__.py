@@ -2,7 +2,7 @@
 model_state, progress), DTensor/FSDP2 plans on a DeviceMesh (parallelize), pipeline schedules
 (schedules), DCP checkpoints written and committed (checkpoint) in tiers (checkpoint_tiers), the shared tier in
 an object store (checkpoint_s3, over DCP's writer and reader for S3: s3_storage),
-gradient compression (compression; its residuals in checkpoints: compression_state; AdamW with a
+gradient compression (compression; PowerSGD's low-rank mean: powersgd; its residuals in checkpoints: compression_state; AdamW with a
 frozen variance after a dense warm-up: frozen_adam) and the step-keyed data order (data).
 
 May import: shardwise.crds, shardwise.worker.errors, shardwise.worker.model, shardwise.worker.distributed, shardwise.worker.weights, shardwise.worker.fetch

@@ -5,7 +5,8 @@ than a plain fp32 all-reduce. The trainer calls `GradientCompressor(method, grou
 grads)` where it would call `plain_all_reduce_mean_(grads, group)`.
 
 What each method sends (n = elements of all the gradients together, flattened in list order into
-one fp32 buffer; every rank contributes one payload to a single all_gather):
+one fp32 buffer; every rank contributes one payload to a single all_gather, except none and
+powersgd, whose payloads are sums, all-reduced):
     none   n fp32 values through an all-reduce (SUM, then / world):       4n bytes
     int8   per chunk of `chunk` elements, scale = absmax/127, q = round(x/scale) in [-127, 127];
            the n int8 values and ceil(n/chunk) fp32 scales:                  n + 4*ceil(n/chunk) bytes
@@ -17,6 +18,9 @@ one fp32 buffer; every rank contributes one payload to a single all_gather):
            n >= 2**31) and k fp32 values:                                    8k bytes (12k with int64)
     topk-int4  the same indices, the k values quantized as int4 (chunks of `chunk` values in
            selection order):                                  4k + ceil(k/2) + 4*ceil(k/chunk) bytes
+    powersgd   each matrix-shaped gradient (rows x cols) as a rank-`rank` product P Q^T, P and Q
+           summed by two all-reduces (not a gather: the method is linear), 1-D and small ones
+           uncompressed (powersgd.py):                 4 * sum((rows + cols) * r) + 4 * uncompressed
 The mean is written back into each gradient, cast to its dtype (float32 or bfloat16).
 
 Why error feedback: every compressor here is biased; top-k at 1% drops 99% of every gradient, and the
@@ -37,8 +41,9 @@ exactly the sizes above), `bytes_uncompressed` is 4n per call, what `plain_all_r
 for the same tensors; their ratio is the compression ratio. Traffic per link depends on the algorithm:
 a ring all-reduce moves about 2(w-1)/w * 4n bytes through each rank, an all_gather (w-1) payloads, so
 with w replicas int8 saves traffic while w < 8 and top-k while w < 1/density: meant for a small
-replicate axis (2-8 replicas).
+replicate axis (2-8 replicas). powersgd is all-reduced, so it saves its ratio at any w.
 
+powersgd's two all-reduces give every rank the same sums, from which it computes the same P and Q.
 Every rank adds the gathered payloads in rank order and top-k indices of one rank are distinct, so the
 mean has the same bits on every rank (no atomics ordering on CUDA): replicas stay identical. Pure
 torch.distributed (gloo on CPU, NCCL on GPU); no Python loop over elements, only over ranks and tensors.
@@ -52,7 +57,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-METHODS = ("none", "int8", "int4", "topk", "topk-int4")
+from shardwise.crds import names
+from shardwise.worker.training import powersgd
+
+METHODS = names.COMPRESSION_METHODS
 # the methods that send a fixed fraction of the elements (density applies to them)
 SPARSE = ("topk", "topk-int4")
 
@@ -155,11 +163,12 @@ def _decode_q(part: torch.Tensor, n: int, chunk: int, bits: int) -> torch.Tensor
 class GradientCompressor:
     """Compressed mean of gradients across `group` (None: the default world) with error feedback.
 
-    method: "int8", "topk", or "none" (plain fp32 all-reduce, so the trainer can hold one object);
-    density: fraction of elements top-k sends, in (0, 1]; chunk: elements per int8 scale."""
+    method: one of METHODS ("none": plain fp32 all-reduce, so the trainer can hold one object);
+    density: fraction of elements top-k sends, in (0, 1]; chunk: elements per int8 scale;
+    rank: PowerSGD's approximation rank."""
 
     def __init__(self, method: str, group=None, density: float = 0.01, chunk: int = 4096,
-                 error_feedback: bool = True):
+                 error_feedback: bool = True, rank: int = powersgd.DEFAULT_RANK):
         if method not in METHODS:
             raise ValueError(f"unknown compression method {method!r}: choose one of {', '.join(METHODS)}")
         if (isinstance(density, bool) or not isinstance(density, numbers.Real)
@@ -167,7 +176,11 @@ class GradientCompressor:
             raise ValueError(f"compression density must be in (0, 1], got {density!r}")
         if isinstance(chunk, bool) or not isinstance(chunk, numbers.Integral) or chunk < 1:
             raise ValueError(f"compression chunk must be a positive integer, got {chunk!r}")
+        if (isinstance(rank, bool) or not isinstance(rank, numbers.Integral)
+                or not 1 <= rank <= powersgd.MAX_RANK):
+            raise ValueError(f"compression rank must be an integer from 1 to {powersgd.MAX_RANK}, got {rank!r}")
         self.method = method
+        self.rank = int(rank)
         self.group = group
         self.density = float(density)
         self.chunk = int(chunk)
@@ -175,6 +188,8 @@ class GradientCompressor:
         self.bytes_sent = 0
         self.bytes_uncompressed = 0
         self._residuals: dict[int, torch.Tensor] = {}
+        # powersgd: the warm-start Q of each gradient position (same on every rank of the group)
+        self._bases: dict[int, torch.Tensor] = {}
 
     # -- error feedback -------------------------------------------------------------------------
 
@@ -219,7 +234,9 @@ class GradientCompressor:
             return
         flat = _flat_fp32(grads)
         self._add_residuals(grads, flat)
-        if self.method in SPARSE:
+        if self.method == "powersgd":
+            mean, own, sent = powersgd.low_rank_mean(grads, flat, self._bases, self.rank, self.group)
+        elif self.method in SPARSE:
             mean, own, sent = self._topk(flat, 4 if self.method == "topk-int4" else 32)
         else:
             mean, own, sent = self._quantized(flat, 4 if self.method == "int4" else 8)
@@ -274,10 +291,33 @@ class GradientCompressor:
             out.append(r)
         return out
 
+    def bases_for(self, tensors: Sequence[torch.Tensor]) -> dict[int, torch.Tensor]:
+        """powersgd: the warm-start Q of each gradient position that is compressed as a matrix,
+        created as the first step would where there is none yet; {} for the other methods."""
+        if self.method != "powersgd":
+            return {}
+        out = {}
+        for i, t in enumerate(tensors):
+            m = powersgd.matrix_of(t.shape, self.rank)
+            if m is None:
+                continue
+            _, cols, r = m
+            q = self._bases.get(i)
+            if q is None or q.shape != (cols, r):
+                q = self._bases[i] = powersgd.initial_basis(i, cols, r, t.device)
+            out[i] = q
+        return out
+
+    def reset_bases(self) -> None:
+        """Start every warm-start Q again from its seeded initial value (the next step makes them)."""
+        self._bases.clear()
+
     def state_dict(self) -> dict:
-        """The residuals (fp32, by position in the gradient list), for a checkpoint."""
-        return {"method": self.method, "residuals": {i: r.clone() for i, r in self._residuals.items()}}
+        """The residuals and powersgd's bases (fp32, by position in the gradient list)."""
+        return {"method": self.method, "residuals": {i: r.clone() for i, r in self._residuals.items()},
+                "bases": {i: q.clone() for i, q in self._bases.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self._residuals = {int(i): r.detach().to(torch.float32).clone()
                            for i, r in state.get("residuals", {}).items()}
+        self._bases = {int(i): q.detach().to(torch.float32).clone() for i, q in state.get("bases", {}).items()}

@@ -11,6 +11,15 @@ no group's own residual exists; every new group starts from the mean of the save
 what is still owed to the average gradient (the mean over groups of their residuals) the same. A
 checkpoint without residuals (saved uncompressed, or before they were checkpointed) starts them at
 zero: a few steps' worth of dropped gradient, not the model, is lost.
+
+PowerSGD's warm-start bases (Q, powersgd.py) are the same on every replicate group (they are
+averaged), but each belongs to one rank's shard of its gradient: `compression/powersgd-q/<parameter
+name>/<shard>`, the shard named by its offsets and shape in the full parameter, saved whole (the
+ranks of other replicate groups holding the same shard write the same tensor, which DCP keeps once).
+A resume with the same tensor and shard layout and rank reads them back, whatever the number of
+replicate groups; otherwise a shard's basis does not fit the new shards' matrices, and the bases
+restart from their seeded initial values (the power iteration finds the directions again within a
+few steps; the log says so).
 """
 from __future__ import annotations
 
@@ -21,6 +30,7 @@ from shardwise.worker.training import checkpoint as ckpt
 from shardwise.worker.training import parallelize as par
 
 PREFIX = "compression/residual/"
+BASES = "compression/powersgd-q/"
 
 
 def residual_slices(compressor, params, names: dict[int, str], group: int) -> dict[str, ckpt.Slice]:
@@ -72,3 +82,36 @@ def load_residuals(store, step: int, slices: dict[str, ckpt.Slice], group: int, 
             s.tensor.copy_(total[k] / len(saved))
     return (f"compression residuals saved by {len(saved)} replicate groups, resumed by {groups}: "
             f"each starts from their mean")
+
+
+def basis_slices(compressor, params, names: dict[int, str]) -> dict[str, ckpt.Slice]:
+    """powersgd's warm-start Q of each of `params` that is compressed as a matrix, each saved whole
+    under its parameter's name and this rank's shard of it; {} for the other methods."""
+    regions = [par.local_region(p) for p in params]
+    bases = compressor.bases_for([local for local, _, _ in regions])
+    out = {}
+    for i, q in bases.items():
+        local, _, offsets = regions[i]
+        shard = "at-" + "-".join(map(str, offsets)) + "-size-" + "x".join(map(str, local.shape))
+        out[f"{BASES}{names[id(params[i])]}/{shard}"] = ckpt.Slice(q, tuple(q.shape), (0,) * q.dim())
+    return out
+
+
+def load_bases(store, step: int, slices: dict[str, ckpt.Slice]) -> str | None:
+    """Fill `slices` (basis_slices') from the checkpoint of `step` where it holds a basis of the
+    same shard and shape; the others keep their seeded initial values. Returns how (one line, for
+    the log), or None when there are no bases to resume."""
+    if not slices:
+        return None
+    stored = store.shapes(step)
+    present = {k: s for k, s in slices.items() if tuple(stored.get(k, ())) == tuple(s.tensor.shape)}
+    if present:
+        store.read(step, present)
+    if len(present) == len(slices):
+        return "PowerSGD bases resumed"
+    if not any(k.startswith(BASES) for k in stored):
+        why = "the checkpoint holds none"
+    else:
+        why = "they were saved for another split of the gradients (tensor or shard layout) or another rank"
+    return (f"PowerSGD bases of {len(slices) - len(present)} of {len(slices)} gradient matrices restart "
+            f"from their initial values: {why}")

@@ -31,8 +31,9 @@ class TrainOptions:
     activation_checkpointing: bool = False
     prefetch_depth: int = 0            # FSDP2 blocks all-gathered ahead; 0: FSDP2's own order
     sequence_parallel: bool = False    # with tensor > 1: norms and activations between blocks split over the sequence
-    compression: str = "none"          # on the replicate axis: none, int8, int4, topk, topk-int4
+    compression: str = "none"          # on the replicate axis: none, int8, int4, topk, topk-int4, powersgd
     compression_density: float = 0.01  # topk, topk-int4: fraction of gradient elements sent
+    compression_rank: int = names.POWERSGD_DEFAULT_RANK  # powersgd: rank of each gradient matrix's approximation
     compression_warmup: int = 0        # dense AdamW steps first, then the variance frozen (frozen_adam.py)
     checkpoint_every: int = 0          # 0: only at the end
     checkpoint_uri: str | None = None  # s3://bucket/prefix: the shared tier in an object store
@@ -88,6 +89,8 @@ class TrainOptions:
             return f"batch size {self.batch_size} does not split evenly into {D} data-parallel replicas"
         if self.compression != "none" and not 0 < self.compression_density <= 1:
             return f"compression density must be in (0, 1], got {self.compression_density}"
+        if self.compression != "none" and not 1 <= self.compression_rank <= names.POWERSGD_MAX_RANK:
+            return f"compression rank must be 1 to {names.POWERSGD_MAX_RANK}, got {self.compression_rank}"
         if not 0 <= self.prefetch_depth <= 8:
             return f"prefetch depth must be 0 to 8 blocks, got {self.prefetch_depth}"
         if self.compression_warmup < 0:
@@ -161,6 +164,7 @@ def options_from_contract(contract, *, device: str, dtype: str) -> TrainOptions:
         compression=t.gradient_compression.method if t.gradient_compression else "none",
         compression_density=t.gradient_compression.density if t.gradient_compression else 0.01,
         compression_warmup=t.gradient_compression.warmup_steps if t.gradient_compression else 0,
+        compression_rank=t.gradient_compression.rank if t.gradient_compression else names.POWERSGD_DEFAULT_RANK,
         checkpoint_uri=c.uri, checkpoint_s3=S3Config(endpoint=c.endpoint, region=c.region or S3Config().region,
                                                      path_style=bool(c.path_style)),
         checkpoint_env_prefix=names.CHECKPOINT_CREDENTIAL_PREFIX,

@@ -110,7 +110,7 @@ class Trainer:
         self.compressor = None
         if opts.compression != "none" and opts.mesh_shape.replicate > 1:
             self.compressor = GradientCompressor(opts.compression, self.mesh.get_group("dp_replicate"),
-                                                 density=opts.compression_density)
+                                                 density=opts.compression_density, rank=opts.compression_rank)
 
         tokenizer = load_tokenizer(source)
         self.data = TokenDataset.from_file(opts.data, tokenizer.encode)
@@ -180,11 +180,18 @@ class Trainer:
             out.update(optimizer_slices(m, self.optimizer))
         if residuals and self.compressor is not None:
             out.update(self.residual_slices())
+            out.update(self.basis_slices())
         return out
 
+    def _param_names(self) -> dict[int, str]:
+        return {id(p): name for m in self.modules for name, p in m.named_parameters()}
+
     def residual_slices(self) -> dict[str, ckpt.Slice]:
-        names = {id(p): name for m in self.modules for name, p in m.named_parameters()}
-        return cstate.residual_slices(self.compressor, self.params, names, self.mesh["dp_replicate"].get_local_rank())
+        return cstate.residual_slices(self.compressor, self.params, self._param_names(),
+                                      self.mesh["dp_replicate"].get_local_rank())
+
+    def basis_slices(self) -> dict[str, ckpt.Slice]:
+        return cstate.basis_slices(self.compressor, self.params, self._param_names())
 
     def local_fingerprint(self) -> dict:
         """What a local checkpoint must have been saved by to be loaded by this rank: the same
@@ -209,6 +216,9 @@ class Trainer:
             how = cstate.load_residuals(self.manager.store, int(meta["step"]), self.residual_slices(), self.mesh["dp_replicate"].get_local_rank(),
                                         self.opts.mesh_shape.replicate)
             self.emit({"event": "log", "message": how})
+            how = cstate.load_bases(self.manager.store, int(meta["step"]), self.basis_slices())
+            if how:
+                self.emit({"event": "log", "message": how})
         return self._resumed(meta, "shared")
 
     def _resume_local(self, slices: dict[str, ckpt.Slice], shared: tuple[int, dict] | None) -> dict | None:

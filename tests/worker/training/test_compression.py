@@ -1,6 +1,7 @@
 """Compressed gradient averaging (worker/training/compression.py) between real gloo ranks on 127.0.0.1:
 int8 within its quantization bound at a quarter of the bytes, int4 within its bound at an eighth,
-top-k sending 1% of the elements and their exact mean, top-k + int4 the same elements in 4 bits, error feedback as the difference between top-k SGD that converges and one
+top-k sending 1% of the elements and their exact mean, top-k + int4 the same elements in 4 bits,
+PowerSGD recovering a low-rank mean and carrying the rest to the next step, error feedback as the difference between top-k SGD that converges and one
 that stalls, residuals that survive a checkpoint and an overflowed step, one-line errors for bad
 options.
 
@@ -87,6 +88,8 @@ def ranks() -> dict:
         "topk-int4": ("_one_step", {"method": "topk-int4", "density": 0.01, "chunk": 64}),
         "regression": ("_regression", {"steps": 300, "lr": 3.0}),
         "overflow": ("_overflow_and_checkpoint", {}),
+        "powersgd": ("_low_rank", {}),
+        "powersgd_overflow": ("_powersgd_overflow", {}),
     })
 
 
@@ -166,6 +169,53 @@ def _overflow_and_checkpoint(rank: int) -> dict:
     residuals = state["residuals"]
     return {"means": means, "residual_finite": all(bool(torch.isfinite(r).all()) for r in residuals.values()),
             "positions": sorted(residuals), "continued": _flat(a), "restored": _flat(b)}
+
+
+# gradients of the PowerSGD scenario: a 60 x 40 matrix that is rank 1 on each rank (another on
+# each, so their mean is rank 2), a 1-D tensor and a 5 x 3 matrix (both sent uncompressed)
+LOW_RANK_SHAPES = [(60, 40), (7,), (5, 3)]
+
+
+def _low_rank_grads(rank: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(200 + rank)
+    u, v = torch.randn(60, 1, generator=g), torch.randn(1, 40, generator=g)
+    return [u @ v, torch.randn(7, generator=g), torch.randn(5, 3, generator=g)]
+
+
+def _low_rank(rank: int) -> dict:
+    """Rank 2 on a rank-2 mean: one step. Rank 1: a step of the gradients, then a step of zeros
+    (what arrives then is what error feedback carried), then the state into a new compressor."""
+    out = {"before": _flat(_low_rank_grads(rank))}
+    two = GradientCompressor("powersgd", None, rank=2)
+    grads = _low_rank_grads(rank)
+    two.all_reduce_mean_(grads)
+    out["rank2"], out["rank2_bytes"] = _flat(grads), two.bytes_sent
+    one = GradientCompressor("powersgd", None, rank=1)
+    first = _low_rank_grads(rank)
+    one.all_reduce_mean_(first)
+    out["rank1_first"], out["rank1_bytes"] = _flat(first), one.bytes_sent
+    out["rank1_residual"] = one.state_dict()["residuals"][0].numpy()
+    restored = GradientCompressor("powersgd", None, rank=1)
+    restored.load_state_dict(one.state_dict())
+    second = [torch.zeros(s) for s in LOW_RANK_SHAPES]
+    again = [torch.zeros(s) for s in LOW_RANK_SHAPES]
+    one.all_reduce_mean_(second)
+    restored.all_reduce_mean_(again)
+    out["rank1_second"], out["restored_second"] = _flat(second), _flat(again)
+    return out
+
+
+def _powersgd_overflow(rank: int) -> dict:
+    """Three PowerSGD steps, the second with a NaN on rank 0: it poisons that step's P and Q."""
+    comp = GradientCompressor("powersgd", None, rank=2)
+    means = []
+    for step in range(3):
+        grads = _grads(rank + 10 * step)
+        if step == 1 and rank == 0:
+            grads[0][3, 4] = float("nan")
+        comp.all_reduce_mean_(grads)
+        means.append(_flat(grads))
+    return {"means": means}
 
 
 # -- tests ----------------------------------------------------------------------------------------
@@ -284,6 +334,44 @@ def test_overflowed_step_shows_in_the_mean_but_does_not_poison_later_steps(ranks
         assert ranks[r]["residual_finite"]
         assert ranks[r]["positions"] == [0, 1, 2]
         np.testing.assert_array_equal(ranks[r]["restored"], ranks[r]["continued"])
+
+
+def test_powersgd_recovers_a_low_rank_mean_and_carries_the_rest_to_the_next_step(ranks):
+    ranks = ranks["powersgd"]
+    exact = (ranks[0]["before"] + ranks[1]["before"]) / WORLD
+    matrix = slice(0, 60 * 40)
+    for r in range(WORLD):
+        # rank 2 >= the mean's rank: the mean comes back (to fp32 rounding), for 4 (60 + 40) * 2
+        # bytes of the matrix and the 7 + 15 uncompressed elements in full
+        np.testing.assert_allclose(ranks[r]["rank2"], exact, rtol=1e-4, atol=1e-5)
+        assert ranks[r]["rank2_bytes"] == 4 * ((60 + 40) * 2 + 7 + 15)
+        assert ranks[r]["rank1_bytes"] == 4 * ((60 + 40) * 1 + 7 + 15)
+        first, second = ranks[r]["rank1_first"], ranks[r]["rank1_second"]
+        # rank 1 sends one direction of the two: the matrix's mean is off after the first step ...
+        assert np.abs(first[matrix] - exact[matrix]).max() > 0.1 * np.abs(exact[matrix]).max()
+        np.testing.assert_allclose(first[60 * 40:], exact[60 * 40:], rtol=1e-6)   # sent whole
+        # ... what this rank left out is its residual, and the mean of the residuals is the rest ...
+        residuals = [ranks[w]["rank1_residual"].reshape(-1) for w in range(WORLD)]
+        np.testing.assert_allclose(first[matrix] + sum(residuals) / WORLD, exact[matrix], rtol=1e-4, atol=1e-5)
+        # ... which the next step (no new gradient) delivers: the two steps add up to the mean
+        np.testing.assert_allclose(first + second, exact, rtol=1e-4, atol=1e-5)
+        np.testing.assert_array_equal(ranks[r]["restored_second"], second)   # residual and Q in the state
+    np.testing.assert_array_equal(ranks[0]["rank2"], ranks[1]["rank2"])    # replicas stay identical
+    np.testing.assert_array_equal(ranks[0]["rank1_second"], ranks[1]["rank1_second"])
+
+
+def test_powersgd_overflowed_step_shows_in_the_mean_and_the_next_step_starts_its_basis_again(ranks):
+    for r in range(WORLD):
+        first, overflowed, after = ranks["powersgd_overflow"][r]["means"]
+        assert np.isfinite(first).all()
+        assert not np.isfinite(overflowed).all()    # the trainer's overflow check sees it
+        assert np.isfinite(after).all() and np.abs(after).max() > 0   # neither Q nor the residual kept it
+
+
+@pytest.mark.parametrize("rank", [0, 257, 1.5, True])
+def test_powersgd_rank_outside_1_256_is_refused(rank):
+    with pytest.raises(ValueError, match="compression rank must be an integer from 1 to 256, got"):
+        GradientCompressor("powersgd", None, rank=rank)
 
 
 @pytest.mark.parametrize("density", [0, 1.5, -1, float("nan")])

@@ -11,6 +11,7 @@ import math
 import shutil
 
 import pytest
+from safetensors import safe_open
 
 from shardwise.worker.training import checkpoint as ckpt
 
@@ -85,8 +86,9 @@ def test_zero3_checkpoint_resumes_under_other_layouts_with_the_same_losses(train
 
 
 @pytest.mark.parametrize("method", [["--compression", "topk", "--compression-density", "0.05"],
-                                    ["--compression", "topk-int4", "--compression-warmup", "3"]],
-                         ids=["topk", "topk-int4-frozen-variance"])
+                                    ["--compression", "topk-int4", "--compression-warmup", "3"],
+                                    ["--compression", "powersgd", "--compression-rank", "2"]],
+                         ids=["topk", "topk-int4-frozen-variance", "powersgd"])
 def test_a_compressed_run_resumed_mid_run_gives_the_uninterrupted_losses(train, tmp_path, method):
     """The error-feedback residuals are in the checkpoint: a run stopped at step 10 and resumed goes on
     exactly as the run that never stopped (without them, what compression still owed is lost)."""
@@ -102,20 +104,40 @@ def test_a_compressed_run_resumed_mid_run_gives_the_uninterrupted_losses(train, 
 
 
 def test_compression_residuals_reshard_to_another_layout_and_replicate_count(train, tmp_path):
-    """Saved by 2 replicate groups at step 10; resumed sharded over 2 ranks per group (the residual
-    slices read in their new split) and by 4 groups (each starting from the mean of the 2 saved)."""
+    """Saved by 2 replicate groups at step 10 (PowerSGD, rank 2); resumed sharded over 2 ranks per
+    group (the residual slices read in their new split; PowerSGD's bases, which belong to a shard's
+    matrix, restart, saying so) and by 4 groups (each residual starting from the mean of the 2 saved;
+    the bases, the same in every group, read back)."""
+    psgd = ["--compression", "powersgd", "--compression-rank", "2"]
     saved = tmp_path / "saved"
-    train.run(saved, "--data-parallel", "2", "--data-shard", "1", "--compression", "int4", "--steps", "10", check=True)
+    train.run(saved, "--data-parallel", "2", "--data-shard", "1", *psgd, "--steps", "10", check=True)
     for name, layout, news in [
-            ("sharded", ["--data-parallel", "4", "--data-shard", "2"], "compression residuals of 2 replicate groups resumed"),
+            ("sharded", ["--data-parallel", "4", "--data-shard", "2"],
+             ["compression residuals of 2 replicate groups resumed",
+              "restart from their initial values: they were saved for another split of the gradients"]),
             ("four-groups", ["--data-parallel", "4", "--data-shard", "1"],
-             "compression residuals saved by 2 replicate groups, resumed by 4: each starts from their mean")]:
+             ["compression residuals saved by 2 replicate groups, resumed by 4: each starts from their mean",
+              "PowerSGD bases resumed"])]:
         ckdir = tmp_path / name
         ckdir.mkdir()
         shutil.copytree(saved / ckpt.step_dir_name(10), ckdir / ckpt.step_dir_name(10))
-        _, got, err = train.run(ckdir, *layout, "--compression", "int4", "--steps", "12", check=True)
-        assert news in err, err
+        _, got, err = train.run(ckdir, *layout, *psgd, "--steps", "12", check=True)
+        assert all(n in err for n in news), err
         assert sorted(got) == [11, 12] and all(math.isfinite(r["loss"]) for r in got.values())
+
+
+def test_powersgd_trains_two_replicas_sending_what_the_shapes_say(train, work, tmp_path):
+    """Two replicate groups averaged by PowerSGD at rank 2: the loss falls, and each step sends 4 (rows + cols) * 2 bytes per weight matrix plus the norms whole."""
+    got = train.run(tmp_path / "ck", "--data-parallel", "2", "--data-shard", "1", "--compression", "powersgd",
+                    "--compression-rank", "2", check=True).records
+    assert got[STEPS]["loss"] < got[1]["loss"] * 0.8, got[STEPS]        # it learns
+    with safe_open(str(work / "model" / "model.safetensors"), "pt") as f:
+        shapes = [f.get_slice(k).get_shape() for k in f.keys()]
+    dense = 4 * sum(math.prod(s) for s in shapes)
+    expected = sum(4 * (s[0] + s[1]) * 2 if len(s) == 2 and (s[0] + s[1]) * 2 * 2 < s[0] * s[1]
+                   else 4 * math.prod(s) for s in shapes)
+    assert all(r["replicate_bytes"] == expected for r in got.values()), (got[1]["replicate_bytes"], expected)
+    assert expected / dense < 0.06, expected / dense
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -129,6 +151,8 @@ def test_compression_residuals_reshard_to_another_layout_and_replicate_count(tra
      "compression density must be in (0, 1], got 0.0"),
     (["--data-parallel", "2", "--data-shard", "1", "--compression", "topk", "--compression-density", "1.5"],
      "compression density must be in (0, 1], got 1.5"),
+    (["--data-parallel", "2", "--data-shard", "1", "--compression", "powersgd", "--compression-rank", "0"],
+     "compression rank must be 1 to 256, got 0"),
     (["--data-parallel", "2", "--prefetch-depth", "9"], "prefetch depth must be 0 to 8 blocks, got 9"),
     (["--tensor-parallel", "2", "--sequence-parallel", "--seq-len", "33"],
      "sequence parallelism splits each sequence over the 2 tensor-parallel ranks: sequence length 33 is not "
