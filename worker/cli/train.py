@@ -1,6 +1,6 @@
-"""`shardwise train`: train a model under TP x PP x DP on local processes, with sharded checkpoints.
+"""`shardwise train`: train a model under TP x PP x DP x CP on local processes, with sharded checkpoints.
 
-Without torchrun variables, this command starts T*P*D local processes (gloo on CPU, NCCL on
+Without torchrun variables, this command starts T*P*D*C local processes (gloo on CPU, NCCL on
 CUDA), each running `run_training` as one rank, and watches them as one group: if any rank dies,
 the others are stopped and the command fails; running it again resumes from the latest complete
 checkpoint (in whatever layout is asked this time). Under torchrun (RANK/WORLD_SIZE set) it runs
@@ -37,6 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefetch-depth", type=int, default=0, metavar="K",
                    help="FSDP2: each block all-gathers the parameters of the next K blocks (the previous K in "
                         "backward) before it computes; 0 (default): FSDP2's own order")
+    p.add_argument("--context-parallel", "-c", type=int, default=1, metavar="C",
+                   help="context parallelism: split each sequence over C ranks (per data-parallel replica), "
+                        "which attend over the keys and values of the whole sequence; the sequence length must "
+                        "be a multiple of 2C")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tensor-parallel > 1: split the norms and the activations between blocks over the "
                         "sequence as well (each rank keeps 1/T of them)")
@@ -97,7 +101,8 @@ def options(args):
     from shardwise.worker.training.trainer import TrainOptions
     return TrainOptions(
         model=args.model, data=args.data, checkpoint_dir=args.checkpoint_dir, steps=args.steps,
-        tensor=args.tensor_parallel, pipeline=args.pipeline_parallel, data_parallel=args.data_parallel,
+        tensor=args.tensor_parallel, pipeline=args.pipeline_parallel, context=args.context_parallel,
+        data_parallel=args.data_parallel,
         data_shard=args.data_shard, schedule=args.schedule, activation_checkpointing=args.activation_checkpointing,
         sequence_parallel=args.sequence_parallel, prefetch_depth=args.prefetch_depth,
         compression=args.compression, compression_density=args.compression_density,
@@ -122,9 +127,10 @@ def check_inputs(opts, local_dir_name: str = "--local-checkpoint-dir") -> None:
     from shardwise.worker.weights.loader import check_layout, open_model
     from shardwise.worker.weights.tokenizer import load_tokenizer
 
-    for name in ("steps", "tensor", "pipeline", "data_parallel", "batch_size", "seq_len"):
+    flag = {"tensor": "tensor-parallel", "pipeline": "pipeline-parallel", "context": "context-parallel"}
+    for name in ("steps", "tensor", "pipeline", "context", "data_parallel", "batch_size", "seq_len"):
         if getattr(opts, name) < 1:
-            raise WorkerError(f"--{name.replace('_', '-')} must be at least 1")
+            raise WorkerError(f"--{flag.get(name, name.replace('_', '-'))} must be at least 1")
     if opts.checkpoint_every < 0 or opts.keep < 1:
         raise WorkerError("--checkpoint-every must be >= 0 and --keep >= 1")
     if opts.data_shard < 0:

@@ -48,6 +48,9 @@ LAYOUTS = {
     "TP2-SP": ["--tensor-parallel", "2", "--sequence-parallel"],
     "PP2xFSDP2xTP2-SP": ["--pipeline-parallel", "2", "--data-parallel", "2", "--tensor-parallel", "2",
                          "--sequence-parallel"],
+    # context parallelism: each sequence split over the ranks, keys and values gathered per layer
+    "CP2": ["--context-parallel", "2"],
+    "CP2xFSDP2": ["--context-parallel", "2", "--data-parallel", "2"],
 }
 
 
