@@ -25,25 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="HF model folder, .gguf file, or a training checkpoint")
     p.add_argument("--data", required=True, help="UTF-8 text file to train on")
     add_layout_arguments(p)
-    p.add_argument("--data-parallel", type=int, default=1, metavar="D",
-                   help="replicas that each take a share of the batch and average gradients")
-    p.add_argument("--data-shard", type=int, default=0, metavar="S",
-                   help="ZeRO-3: shard parameters, gradients and optimizer state over S of the D replicas "
-                        "(D/S such groups average their gradients); default: all D")
-    p.add_argument("--schedule", default="1F1B", choices=["1F1B", "GPipe", "Interleaved1F1B"],
-                   help="pipeline schedule when --pipeline-parallel > 1")
-    p.add_argument("--activation-checkpointing", action="store_true",
-                   help="recompute each block's activations in backward instead of keeping them")
-    p.add_argument("--prefetch-depth", type=int, default=0, metavar="K",
-                   help="FSDP2: each block all-gathers the parameters of the next K blocks (the previous K in "
-                        "backward) before it computes; 0 (default): FSDP2's own order")
-    p.add_argument("--context-parallel", "-c", type=int, default=1, metavar="C",
-                   help="context parallelism: split each sequence over C ranks (per data-parallel replica), "
-                        "which attend over the keys and values of the whole sequence; the sequence length must "
-                        "be a multiple of 2C")
-    p.add_argument("--sequence-parallel", action="store_true",
-                   help="with --tensor-parallel > 1: split the norms and the activations between blocks over the "
-                        "sequence as well (each rank keeps 1/T of them)")
+    _add_parallel_arguments(p)
     p.add_argument("--compression", default="none", choices=["none", "int8", "int4", "topk", "topk-int4"],
                    help="compress gradients averaged across the D/S replicate groups (error feedback keeps "
                         "convergence)")
@@ -82,6 +64,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object per step on stdout")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads per rank on cpu (default: cores/ranks)")
+
+
+def _add_parallel_arguments(p: argparse.ArgumentParser) -> None:
+    """How the work is split and scheduled beyond tensor x pipeline: data and context parallel, FSDP2."""
+    p.add_argument("--data-parallel", type=int, default=1, metavar="D",
+                   help="replicas that each take a share of the batch and average gradients")
+    p.add_argument("--data-shard", type=int, default=0, metavar="S",
+                   help="ZeRO-3: shard parameters, gradients and optimizer state over S of the D replicas "
+                        "(D/S such groups average their gradients); default: all D")
+    p.add_argument("--schedule", default="1F1B", choices=["1F1B", "GPipe", "Interleaved1F1B"],
+                   help="pipeline schedule when --pipeline-parallel > 1")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each block's activations in backward instead of keeping them")
+    p.add_argument("--prefetch-depth", type=int, default=0, metavar="K",
+                   help="FSDP2: each block all-gathers the parameters of the next K blocks (the previous K in "
+                        "backward) before it computes; 0 (default): FSDP2's own order")
+    p.add_argument("--context-parallel", type=int, default=1, metavar="C",
+                   help="context parallelism: split each sequence over C ranks (per data-parallel replica), "
+                        "which attend over the keys and values of the whole sequence; the sequence length must "
+                        "be a multiple of 2C")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tensor-parallel > 1: split the norms and the activations between blocks over the "
+                        "sequence as well (each rank keeps 1/T of them)")
 
 
 def _add_store_arguments(p: argparse.ArgumentParser) -> None:
