@@ -4,7 +4,8 @@ One process per rank; a DeviceMesh dp_replicate × dp_shard × pp × tp whose ra
 crds/layout.py RankLayout's (parallelize.py). Each step:
 
   1. the global batch of the step (data.py: a function of seed and step only) is split across the
-     D = replicate × shard data-parallel replicas;
+     D = replicate × shard data-parallel replicas, and each sequence over the C context-parallel
+     ranks of a replica (context_parallel.py);
   2. with one stage, forward and backward over the replica's share; with P stages, a
      torch.distributed.pipelining schedule (schedules.py: GPipe, 1F1B or interleaved 1F1B) over
      micro-batches of it;
