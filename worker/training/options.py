@@ -132,9 +132,11 @@ def shared_store(opts: TrainOptions, field: str = "--checkpoint-uri"):
 
 
 def layout_record(opts: TrainOptions) -> dict:
-    """The layout as a checkpoint's meta.json records it."""
-    return {"tensor": opts.tensor, "pipeline": opts.pipeline, "data_parallel": opts.data_parallel,
-            "data_shard": opts.shard, "context": opts.context, "schedule": opts.schedule}
+    """The layout as a checkpoint's meta.json records it (the context degree only when there is
+    one, so that the record of a layout without it, a local checkpoint's fingerprint, is unchanged)."""
+    record = {"tensor": opts.tensor, "pipeline": opts.pipeline, "data_parallel": opts.data_parallel,
+              "data_shard": opts.shard, "schedule": opts.schedule}
+    return record | ({"context": opts.context} if opts.context > 1 else {})
 
 
 # ---------------------------------------------------------------- pods: training from a ShardPlan
