@@ -1,8 +1,8 @@
-"""Parallel training benchmark: ZeRO-3 memory, pipeline bubble, gradient compression.
+"""Parallel training benchmark: ZeRO-3 memory, pipeline bubble, gradient compression, context parallelism.
 
 Each part against a baseline measured in the same run:
 
-    python benchmarks/train_parallel_bench.py [--part memory|bubble|compression|all] [--quick]
+    python benchmarks/train_parallel_bench.py [--part memory|bubble|compression|context|all] [--quick]
 
 Everything runs on this machine (local processes from a torch.multiprocessing fork server, gloo
 on CPU, loopback):
@@ -23,6 +23,9 @@ on CPU, loopback):
     INT8 and INT4 within 1% of the uncompressed loss, top-k 1% and PowerSGD (ranks 1, 2, 4, 8; rank 4
     also after the warm-up) within 3% (PASS/MISS is printed; the exit status is 0 either way), top-k + INT4 reported.
     `--methods powersgd` (or any comma-separated run names) runs only those beside the baseline.
+  * context: one process against --context-parallel 2 (each sequence split over 2 ranks) on long
+    sequences, in alternating rounds: the largest relative loss gap over the steps (target 1e-3)
+    and the median step time of each, one thread per rank.
 """
 from __future__ import annotations
 
@@ -407,11 +410,50 @@ def _powersgd_at_scale() -> None:
     print(f"  powersgd bytes on the 1B shape (computed from its parameter shapes, not trained): {ratios}")
 
 
+# ============================================================================ 4. context parallelism
+
+def _context_run(model: Path, data: Path, ckdir: Path, steps: int, seq_len: int, extra: list[str]) -> list[dict]:
+    cmd = [sys.executable, "-m", "shardwise", "train", "--model", str(model), "--data", str(data),
+           "--checkpoint-dir", str(ckdir), "--steps", str(steps), "--batch-size", "2", "--seq-len", str(seq_len),
+           "--lr", "3e-3", "--seed", "7", "--threads", "1", "--json", *extra]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600,
+                         env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    if out.returncode != 0:
+        raise SystemExit(f"train {' '.join(extra) or 'one process'} failed:\n{out.stderr}")
+    return [json.loads(line) for line in out.stdout.splitlines()]
+
+
+def part_context(work: Path, args) -> None:
+    from shardwise.worker.weights.tiny import write_tiny_model
+
+    model = write_tiny_model(work / "cp-model", _text(3000))
+    data = work / "cp-data.txt"
+    data.write_text(_text(3000))
+    steps, seq_len, rounds = (4, 256, 1) if args.quick else (8, 1024, 2)
+    print(f"\n4. context parallelism: tiny model (write_tiny_model defaults), batch 2 x {seq_len} tokens, "
+          f"{steps} steps, one thread per rank, {rounds} alternating rounds; step time = median over steps 2..")
+    layouts = {"one process": [], "CP=2": ["--context-parallel", "2"]}
+    losses: dict[str, list[float]] = {}
+    times: dict[str, list[float]] = {name: [] for name in layouts}
+    for r in range(rounds):
+        for name, extra in layouts.items():
+            recs = _context_run(model, data, work / f"cp-{r}-{len(extra)}", steps, seq_len, extra)
+            losses[name] = [rec["loss"] for rec in recs]
+            times[name] += [2 * seq_len / rec["tokens_per_s"] for rec in recs[1:]]
+    gap = max(abs(a - b) / abs(b) for a, b in zip(losses["CP=2"], losses["one process"]))
+    base = statistics.median(times["one process"])
+    for name in layouts:
+        t = statistics.median(times[name])
+        print(f"  {name:<12} step {t * 1000:8.1f} ms ({t / base:.2f}x one process)   "
+              f"losses {[round(x, 4) for x in losses[name]]}")
+    print(f"  largest relative loss gap CP=2 / one process: {gap:.2e} (target 1e-3: {'PASS' if gap <= 1e-3 else 'MISS'})")
+
+
 # ============================================================================ main
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", default="all", choices=["memory", "bubble", "compression", "all"])
+    ap.add_argument("--part", default="all", choices=["memory", "bubble", "compression", "context", "all"])
     ap.add_argument("--quick", action="store_true",
                     help="a short check that the script works (fewer steps, shorter sleeps): under ~2 minutes")
     ap.add_argument("--steps", type=int, default=None, help="compression: train steps (default 200; --quick 30)")
@@ -437,10 +479,11 @@ def main() -> int:
     print(f"{os.cpu_count()} CPU cores, torch {torch.__version__}, gloo on loopback"
           f"{' (--quick)' if args.quick else ''}")
     t0 = time.monotonic()
-    parts = ("memory", "bubble", "compression") if args.part == "all" else (args.part,)
+    parts = ("memory", "bubble", "compression", "context") if args.part == "all" else (args.part,)
     for part in parts:
         t = time.monotonic()
-        {"memory": part_memory, "bubble": part_bubble, "compression": part_compression}[part](work, args)
+        {"memory": part_memory, "bubble": part_bubble, "compression": part_compression,
+         "context": part_context}[part](work, args)
         print(f"  ({part}: {time.monotonic() - t:.0f} s)")
     print(f"\ntotal {time.monotonic() - t0:.0f} s")
     return 0

@@ -1,6 +1,6 @@
-"""`shardwise train`: train a model under TP x PP x DP on local processes, with sharded checkpoints.
+"""`shardwise train`: train a model under TP x PP x DP x CP on local processes, with sharded checkpoints.
 
-Without torchrun variables, this command starts T*P*D local processes (gloo on CPU, NCCL on
+Without torchrun variables, this command starts T*P*D*C local processes (gloo on CPU, NCCL on
 CUDA), each running `run_training` as one rank, and watches them as one group: if any rank dies,
 the others are stopped and the command fails; running it again resumes from the latest complete
 checkpoint (in whatever layout is asked this time). Under torchrun (RANK/WORLD_SIZE set) it runs
@@ -26,21 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="HF model folder, .gguf file, or a training checkpoint")
     p.add_argument("--data", required=True, help="UTF-8 text file to train on")
     add_layout_arguments(p)
-    p.add_argument("--data-parallel", type=int, default=1, metavar="D",
-                   help="replicas that each take a share of the batch and average gradients")
-    p.add_argument("--data-shard", type=int, default=0, metavar="S",
-                   help="ZeRO-3: shard parameters, gradients and optimizer state over S of the D replicas "
-                        "(D/S such groups average their gradients); default: all D")
-    p.add_argument("--schedule", default="1F1B", choices=["1F1B", "GPipe", "Interleaved1F1B"],
-                   help="pipeline schedule when --pipeline-parallel > 1")
-    p.add_argument("--activation-checkpointing", action="store_true",
-                   help="recompute each block's activations in backward instead of keeping them")
-    p.add_argument("--prefetch-depth", type=int, default=0, metavar="K",
-                   help="FSDP2: each block all-gathers the parameters of the next K blocks (the previous K in "
-                        "backward) before it computes; 0 (default): FSDP2's own order")
-    p.add_argument("--sequence-parallel", action="store_true",
-                   help="with --tensor-parallel > 1: split the norms and the activations between blocks over the "
-                        "sequence as well (each rank keeps 1/T of them)")
+    _add_parallel_arguments(p)
     p.add_argument("--compression", default="none", choices=list(names.COMPRESSION_METHODS),
                    help="compress gradients averaged across the D/S replicate groups (error feedback keeps "
                         "convergence)")
@@ -84,6 +70,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch threads per rank on cpu (default: cores/ranks)")
 
 
+def _add_parallel_arguments(p: argparse.ArgumentParser) -> None:
+    """How the work is split and scheduled beyond tensor x pipeline: data and context parallel, FSDP2."""
+    p.add_argument("--data-parallel", type=int, default=1, metavar="D",
+                   help="replicas that each take a share of the batch and average gradients")
+    p.add_argument("--data-shard", type=int, default=0, metavar="S",
+                   help="ZeRO-3: shard parameters, gradients and optimizer state over S of the D replicas "
+                        "(D/S such groups average their gradients); default: all D")
+    p.add_argument("--schedule", default="1F1B", choices=["1F1B", "GPipe", "Interleaved1F1B"],
+                   help="pipeline schedule when --pipeline-parallel > 1")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each block's activations in backward instead of keeping them")
+    p.add_argument("--prefetch-depth", type=int, default=0, metavar="K",
+                   help="FSDP2: each block all-gathers the parameters of the next K blocks (the previous K in "
+                        "backward) before it computes; 0 (default): FSDP2's own order")
+    p.add_argument("--context-parallel", type=int, default=1, metavar="C",
+                   help="context parallelism: split each sequence over C ranks (per data-parallel replica), "
+                        "which attend over the keys and values of the whole sequence; the sequence length must "
+                        "be a multiple of 2C")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tensor-parallel > 1: split the norms and the activations between blocks over the "
+                        "sequence as well (each rank keeps 1/T of them)")
+
+
 def _add_store_arguments(p: argparse.ArgumentParser) -> None:
     """The shared tier in an object store instead of --checkpoint-dir."""
     p.add_argument("--checkpoint-uri", default=None, metavar="s3://BUCKET/PREFIX",
@@ -101,7 +110,8 @@ def options(args):
     from shardwise.worker.training.trainer import TrainOptions
     return TrainOptions(
         model=args.model, data=args.data, checkpoint_dir=args.checkpoint_dir, steps=args.steps,
-        tensor=args.tensor_parallel, pipeline=args.pipeline_parallel, data_parallel=args.data_parallel,
+        tensor=args.tensor_parallel, pipeline=args.pipeline_parallel, context=args.context_parallel,
+        data_parallel=args.data_parallel,
         data_shard=args.data_shard, schedule=args.schedule, activation_checkpointing=args.activation_checkpointing,
         sequence_parallel=args.sequence_parallel, prefetch_depth=args.prefetch_depth,
         compression=args.compression, compression_density=args.compression_density,
@@ -127,9 +137,10 @@ def check_inputs(opts, local_dir_name: str = "--local-checkpoint-dir") -> None:
     from shardwise.worker.weights.loader import check_layout, open_model
     from shardwise.worker.weights.tokenizer import load_tokenizer
 
-    for name in ("steps", "tensor", "pipeline", "data_parallel", "batch_size", "seq_len"):
+    flag = {"tensor": "tensor-parallel", "pipeline": "pipeline-parallel", "context": "context-parallel"}
+    for name in ("steps", "tensor", "pipeline", "context", "data_parallel", "batch_size", "seq_len"):
         if getattr(opts, name) < 1:
-            raise WorkerError(f"--{name.replace('_', '-')} must be at least 1")
+            raise WorkerError(f"--{flag.get(name, name.replace('_', '-'))} must be at least 1")
     if opts.checkpoint_every < 0 or opts.keep < 1:
         raise WorkerError("--checkpoint-every must be >= 0 and --keep >= 1")
     if opts.data_shard < 0:

@@ -137,7 +137,11 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     """Grouped-query attention. Its projections are wq, wk, wv and wo as loaded, or, in the
-    inference form (inference.install_fused_weights), one wqkv with wq/wk/wv None."""
+    inference form (inference.install_fused_weights), one wqkv with wq/wk/wv None. `kernel` is
+    how q, k and v become attention (attention.attend); a parallel plan may set another on an
+    instance (training/context_parallel.py: over keys gathered from the other sequence ranks)."""
+
+    kernel = staticmethod(attend)
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -184,7 +188,7 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, step: CacheStep | None = None):
         """x [B, T, hidden], or [B, hidden] for one token per row (cached: see Transformer)."""
         q, k, v = self.rotated_qkv(x, cos, sin)
-        y = attend(self.kv_cache, step, q, k, v)
+        y = self.kernel(self.kv_cache, step, q, k, v)
         b = x.shape[0]
         if x.dim() == 2:
             return self.wo(y.reshape(b, -1))

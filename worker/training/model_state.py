@@ -12,6 +12,7 @@ from shardwise.worker.errors import WorkerError
 from shardwise.worker.model.llama import Transformer
 from shardwise.worker.training import checkpoint as ckpt
 from shardwise.worker.training import parallelize as par
+from shardwise.worker.training.context_parallel import apply_context_parallel
 from shardwise.worker.training.options import TrainOptions
 
 
@@ -60,10 +61,11 @@ def build_stage(source, start: int, end: int, first: bool, last: bool, mesh, opt
     with torch.device("meta"):
         model = Transformer(source.config, start, end, first, last)
     par.apply_tensor_parallel(model, mesh["tp"], opts.sequence_parallel)
+    apply_context_parallel(model, mesh["cp"])
     if opts.activation_checkpointing:
         par.apply_activation_checkpointing(model)
     compressed = opts.compression != "none" and opts.mesh_shape.replicate > 1
-    dp_mesh = mesh["dp_shard"] if compressed else mesh["dp_replicate", "dp_shard"]
+    dp_mesh = par.sharding_mesh(mesh, replicate=not compressed)
     # With several micro-batches per step, keep a stage's parameters gathered between them.
     par.apply_fsdp(model, dp_mesh, compute_dtype, reshard_after_forward=opts.pipeline == 1,
                    prefetch=opts.prefetch_depth)

@@ -13,6 +13,7 @@ from shardwise.crds.modelsource import ModelUriError, parse_s3_uri
 from shardwise.worker.errors import WorkerError
 from shardwise.worker.fetch.s3 import S3Config
 from shardwise.worker.training import checkpoint as ckpt
+from shardwise.worker.training import context_parallel as cp
 from shardwise.worker.training import parallelize as par
 from shardwise.worker.training import schedules as pipe
 
@@ -25,6 +26,7 @@ class TrainOptions:
     steps: int
     tensor: int = 1
     pipeline: int = 1
+    context: int = 1                   # ranks each sequence is split over (context_parallel.py)
     data_parallel: int = 1             # replicas in all: data_shard × replicate
     data_shard: int = 0                # ZeRO-3 shard degree; 0: all of data_parallel
     schedule: str = pipe.DEFAULT_SCHEDULE
@@ -65,12 +67,14 @@ class TrainOptions:
 
     @property
     def mesh_shape(self) -> par.MeshShape:
-        return par.MeshShape(max(1, self.data_parallel // self.shard), self.shard, self.pipeline, self.tensor)
+        return par.MeshShape(max(1, self.data_parallel // self.shard), self.shard, self.pipeline, self.tensor,
+                             self.context)
 
     @property
     def layout(self) -> RankLayout:
-        """Training is one world over all replicas: data-parallel replicas are RankLayout's replicas."""
-        return RankLayout(self.tensor, self.pipeline, self.data_parallel)
+        """Training is one world over all replicas: RankLayout's replicas are the data-parallel
+        replicas times the context-parallel ranks of each (parallelize.py's mesh order)."""
+        return self.mesh_shape.layout
 
     @property
     def world_size(self) -> int:
@@ -95,9 +99,15 @@ class TrainOptions:
             return f"prefetch depth must be 0 to 8 blocks, got {self.prefetch_depth}"
         if self.compression_warmup < 0:
             return f"compression warm-up must be 0 or more steps, got {self.compression_warmup}"
-        if self.sequence_parallel and self.tensor > 1 and self.seq_len % self.tensor:
+        problem = cp.sequence_problem(self.seq_len, self.context)
+        if problem:
+            return problem
+        local = self.seq_len // self.context     # the tokens of a sequence each context-parallel rank holds
+        if self.sequence_parallel and self.tensor > 1 and local % self.tensor:
+            held = f"sequence length {self.seq_len}" if self.context == 1 else \
+                f"the {local} tokens of a sequence each of the {self.context} context-parallel ranks holds"
             return (f"sequence parallelism splits each sequence over the {self.tensor} tensor-parallel ranks: "
-                    f"sequence length {self.seq_len} is not a multiple of {self.tensor}")
+                    f"{held} is not a multiple of {self.tensor}")
         micro = self.micro_batches_per_replica()
         if self.pipeline > 1:
             problem = pipe.check_schedule(self.schedule, self.pipeline, micro, layers)
@@ -125,9 +135,11 @@ def shared_store(opts: TrainOptions, field: str = "--checkpoint-uri"):
 
 
 def layout_record(opts: TrainOptions) -> dict:
-    """The layout as a checkpoint's meta.json records it."""
-    return {"tensor": opts.tensor, "pipeline": opts.pipeline, "data_parallel": opts.data_parallel,
-            "data_shard": opts.shard, "schedule": opts.schedule}
+    """The layout as a checkpoint's meta.json records it (the context degree only when there is
+    one, so that the record of a layout without it, a local checkpoint's fingerprint, is unchanged)."""
+    record = {"tensor": opts.tensor, "pipeline": opts.pipeline, "data_parallel": opts.data_parallel,
+              "data_shard": opts.shard, "schedule": opts.schedule}
+    return record | ({"context": opts.context} if opts.context > 1 else {})
 
 
 # ---------------------------------------------------------------- pods: training from a ShardPlan

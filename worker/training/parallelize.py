@@ -1,12 +1,17 @@
 """Training parallelism applied from outside to the unchanged model (model/llama.py), on a DeviceMesh.
 
-The mesh has four named dimensions, outermost first:
+The mesh has five named dimensions, outermost first:
 
-    dp_replicate × dp_shard × pp × tp
+    dp_replicate × dp_shard × cp × pp × tp
 
-Row-major over that order, a rank is (replica·P + stage)·T + tp with replica = r·S + s: exactly
-crds/layout.py RankLayout's formula, so a training pod's ranks (one pod per replica and stage, its
-GPUs the TP ranks) need no second rule. Each dimension is PyTorch's own machinery:
+Row-major over that order, a rank is (replica·P + stage)·T + tp with replica = (r·S + s)·C + c:
+exactly crds/layout.py RankLayout's formula with D·C replicas, so a training pod's ranks (one pod
+per replica and stage, its GPUs the TP ranks) need no second rule. Each dimension is PyTorch's own
+machinery, but cp:
+
+- cp: context parallelism (context_parallel.py): each sequence split over the cp ranks, keys and
+  values all-gathered in each attention layer; parameters replicated over cp, so FSDP shards them
+  over dp_shard × cp (the flattened "dp_shard_cp") as over more data-parallel ranks.
 
 - tp: DTensor tensor parallel through a declarative plan (`BLOCK_TP_PLAN`) derived from the
   model's own table of Megatron's column/row split (model/splits.py, which inference's
@@ -44,16 +49,17 @@ from torch.utils.checkpoint import checkpoint
 from shardwise.crds.layout import RankLayout
 from shardwise.worker.model.splits import BLOCK_SPLITS, VOCAB_SPLITS, Split
 
-MESH_DIMS = ("dp_replicate", "dp_shard", "pp", "tp")
+MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "pp", "tp")
 
 
 @dataclass(frozen=True)
 class MeshShape:
-    """Degrees of the four mesh dimensions; data-parallel replicas = replicate × shard."""
+    """Degrees of the five mesh dimensions; data-parallel replicas = replicate × shard."""
     replicate: int = 1
     shard: int = 1
     pipeline: int = 1
     tensor: int = 1
+    context: int = 1
 
     @property
     def data_parallel(self) -> int:
@@ -61,15 +67,25 @@ class MeshShape:
 
     @property
     def world_size(self) -> int:
-        return self.data_parallel * self.pipeline * self.tensor
+        return self.data_parallel * self.context * self.pipeline * self.tensor
 
     @property
     def layout(self) -> RankLayout:
-        return RankLayout(self.tensor, self.pipeline, self.data_parallel)
+        return RankLayout(self.tensor, self.pipeline, self.data_parallel * self.context)
 
     def build(self, device_type: str) -> DeviceMesh:
-        return init_device_mesh(device_type, (self.replicate, self.shard, self.pipeline, self.tensor),
-                                mesh_dim_names=MESH_DIMS)
+        """The mesh of MESH_DIMS, unflattened from the one whose second dimension is the parameters'
+        sharding dimension dp_shard × cp ("dp_shard_cp": see sharding_mesh)."""
+        base = init_device_mesh(device_type, (self.replicate, self.shard * self.context, self.pipeline, self.tensor),
+                                mesh_dim_names=("dp_replicate", "dp_shard_cp", "pp", "tp"))
+        return base._unflatten("dp_shard_cp", (self.shard, self.context), ("dp_shard", "cp"))
+
+
+def sharding_mesh(mesh: DeviceMesh, replicate: bool = True) -> DeviceMesh:
+    """What FSDP shards the parameters over: dp_shard × cp, flattened (cp ranks hold the same
+    parameters, as data-parallel ranks do), with dp_replicate before it when `replicate` (HSDP)."""
+    base = mesh._get_root_mesh()    # MeshShape.build's: the flattened dimension is its own
+    return base["dp_replicate", "dp_shard_cp"] if replicate else base["dp_shard_cp"]
 
 
 # Per block, Megatron's layout as the model describes it (model/splits.py): the inputs of a

@@ -74,8 +74,8 @@ def _layout_text(d: dict | None) -> str:
     if not d:
         return "unknown layout"
     text = f"TP={d.get('tensor')} PP={d.get('pipeline')} DP={d.get('data_parallel')}"
-    shard = d.get("data_shard")
-    return text + (f" (FSDP={shard})" if shard and shard > 1 else "")
+    shard, context = d.get("data_shard"), d.get("context") or 1
+    return text + (f" (FSDP={shard})" if shard and shard > 1 else "") + (f" CP={context}" if context > 1 else "")
 
 
 def last_checkpoint(checkpoint_dir: str) -> dict | None:

@@ -4,7 +4,8 @@ One process per rank; a DeviceMesh dp_replicate × dp_shard × pp × tp whose ra
 crds/layout.py RankLayout's (parallelize.py). Each step:
 
   1. the global batch of the step (data.py: a function of seed and step only) is split across the
-     D = replicate × shard data-parallel replicas;
+     D = replicate × shard data-parallel replicas, and each sequence over the C context-parallel
+     ranks of a replica (context_parallel.py);
   2. with one stage, forward and backward over the replica's share; with P stages, a
      torch.distributed.pipelining schedule (schedules.py: GPipe, 1F1B or interleaved 1F1B) over
      micro-batches of it;
@@ -54,6 +55,7 @@ from shardwise.worker.errors import WorkerError
 from shardwise.worker.training import checkpoint as ckpt
 from shardwise.worker.training import checkpoint_tiers as tiers
 from shardwise.worker.training import compression_state as cstate
+from shardwise.worker.training import context_parallel as cp
 from shardwise.worker.training import parallelize as par
 from shardwise.worker.training import schedules as pipe
 from shardwise.worker.training.compression import GradientCompressor, plain_all_reduce_mean_
@@ -285,8 +287,11 @@ class Trainer:
     def train_step(self) -> dict:
         step = self.step + 1
         opts = self.opts
-        batch = self.batches.batch(step, self.pos.replica, opts.data_parallel).to(self.device)
-        inputs, targets = batch[:, :-1], batch[:, 1:]
+        # RankLayout's replica is (data-parallel replica)·C + cp rank (parallelize.py's mesh order)
+        replica, cp_rank = divmod(self.pos.replica, opts.context)
+        batch = self.batches.batch(step, replica, opts.data_parallel).to(self.device)
+        inputs = cp.local_part(batch[:, :-1], cp_rank, opts.context)
+        targets = cp.local_part(batch[:, 1:], cp_rank, opts.context)
         self.optimizer.zero_grad(set_to_none=True)
         lr = opts.lr * min(1.0, step / opts.warmup) if opts.warmup else opts.lr
         for group in self.optimizer.param_groups:
@@ -300,10 +305,11 @@ class Trainer:
         else:
             self.optimizer.step()
         self.step = step
-        # Mean loss over the global batch: the last stage's TP rank 0 of each replica contributes.
+        # Mean loss over the global batch: the last stage's TP rank 0 of each replica (and of each
+        # context-parallel rank of it: the same number of tokens each) contributes.
         report = local_loss if (self.holds_last and self.pos.tp_rank == 0) else torch.zeros_like(local_loss)
         dist.all_reduce(report)
-        return {"step": step, "loss": report.item() / opts.data_parallel, "lr": lr, "grad_norm": norm,
+        return {"step": step, "loss": report.item() / self.layout.replicas, "lr": lr, "grad_norm": norm,
                 "replicate_bytes": sent}
 
     def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -408,8 +414,9 @@ def _join_world(opts: TrainOptions, rank: int | None, world_size: int | None) ->
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
     if world_size != opts.world_size:
+        cp_text = f" x {opts.context} context parallel" if opts.context > 1 else ""
         raise WorkerError(f"{world_size} processes for a layout of {opts.tensor} tensor x {opts.pipeline} "
-                          f"pipeline x {opts.data_parallel} data parallel = {opts.world_size} ranks")
+                          f"pipeline x {opts.data_parallel} data parallel{cp_text} = {opts.world_size} ranks")
     torch.manual_seed(opts.seed)
     if not dist.is_initialized():
         # CUDA: NCCL for tensors on the GPU, gloo for the CPU-side agreement and checkpoint groups

@@ -1,7 +1,8 @@
 """Training on PyTorch's parallel stack gives the single-process losses in every layout.
 
 Real local processes talking gloo through `shardwise train`: FSDP2 (ZeRO-3), DTensor tensor
-parallel (with and without sequence parallelism), HSDP and the pipelining schedules, 20 steps each, against one process on the same data
+parallel (with and without sequence parallelism), HSDP, the pipelining schedules and context
+parallelism (each sequence split over ranks), 20 steps each, against one process on the same data
 and seed (fp32 on CPU: relative gap under 1e-3 at every step). Checkpoints written in one layout
 resume in another with the same losses, and a compressed run resumes its error feedback. Bad
 layouts are refused in one line naming the option."""
@@ -49,6 +50,11 @@ LAYOUTS = {
     "TP2-SP": ["--tensor-parallel", "2", "--sequence-parallel"],
     "PP2xFSDP2xTP2-SP": ["--pipeline-parallel", "2", "--data-parallel", "2", "--tensor-parallel", "2",
                          "--sequence-parallel"],
+    # context parallelism: each sequence split over the ranks, keys and values gathered per layer
+    "CP2": ["--context-parallel", "2"],
+    "CP2xFSDP2": ["--context-parallel", "2", "--data-parallel", "2"],
+    "CP2xTP2-SP": ["--context-parallel", "2", "--tensor-parallel", "2", "--sequence-parallel"],
+    "PP2xCP2": ["--pipeline-parallel", "2", "--context-parallel", "2"],
 }
 
 
@@ -83,6 +89,18 @@ def test_zero3_checkpoint_resumes_under_other_layouts_with_the_same_losses(train
         assert "resumed from checkpoint step 10 (saved under TP=2 PP=1 DP=2 (FSDP=2)" in err, err
         assert sorted(got) == list(range(11, STEPS + 1)), name        # no step done twice
         _assert_parity(got, single, range(11, STEPS + 1))
+
+
+def test_a_context_parallel_checkpoint_resumes_under_another_context_degree(train, single, tmp_path):
+    """Saved with each sequence split over 2 ranks, resumed with it split over 4 (8 chunks of 4
+    tokens): the parameters are replicated over the context ranks, so any degree reads them, and
+    the losses go on as one process's."""
+    ckdir = tmp_path / "ck"
+    train.run(ckdir, "--context-parallel", "2", "--steps", "4", check=True)
+    _, got, err = train.run(ckdir, "--context-parallel", "4", "--steps", "6", check=True)
+    assert "resumed from checkpoint step 4 (saved under TP=1 PP=1 DP=1 CP=2, now TP=1 PP=1 DP=1 CP=4)" in err, err
+    assert sorted(got) == [5, 6]
+    _assert_parity(got, single, [5, 6])
 
 
 @pytest.mark.parametrize("method", [["--compression", "topk", "--compression-density", "0.05"],
@@ -162,6 +180,9 @@ def test_powersgd_trains_two_replicas_sending_what_the_shapes_say(train, work, t
     (["--data-parallel", "2", "--compression", "int8"],
      "gradient compression works across replicate groups: --data-shard 2 leaves none of the 2 replicas"),
     (["--threads", "0"], "--threads must be at least 1"),
+    (["--context-parallel", "0"], "--context-parallel must be at least 1"),
+    (["--context-parallel", "2", "--seq-len", "30"],
+     "context parallelism splits each sequence into 2 x 2 = 4 chunks: sequence length 30 is not a multiple of 4"),
 ])
 def test_a_bad_layout_is_one_line_naming_the_option(train, tmp_path, extra, message):
     code, _, stderr = train.run(tmp_path / "ck", *extra, timeout=120)
