@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import glob
 import hashlib
 import json
 import os
@@ -196,6 +197,10 @@ class Entry:
                 return 0
             target = self.files_dir / f.name
             target.parent.mkdir(parents=True, exist_ok=True)
+            # A partial copy left by a process killed mid-download (we hold the file's lock, so no
+            # live process writes one): its bytes are not trusted, the file is fetched from its start.
+            for stale in target.parent.glob(f".{glob.escape(target.name)}.part-*"):
+                stale.unlink(missing_ok=True)
             self._download(remote, f, target, tally, streams)
             return f.size
 
