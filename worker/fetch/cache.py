@@ -23,6 +23,7 @@ import os
 import queue
 import shutil
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +46,7 @@ DISK_RESERVE_BYTES = 1 << 30
 STALL_TIMEOUT_S = 120.0
 ATTEMPTS = 4                               # tries of one file (the first and three retries)
 BACKOFF_S = (1.0, 4.0, 15.0)               # waits between them
+_CANCEL_POLL_S = 1.0                       # a read waiting for bytes looks this often whether to stop
 
 
 class CacheError(WorkerError):
@@ -238,7 +240,7 @@ class Entry:
         for attempt in range(cfg.attempts):
             try:
                 chunks = remote.read(f.name, pos, None if end == f.size else end)
-                for chunk in _stall_bounded(chunks, cfg.stall_timeout_s, what):
+                for chunk in _stall_bounded(chunks, cfg.stall_timeout_s, what, cancel):
                     if cancel.is_set():
                         raise Cancelled()
                     if pos + len(chunk) > end:
@@ -278,9 +280,11 @@ def _check(remote: Remote, f: RemoteFile, path: Path, digest, what: str) -> None
                          f"({got[:12]}… != {f.checksum.value[:12]}…); deleted, not loaded")  # type: ignore[union-attr]
 
 
-def _stall_bounded(chunks: Iterator[bytes], stall_s: float, what: str) -> Iterator[bytes]:
+def _stall_bounded(chunks: Iterator[bytes], stall_s: float, what: str,
+                   cancel: threading.Event | None = None) -> Iterator[bytes]:
     """The chunks of a read, read in a thread so a read that yields nothing for `stall_s` raises
-    (the thread is left to the store's own socket timeout; its chunks are dropped)."""
+    (the thread is left to the store's own socket timeout; its chunks are dropped), and one whose
+    fill was cancelled (another stream failed) stops within a second."""
     q: queue.Queue = queue.Queue(maxsize=2)
     stop = threading.Event()
 
@@ -301,10 +305,16 @@ def _stall_bounded(chunks: Iterator[bytes], stall_s: float, what: str) -> Iterat
     threading.Thread(target=pump, daemon=True).start()
     try:
         while True:
-            try:
-                kind, value = q.get(timeout=stall_s)
-            except queue.Empty:
-                raise RemoteError(f"{what}: no bytes for {stall_s:.0f}s (stalled)") from None
+            deadline = time.monotonic() + stall_s
+            while True:
+                if cancel is not None and cancel.is_set():
+                    raise Cancelled()
+                try:
+                    kind, value = q.get(timeout=max(0.0, min(_CANCEL_POLL_S, deadline - time.monotonic())))
+                    break
+                except queue.Empty:
+                    if time.monotonic() >= deadline:
+                        raise RemoteError(f"{what}: no bytes for {stall_s:.0f}s (stalled)") from None
             if kind == "end":
                 return
             if kind == "error":

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
@@ -108,7 +108,6 @@ def test_files_and_parts_are_fetched_at_once_byte_identical_with_progress_summed
 
 PULL = """
 import sys
-from pathlib import Path
 from shardwise.crds.modelsource import parse_model_uri
 from shardwise.worker.fetch.cache import CacheConfig, ModelCache
 from shardwise.worker.fetch.s3 import S3Config, S3Store
@@ -154,39 +153,55 @@ def test_an_interrupted_pull_resumes_without_fetching_the_files_it_completed(s3_
 
 
 class CuttingLink(SlowLink):
-    """The slow link, but the answer to the first GET asking a.bin from byte `start` is cut after
-    `cut` bytes (the connection closed): one part failing mid-way."""
+    """The slow link, but the answer to the first GET asking a.bin from byte `start` (on whichever
+    connection, a kept-alive one included) is cut after `cut` bytes, the connection closed: one part
+    failing mid-way."""
 
     def __init__(self, upstream, rate, start: int, cut: int):
         super().__init__(upstream, rate)
-        self.start, self.cut, self.cuts = start, cut, 1
+        self.start, self.cut, self.cuts, self.lock = start, cut, 1, threading.Lock()
 
     def _accept(self) -> None:
-        import socket
         while True:
             try:
                 client, _ = self.listener.accept()
             except OSError:
                 return
             server = socket.create_connection(self.upstream)
-            threading.Thread(target=self._relay, args=(client, server), daemon=True).start()
+            cutting = threading.Event()
+            threading.Thread(target=self._up, args=(client, server, cutting), daemon=True).start()
+            threading.Thread(target=self._down, args=(server, client, cutting), daemon=True).start()
 
-    def _relay(self, client, server) -> None:
-        import socket
-        request = client.recv(65536)
-        victim = b"/a.bin" in request and f"bytes={self.start}-".encode() in request and self.cuts > 0
-        self.cuts -= victim
-        server.sendall(request)
-        threading.Thread(target=self._pipe, args=(client, server, None), daemon=True).start()
-        if not victim:
-            return self._pipe(server, client, self.rate)
+    def _up(self, client, server, cutting) -> None:
+        try:
+            while data := client.recv(65536):
+                if b"/a.bin" in data and f"bytes={self.start}-".encode() in data:
+                    with self.lock:
+                        if self.cuts:
+                            self.cuts -= 1
+                            cutting.set()
+                server.sendall(data)
+        except OSError:
+            pass
+
+    def _down(self, server, client, cutting) -> None:
         sent = 0
-        while sent < self.cut and (data := server.recv(65536)):
-            client.sendall(data[:self.cut - sent])
-            sent += len(data)
-            time.sleep(len(data) / self.rate)
+        try:
+            while data := server.recv(65536):
+                if cutting.is_set():
+                    data = data[:self.cut - sent]
+                    sent += len(data)
+                client.sendall(data)
+                time.sleep(len(data) / self.rate)
+                if cutting.is_set() and sent >= self.cut:
+                    break
+        except OSError:
+            pass
         for s in (client, server):     # the answer ends short: the client sees the connection close
-            s.shutdown(socket.SHUT_RDWR)
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             s.close()
 
 
