@@ -108,6 +108,7 @@ def test_files_and_parts_are_fetched_at_once_byte_identical_with_progress_summed
 
 PULL = """
 import sys
+from pathlib import Path
 from shardwise.crds.modelsource import parse_model_uri
 from shardwise.worker.fetch.cache import CacheConfig, ModelCache
 from shardwise.worker.fetch.s3 import S3Config, S3Store
@@ -133,6 +134,7 @@ def test_an_interrupted_pull_resumes_without_fetching_the_files_it_completed(s3_
         while time.monotonic() < deadline and proc.poll() is None and not (
                 in_place() and list(tmp_path.rglob(".*.part-*"))):
             time.sleep(0.02)
+        assert proc.poll() is None, proc.stderr.read()[-2000:]
         os.kill(proc.pid, signal.SIGKILL)      # the pod killed mid-download: one file in, one partial
         proc.wait(timeout=10)
         completed = in_place()
