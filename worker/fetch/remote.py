@@ -81,7 +81,10 @@ class Remote(Protocol):
 
     def read(self, name: str, start: int = 0, end: int | None = None) -> Iterator[bytes]:
         """Bytes [start, end) of one file (end None: to its end), in chunks of at most READ_CHUNK.
-        A store that cannot serve ranges reads from the start and skips (slow, still correct)."""
+        A store that cannot serve ranges reads from the start and skips (slow, still correct).
+        Called from up to MAX_STREAMS threads at once (the cache's parallel streams): each store's
+        client is one that is safe to share between threads (boto3's client, huggingface_hub's
+        httpx session, the registry's httpx client)."""
         ...
 
 
