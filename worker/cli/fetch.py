@@ -7,6 +7,9 @@ import json
 import sys
 import time
 
+from shardwise.worker.fetch.remote import MAX_STREAMS
+from shardwise.worker.fetch.streams import MIN_PART_BYTES, STREAMS
+
 GIB = 1 << 30
 
 
@@ -22,6 +25,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="s3://: address the bucket in the path (MinIO and most on-premises stores)")
     parser.add_argument("--stage", type=int, default=0, help="fetch only this pipeline stage's share")
     parser.add_argument("--pipeline", type=int, default=1, help="pipeline stages of the layout")
+    parser.add_argument("--streams", type=int, default=STREAMS,
+                        help=f"reads in flight at once: several files, and a large file in byte-range parts "
+                        f"of at least {MIN_PART_BYTES >> 20} MiB (1 to {MAX_STREAMS}; 1: one file after "
+                        f"another, one stream each)")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
 
@@ -46,10 +53,11 @@ def _run(args) -> int:
     from shardwise.worker.fetch.stores import SourceOptions, open_remote
 
     parsed = parse_model_uri(args.uri)
-    if args.budget_gib <= 0 or not 1 <= args.pipeline <= 4096:
-        raise WorkerError("--budget-gib must be positive and --pipeline between 1 and 4096")
+    if args.budget_gib <= 0 or not 1 <= args.pipeline <= 4096 or not 1 <= args.streams <= MAX_STREAMS:
+        raise WorkerError(f"--budget-gib must be positive, --pipeline between 1 and 4096 and --streams "
+                          f"between 1 and {MAX_STREAMS}")
     remote = open_remote(parsed, SourceOptions(args.endpoint, args.region, args.path_style))
-    cache = ModelCache(CacheConfig(Path(args.cache), int(args.budget_gib * GIB)))
+    cache = ModelCache(CacheConfig(Path(args.cache), int(args.budget_gib * GIB), streams=args.streams))
     start = time.monotonic()
     report = fetch_stage(cache, remote, parsed.scheme.value, parsed.location, args.stage, args.pipeline,
                          progress=_progress_line())

@@ -15,6 +15,8 @@ evicted least recently used under a byte budget; one in use (its shared lock hel
 from __future__ import annotations
 
 import fcntl
+import functools
+import glob
 import hashlib
 import json
 import os
@@ -28,9 +30,10 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from shardwise.worker.errors import WorkerError
-from shardwise.worker.fetch import trust
-from shardwise.worker.fetch.remote import (MAX_NAME_BYTES, ChecksumKind, NotFound, Remote, RemoteError,
+from shardwise.worker.fetch import checksums
+from shardwise.worker.fetch.remote import (MAX_NAME_BYTES, NotFound, Remote, RemoteError,
                                            RemoteFile, Unauthorized)
+from shardwise.worker.fetch.streams import MIN_PART_BYTES, STREAMS, Cancelled, Streams, Tally, plan_parts
 
 # (bytes done, bytes in all), reused bytes counted as done; called once before any byte is fetched
 # (done = what the cache already held), then as bytes arrive
@@ -43,6 +46,7 @@ DISK_RESERVE_BYTES = 1 << 30
 STALL_TIMEOUT_S = 120.0
 ATTEMPTS = 4                               # tries of one file (the first and three retries)
 BACKOFF_S = (1.0, 4.0, 15.0)               # waits between them
+_CANCEL_POLL_S = 1.0                       # a read waiting for bytes looks this often whether to stop
 
 
 class CacheError(WorkerError):
@@ -65,6 +69,8 @@ class CacheConfig:
     stall_timeout_s: float = STALL_TIMEOUT_S
     attempts: int = ATTEMPTS
     backoff_s: tuple[float, ...] = BACKOFF_S
+    streams: int = STREAMS                 # reads in flight at once (files and parts of a file)
+    min_part_bytes: int = MIN_PART_BYTES   # a file is split into parts no smaller than this
 
 
 def entry_key(scheme: str, location: str, revision: str) -> str:
@@ -160,24 +166,20 @@ class Entry:
         self.cache, self.folder, self.files_dir = cache, folder, folder / "files"
 
     def fill(self, remote: Remote, files: list[RemoteFile], progress: Progress | None = None) -> FetchReport:
+        """Fetch the files not yet in place, several at once and large ones in parts (streams.py)."""
         report = FetchReport(self.files_dir, files=[safe_name(f.name) for f in files])
         total = sum(f.size for f in files)
         missing = [f for f in files if not self._present(f)]
         need = sum(f.size for f in missing)
         if need:
             self.cache.make_room(need, keep=self.folder)
-        done = total - need
-        report.reused_bytes = done
-        if progress:
-            progress(done, total)
-        for f in missing:
-            def step(n: int, base: int = done) -> None:
-                if progress:
-                    progress(base + n, total)
-            fetched = self._fill_one(remote, f, step)
-            report.fetched_bytes += fetched
-            report.reused_bytes += f.size - fetched
-            done += f.size
+        report.reused_bytes = total - need
+        tally = Tally(progress, total - need, total)
+        tally.add(0)
+        with Streams(self.cache.config.streams) as streams:
+            fetched = streams.each_file(missing, lambda f: self._fill_one(remote, f, tally, streams))
+        report.fetched_bytes = sum(fetched)
+        report.reused_bytes += need - report.fetched_bytes
         if progress:
             progress(total, total)
         return report
@@ -188,7 +190,7 @@ class Entry:
         except FileNotFoundError:
             return False
 
-    def _fill_one(self, remote: Remote, f: RemoteFile, step: Callable[[int], None]) -> int:
+    def _fill_one(self, remote: Remote, f: RemoteFile, tally: Tally, streams: Streams) -> int:
         """Bytes downloaded for one file: 0 when another process put it in place first."""
         lock = self.folder / ".locks" / hashlib.sha256(f.name.encode()).hexdigest()[:32]
         with open(lock, "a") as held:
@@ -197,67 +199,92 @@ class Entry:
                 return 0
             target = self.files_dir / f.name
             target.parent.mkdir(parents=True, exist_ok=True)
-            self._download(remote, f, target, step)
+            # A partial copy left by a process killed mid-download (we hold the file's lock, so no
+            # live process writes one): its bytes are not trusted, the file is fetched from its start.
+            for stale in target.parent.glob(f".{glob.escape(target.name)}.part-*"):
+                stale.unlink(missing_ok=True)
+            self._download(remote, f, target, tally, streams)
             return f.size
 
-    def _download(self, remote: Remote, f: RemoteFile, target: Path, step: Callable[[int], None]) -> None:
+    def _download(self, remote: Remote, f: RemoteFile, target: Path, tally: Tally, streams: Streams) -> None:
+        """The file written at its parts' offsets into a partial copy (its full size from the start),
+        checked whole, then renamed into place; the partial copy is deleted whatever happens."""
         cfg = self.cache.config
-        tmp = target.with_name(f".{target.name}.part-{os.getpid()}")
+        tmp = target.with_name(f".{target.name}.part-{os.getpid()}-{threading.get_ident()}")
         what = f"{remote.describe()}/{f.name}"
-        digest = _hasher(f)
-        written = 0
+        parts = plan_parts(f.size, cfg.streams, cfg.min_part_bytes)
+        # One stream writes in order: its digest follows the bytes; parts are read back once all in.
+        digest = checksums.hasher(f) if len(parts) == 1 else None
         try:
-            with open(tmp, "wb") as out:
-                for attempt in range(cfg.attempts if f.size else 0):   # an empty file needs no read
-                    try:   # a retry resumes where the last try stopped
-                        for chunk in _stall_bounded(remote.read(f.name, written), cfg.stall_timeout_s, what):
-                            if written + len(chunk) > f.size:
-                                raise CacheError(f"{what}: the store sent more than the {f.size} bytes it listed")
-                            out.write(chunk)
-                            if digest:
-                                digest.update(chunk)
-                            written += len(chunk)
-                            step(written)
-                        break
-                    except (NotFound, Unauthorized):
-                        raise
-                    except RemoteError as e:
-                        if attempt + 1 >= cfg.attempts:
-                            raise CacheError(f"{e} (gave up after {cfg.attempts} tries)") from None
-                        if self.cache.on_retry:
-                            self.cache.on_retry(str(e))
-                        time.sleep(cfg.backoff_s[min(attempt, len(cfg.backoff_s) - 1)])
-                out.flush()
-                os.fsync(out.fileno())
-            _verify(f, written, digest, what)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.ftruncate(fd, f.size)
+                streams.parts([functools.partial(self._fetch_part, remote, f, fd, span, tally, digest,
+                                                 streams.cancel) for span in parts])
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            _check(remote, f, tmp, digest, what)
             os.replace(tmp, target)
         except RemoteError as e:
             raise CacheError(str(e)) from None
         finally:
             tmp.unlink(missing_ok=True)
 
+    def _fetch_part(self, remote: Remote, f: RemoteFile, fd: int, span: tuple[int, int], tally: Tally,
+                    digest, cancel: threading.Event) -> None:
+        """Bytes [start, end) of the file written at their offset; a failed read is retried from
+        where it stopped, after a backoff, up to the config's attempts."""
+        cfg, (start, end) = self.cache.config, span
+        what, pos = f"{remote.describe()}/{f.name}", start
+        for attempt in range(cfg.attempts):
+            try:
+                chunks = remote.read(f.name, pos, None if end == f.size else end)
+                for chunk in _stall_bounded(chunks, cfg.stall_timeout_s, what, cancel):
+                    if cancel.is_set():
+                        raise Cancelled()
+                    if pos + len(chunk) > end:
+                        raise CacheError(f"{what}: the store sent more than the {f.size} bytes it listed")
+                    _write_at(fd, chunk, pos)
+                    if digest:
+                        digest.update(chunk)
+                    pos += len(chunk)
+                    tally.add(len(chunk))
+                break
+            except (NotFound, Unauthorized):
+                raise
+            except RemoteError as e:
+                if cancel.is_set():
+                    raise Cancelled() from None
+                if attempt + 1 >= cfg.attempts:
+                    raise CacheError(f"{e} (gave up after {cfg.attempts} tries)") from None
+                if self.cache.on_retry:
+                    self.cache.on_retry(str(e))
+                cancel.wait(cfg.backoff_s[min(attempt, len(cfg.backoff_s) - 1)])
+        if pos != end:
+            raise CacheError(f"{what}: received {pos - start} bytes of [{start}, {end}), the store "
+                             f"listed {f.size} in all; not kept")
 
-def _hasher(f: RemoteFile):
-    if f.checksum and f.checksum.kind is ChecksumKind.SHA256:
-        return hashlib.sha256()
-    if f.checksum and f.checksum.kind is ChecksumKind.MD5:
-        return hashlib.md5(usedforsecurity=False)
-    if f.checksum and f.checksum.kind is ChecksumKind.GIT_BLOB_SHA1:
-        return trust.git_blob_sha1(f.size)
-    return None
+
+def _write_at(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
 
 
-def _verify(f: RemoteFile, written: int, digest, what: str) -> None:
-    if written != f.size:
-        raise CacheError(f"{what}: received {written} bytes, the store listed {f.size}; not kept")
-    if digest is not None and f.checksum and digest.hexdigest() != f.checksum.value:
-        raise CacheError(f"{what}: {f.checksum.kind.value} checksum does not match the store's "
-                         f"({digest.hexdigest()[:12]}… != {f.checksum.value[:12]}…); deleted, not loaded")
+def _check(remote: Remote, f: RemoteFile, path: Path, digest, what: str) -> None:
+    got = checksums.computed(remote, f, path, digest)
+    if got is not None and got != f.checksum.value:   # type: ignore[union-attr]
+        raise CacheError(f"{what}: {f.checksum.kind.value} checksum does not match the store's "  # type: ignore[union-attr]
+                         f"({got[:12]}… != {f.checksum.value[:12]}…); deleted, not loaded")  # type: ignore[union-attr]
 
 
-def _stall_bounded(chunks: Iterator[bytes], stall_s: float, what: str) -> Iterator[bytes]:
+def _stall_bounded(chunks: Iterator[bytes], stall_s: float, what: str,
+                   cancel: threading.Event | None = None) -> Iterator[bytes]:
     """The chunks of a read, read in a thread so a read that yields nothing for `stall_s` raises
-    (the thread is left to the store's own socket timeout; its chunks are dropped)."""
+    (the thread is left to the store's own socket timeout; its chunks are dropped), and one whose
+    fill was cancelled (another stream failed) stops within a second."""
     q: queue.Queue = queue.Queue(maxsize=2)
     stop = threading.Event()
 
@@ -278,10 +305,16 @@ def _stall_bounded(chunks: Iterator[bytes], stall_s: float, what: str) -> Iterat
     threading.Thread(target=pump, daemon=True).start()
     try:
         while True:
-            try:
-                kind, value = q.get(timeout=stall_s)
-            except queue.Empty:
-                raise RemoteError(f"{what}: no bytes for {stall_s:.0f}s (stalled)") from None
+            deadline = time.monotonic() + stall_s
+            while True:
+                if cancel is not None and cancel.is_set():
+                    raise Cancelled()
+                try:
+                    kind, value = q.get(timeout=max(0.0, min(_CANCEL_POLL_S, deadline - time.monotonic())))
+                    break
+                except queue.Empty:
+                    if time.monotonic() >= deadline:
+                        raise RemoteError(f"{what}: no bytes for {stall_s:.0f}s (stalled)") from None
             if kind == "end":
                 return
             if kind == "error":

@@ -16,6 +16,11 @@ MAX_LISTED_FILES = 100_000
 MAX_NAME_BYTES = 1024
 # The size of one chunk a read yields: big enough to amortise a request, small enough to bound memory.
 READ_CHUNK = 8 << 20
+# A store is read by at most this many concurrent reads (the cache's parallel streams are bounded by
+# it; a store's client keeps this many connections).
+MAX_STREAMS = 32
+# S3 allows at most this many parts in one multipart upload.
+MAX_MULTIPART_PARTS = 10_000
 
 
 class ChecksumKind(str, enum.Enum):
@@ -25,7 +30,10 @@ class ChecksumKind(str, enum.Enum):
     SHA256 = "sha256"       # the Hub's LFS files, OCI layer digests: verified on the bytes
     MD5 = "md5"             # an S3 ETag of a single-part upload is the MD5 of the object
     GIT_BLOB_SHA1 = "git-blob-sha1"   # the Hub's small files (kept in git): sha1 of 'blob <size>\0' + bytes
-    OPAQUE = "opaque"       # a multipart ETag or any other tag: compared, never recomputed
+    # An S3 multipart upload's ETag '<hex>-<parts>': the MD5 of the parts' binary MD5s, recomputed
+    # over the file in the part sizes the store answers (PartSized)
+    S3_MULTIPART_MD5 = "s3-multipart-md5"
+    OPAQUE = "opaque"       # any other tag: compared, never recomputed
 
 
 @dataclass(frozen=True)
@@ -73,5 +81,17 @@ class Remote(Protocol):
 
     def read(self, name: str, start: int = 0, end: int | None = None) -> Iterator[bytes]:
         """Bytes [start, end) of one file (end None: to its end), in chunks of at most READ_CHUNK.
-        A store that cannot serve ranges reads from the start and skips (slow, still correct)."""
+        A store that cannot serve ranges reads from the start and skips (slow, still correct).
+        Called from up to MAX_STREAMS threads at once (the cache's parallel streams): each store's
+        client is one that is safe to share between threads (boto3's client, huggingface_hub's
+        httpx session, the registry's httpx client)."""
+        ...
+
+
+class PartSized(Protocol):
+    """A store whose checksum of a file depends on how it was uploaded in parts (S3 multipart)."""
+
+    def part_sizes(self, name: str, size: int, parts: int, exact: bool = False) -> list[int]:
+        """The sizes of the `parts` parts `name` (of `size` bytes) was uploaded in. Not `exact`: from
+        the first part's size, the others equal but the last (one request); `exact`: each part's."""
         ...

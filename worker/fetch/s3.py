@@ -13,17 +13,20 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 from shardwise.crds.modelsource import S3Uri
-from shardwise.worker.fetch.remote import (MAX_LISTED_FILES, MAX_NAME_BYTES, READ_CHUNK, Checksum,
-                                           ChecksumKind, NotFound, RemoteError, RemoteFile, Unauthorized)
+from shardwise.worker.fetch.remote import (MAX_LISTED_FILES, MAX_MULTIPART_PARTS, MAX_NAME_BYTES,
+                                           MAX_STREAMS, READ_CHUNK, Checksum, ChecksumKind, NotFound,
+                                           RemoteError, RemoteFile, Unauthorized)
 
 ENV_ACCESS_KEY = "AWS_ACCESS_KEY_ID"
 ENV_SECRET_KEY = "AWS_SECRET_ACCESS_KEY"
 ENV_SESSION_TOKEN = "AWS_SESSION_TOKEN"
 
+MULTIPART_ETAG = re.compile(r"([0-9a-f]{32})-([1-9][0-9]{0,4})")
 _NOT_FOUND = {"NoSuchBucket", "NoSuchKey", "NotFound", "404"}
 _UNAUTHORIZED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403", "401",
                  "InvalidToken", "ExpiredToken", "AllAccessDisabled"}
@@ -101,6 +104,28 @@ class S3Store:
             finally:
                 body.close()
 
+    def part_sizes(self, name: str, size: int, parts: int, exact: bool = False) -> list[int]:
+        """The sizes of the parts a multipart object was uploaded in (remote.PartSized): HeadObject
+        with PartNumber answers that part's ContentLength (the ETag does not say it)."""
+        if not 1 <= parts <= MAX_MULTIPART_PARTS:
+            raise RemoteError(f"{self.describe()}/{name}: {parts} parts is not a multipart upload")
+        first = self._part_length(name, 1)
+        if not exact and first > 0 and -(-size // first) == parts:
+            return [first] * (parts - 1) + [size - first * (parts - 1)]
+        sizes = [first] + [self._part_length(name, n) for n in range(2, parts + 1)]
+        if sum(sizes) != size:
+            raise RemoteError(f"{self.describe()}/{name}: the store's part sizes add up to "
+                              f"{sum(sizes)} bytes, not the {size} it listed")
+        return sizes
+
+    def _part_length(self, name: str, number: int) -> int:
+        with self._errors(name):
+            head = self._client.head_object(Bucket=self.uri.bucket, Key=self._key(name), PartNumber=number)
+        length = head.get("ContentLength")
+        if not isinstance(length, int) or length < 0:
+            raise RemoteError(f"{self.describe()}/{name}: the store answered no size for part {number}")
+        return length
+
     def _errors(self, name: str | None = None):
         return _mapped_errors(self.describe() + (f"/{name}" if name else ""))
 
@@ -115,7 +140,7 @@ def make_client(config: S3Config, env: Any) -> Any:
     signed = bool(access and secret)
     client_config = Config(
         region_name=config.region, connect_timeout=config.connect_timeout_s,
-        read_timeout=config.read_timeout_s, retries={"max_attempts": config.attempts, "mode": "standard"},
+        read_timeout=config.read_timeout_s, max_pool_connections=MAX_STREAMS, retries={"max_attempts": config.attempts, "mode": "standard"},
         s3={"addressing_style": "path" if config.path_style else "auto"},
         # Many S3-compatible stores answer no CRC checksums: verify what the cache can (MD5, size).
         request_checksum_calculation="when_required", response_checksum_validation="when_required",
@@ -127,12 +152,16 @@ def make_client(config: S3Config, env: Any) -> Any:
 
 
 def _etag_checksum(etag: str | None) -> Checksum | None:
-    """A single-part upload's ETag is the object's MD5; a multipart one ('<hex>-<parts>') is not."""
+    """A single-part upload's ETag is the object's MD5; a multipart one ('<hex>-<parts>') the MD5 of
+    its parts' MD5s."""
     if not etag:
         return None
     value = etag.strip('"').lower()
     if len(value) == 32 and all(c in "0123456789abcdef" for c in value):
         return Checksum(ChecksumKind.MD5, value)
+    m = MULTIPART_ETAG.fullmatch(value)
+    if m and int(m.group(2)) <= MAX_MULTIPART_PARTS:
+        return Checksum(ChecksumKind.S3_MULTIPART_MD5, value)
     return Checksum(ChecksumKind.OPAQUE, value[:200])
 
 

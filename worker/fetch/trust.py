@@ -15,7 +15,8 @@ from shardwise.worker.fetch.remote import (
 # tens of GB): a size above it is a store's error, refused before anything is allocated for it.
 MAX_FILE_BYTES = 1 << 44      # 16 TiB
 _HEX = {ChecksumKind.SHA256: re.compile(r"[0-9a-f]{64}"), ChecksumKind.MD5: re.compile(r"[0-9a-f]{32}"),
-        ChecksumKind.GIT_BLOB_SHA1: re.compile(r"[0-9a-f]{40}")}
+        ChecksumKind.GIT_BLOB_SHA1: re.compile(r"[0-9a-f]{40}"),
+        ChecksumKind.S3_MULTIPART_MD5: re.compile(r"[0-9a-f]{32}-[1-9][0-9]{0,4}")}
 _OPAQUE = re.compile(r"[!-~]{1,256}")   # printable ASCII, no spaces: a tag compared, never parsed
 
 

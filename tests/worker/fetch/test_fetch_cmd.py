@@ -42,6 +42,8 @@ def test_fetch_command_errors_are_one_line_without_the_secret(s3_server, s3_mode
     assert out.returncode == 1 and out.stderr.count("\n") == 1
     assert out.stderr.startswith("shardwise fetch: error: s3://models/tiny: access denied")
     assert "wrong-secret-value" not in out.stderr + out.stdout
+    out = shardwise("s3://models/tiny", "--cache", str(tmp_path), "--streams", "0", env=s3_server.env())
+    assert out.returncode == 1 and out.stderr.count("\n") == 1 and "--streams between 1 and 32" in out.stderr
 
 
 def test_a_store_that_never_answers_times_out_in_one_line():

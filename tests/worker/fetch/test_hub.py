@@ -186,3 +186,22 @@ def test_the_local_endpoint_answers_the_clients_own_download(hub, model, tmp_pat
         path = hf_hub_download("org/tiny", name, endpoint=hub.url, cache_dir=tmp_path / "hf", token=False)
         assert Path(path).read_bytes() == (model / name).read_bytes()
         assert f"/snapshots/{commit}/" in Path(path).as_posix()
+
+
+def test_a_model_fetched_in_parallel_parts_is_byte_identical_and_checked_whole(hub, model, tmp_path):
+    hub.publish("org/tiny", model)
+    remote = HubRemote("org/tiny", endpoint=hub.url)
+    cache = ModelCache(CacheConfig(tmp_path / "cache", 1 << 34, disk_reserve_bytes=0, attempts=1,
+                                   streams=4, min_part_bytes=64 << 10))    # 300,001 bytes: 4 parts
+    report = cache.fetch(remote, "hf", "org/tiny", remote.list_files())
+    assert {p.relative_to(report.files_dir).as_posix(): p.read_bytes() for p in report.files_dir.rglob("*")
+            if p.is_file()} == {p.relative_to(model).as_posix(): p.read_bytes() for p in model.rglob("*")
+                                if p.is_file()}
+    listed = {f.name: f for f in remote.list_files()}["model-00001-of-00002.safetensors"]
+    stored = hub.store / listed.checksum.value
+    stored.write_bytes(stored.read_bytes()[:-1] + b"\0")       # one byte of the last part goes bad
+    again = ModelCache(CacheConfig(tmp_path / "other", 1 << 34, disk_reserve_bytes=0, attempts=1,
+                                   streams=4, min_part_bytes=64 << 10))
+    with pytest.raises(CacheError, match="sha256 checksum does not match"):
+        again.fetch(remote, "hf", "org/tiny", [listed])
+    assert not list((tmp_path / "other").rglob("*model-00001-of-00002.safetensors*"))

@@ -216,3 +216,14 @@ def test_shardwise_fetch_reads_an_oci_model_with_the_pods_credentials(tmp_path, 
         denied = subprocess.run(fetch, capture_output=True, text=True, timeout=120,
                                 env={**os.environ, "OCI_USERNAME": "alice", "OCI_PASSWORD": "nope-nope"})
         assert denied.returncode == 1 and denied.stderr.count("\n") == 1 and "nope-nope" not in denied.stderr
+
+
+def test_an_artifact_fetched_in_parallel_parts_is_byte_identical(registry, model, tmp_path):
+    _push(registry, model)
+    remote = OciRemote(registry.host, "models/tiny", "v1", plain_http=True)
+    cache = ModelCache(CacheConfig(tmp_path / "cache", 1 << 34, disk_reserve_bytes=0, attempts=1,
+                                   streams=4, min_part_bytes=64 << 10))    # 300,001 bytes: 4 parts
+    report = cache.fetch(remote, "oci", "models/tiny", remote.list_files())
+    assert {p.relative_to(report.files_dir).as_posix(): p.read_bytes() for p in report.files_dir.rglob("*")
+            if p.is_file()} == {p.relative_to(model).as_posix(): p.read_bytes() for p in model.rglob("*")
+                                if p.is_file()}
