@@ -74,7 +74,7 @@ def test_a_model_from_s3_is_probed_downloaded_served_and_reuses_a_nodes_cache(
         with open(gguf, "rb") as f:
             client.put_object(Bucket="models", Key=f"smollm2/{gguf.name}", Body=f)
         up = urlparse(store.endpoint)
-        link = SlowLink((up.hostname, up.port), LINK_BYTES_PER_S)
+        link = SlowLink((up.hostname, up.port), LINK_BYTES_PER_S, shared=True)   # parallel streams share it
         kubectl("create", "secret", "generic", "store-creds",
                 f"--from-literal=AWS_ACCESS_KEY_ID={store.access_key}",
                 f"--from-literal=AWS_SECRET_ACCESS_KEY={store.secret_key}")
