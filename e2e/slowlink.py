@@ -25,9 +25,12 @@ class SlowLink:
                 client, _ = self.listener.accept()
             except OSError:
                 return
-            server = socket.create_connection(self.upstream)
-            threading.Thread(target=self._pipe, args=(client, server, None), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(server, client, self.rate), daemon=True).start()
+            self._relay(client, socket.create_connection(self.upstream))
+
+    def _relay(self, client, server) -> None:
+        """Start the two directions of one connection: requests as they come, answers paced."""
+        threading.Thread(target=self._pipe, args=(client, server, None), daemon=True).start()
+        threading.Thread(target=self._pipe, args=(server, client, self.rate), daemon=True).start()
 
     def _pipe(self, src, dst, rate) -> None:
         try:

@@ -46,6 +46,11 @@ def sharded_model(tmp_path_factory, tiny_model) -> Path:
     return folder
 
 
+def tree_bytes(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder`, by its relative path: two trees compare equal byte for byte."""
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
 def upload_folder(client, folder: Path, bucket: str, prefix: str) -> None:
     """Each file as one single-part object (its ETag is its MD5, which the cache verifies)."""
     for path in sorted(folder.rglob("*")):

@@ -12,6 +12,7 @@ from shardwise.e2e.hubserver import HubServer
 from shardwise.worker.fetch.cache import CacheConfig, CacheError, ModelCache
 from shardwise.worker.fetch.hub import HubRemote
 from shardwise.worker.fetch.remote import ChecksumKind, NotFound, RemoteError, Unauthorized
+from tests.worker.fetch.conftest import tree_bytes
 
 TOKEN = "hf_test_secret_token_value"
 
@@ -194,9 +195,7 @@ def test_a_model_fetched_in_parallel_parts_is_byte_identical_and_checked_whole(h
     cache = ModelCache(CacheConfig(tmp_path / "cache", 1 << 34, disk_reserve_bytes=0, attempts=1,
                                    streams=4, min_part_bytes=64 << 10))    # 300,001 bytes: 4 parts
     report = cache.fetch(remote, "hf", "org/tiny", remote.list_files())
-    assert {p.relative_to(report.files_dir).as_posix(): p.read_bytes() for p in report.files_dir.rglob("*")
-            if p.is_file()} == {p.relative_to(model).as_posix(): p.read_bytes() for p in model.rglob("*")
-                                if p.is_file()}
+    assert tree_bytes(report.files_dir) == tree_bytes(model)
     listed = {f.name: f for f in remote.list_files()}["model-00001-of-00002.safetensors"]
     stored = hub.store / listed.checksum.value
     stored.write_bytes(stored.read_bytes()[:-1] + b"\0")       # one byte of the last part goes bad

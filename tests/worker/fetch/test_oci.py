@@ -18,6 +18,7 @@ from shardwise.worker.fetch.oci import OciRemote
 from shardwise.worker.fetch.oci_push import EMPTY_CONFIG, push_folder
 from shardwise.worker.fetch.registry import MANIFEST_TYPES, Registry
 from shardwise.worker.fetch.remote import ChecksumKind, NotFound, RemoteError, Unauthorized
+from tests.worker.fetch.conftest import tree_bytes
 
 PASSWORD = "s3cret-registry-password"
 
@@ -224,6 +225,4 @@ def test_an_artifact_fetched_in_parallel_parts_is_byte_identical(registry, model
     cache = ModelCache(CacheConfig(tmp_path / "cache", 1 << 34, disk_reserve_bytes=0, attempts=1,
                                    streams=4, min_part_bytes=64 << 10))    # 300,001 bytes: 4 parts
     report = cache.fetch(remote, "oci", "models/tiny", remote.list_files())
-    assert {p.relative_to(report.files_dir).as_posix(): p.read_bytes() for p in report.files_dir.rglob("*")
-            if p.is_file()} == {p.relative_to(model).as_posix(): p.read_bytes() for p in model.rglob("*")
-                                if p.is_file()}
+    assert tree_bytes(report.files_dir) == tree_bytes(model)

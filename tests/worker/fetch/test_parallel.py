@@ -163,16 +163,10 @@ class CuttingLink(SlowLink):
         super().__init__(upstream, rate)
         self.start, self.cut, self.cuts, self.lock = start, cut, 1, threading.Lock()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            server = socket.create_connection(self.upstream)
-            cutting = threading.Event()
-            threading.Thread(target=self._up, args=(client, server, cutting), daemon=True).start()
-            threading.Thread(target=self._down, args=(server, client, cutting), daemon=True).start()
+    def _relay(self, client, server) -> None:
+        cutting = threading.Event()
+        threading.Thread(target=self._up, args=(client, server, cutting), daemon=True).start()
+        threading.Thread(target=self._down, args=(server, client, cutting), daemon=True).start()
 
     def _up(self, client, server, cutting) -> None:
         try:
