@@ -68,6 +68,16 @@ ENV_STAGE = "SHARDWISE_STAGE"
 ENV_MASTER_ADDR = "MASTER_ADDR"     # the torch.distributed rendezvous (the world's stage-0 pod)
 ENV_MASTER_PORT = "MASTER_PORT"
 ENV_POD_IP = "POD_IP"
+
+
+def bind_address(pod_ip: str) -> str:
+    """The address a pod's server listens on. A pod in its own network namespace listens on every
+    address: the Service reaches it on its IP and `kubectl port-forward` on localhost inside the pod.
+    Pods of local nodes share the host's network, each with a loopback address of its own, so they
+    bind that one."""
+    return pod_ip if pod_ip.startswith("127.") else "0.0.0.0"
+
+
 ENV_NODE_NAME = "NODE_NAME"
 
 # --- the names of the objects a ShardedModel makes ------------------------------------------------

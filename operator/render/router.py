@@ -70,8 +70,9 @@ def render_replicas_configmap(model: ShardedModel, addresses: list[str]) -> dict
 def _args(model: ShardedModel) -> list[str]:
     router, port = model.spec.serving.router, model.spec.serving.port
     assert router is not None
-    # $(POD_IP): the pod's own address (the kubelet expands it), the one the Service and probe reach
-    args = ["--replicas-file", REPLICAS_PATH, "--host", "$(POD_IP)", "--port", str(port)]
+    # no --host: the router listens where a worker pod does (names.bind_address of its POD_IP), so the
+    # Service, the probe and `kubectl port-forward` (localhost inside the pod) all reach it
+    args = ["--replicas-file", REPLICAS_PATH, "--port", str(port)]
     if _api_keys(model):
         args += ["--api-key-file", names.API_KEYS_PATH]
     if router.rate_limit:

@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 
+from shardwise.crds import names
 from shardwise.crds.apikeys import KeyFileError
 
 
@@ -24,7 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = Settings()
     parser.add_argument("--replicas", default="", help="the replicas' base URLs, comma-separated")
     parser.add_argument("--replicas-file", help="a file of replica URLs (one per line), re-read when it changes")
-    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--host", default=None,
+                        help="address to listen on (default: $POD_IP when it is a loopback address, else 0.0.0.0)")
     parser.add_argument("--port", type=int, default=8080, help="port to listen on (0: any free port)")
     parser.add_argument("--api-key-file", help="the model's API keys (one per line, the worker's format)")
     parser.add_argument("--rate-limit", help="per-key limit RATE/s[:BURST][:requests|tokens], e.g. 5/s "
@@ -76,10 +79,11 @@ def run(args) -> int:
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     replicas = ReplicaSet(addresses, args.replicas_file, settings.check_interval)
     router = Router(replicas, settings, keys, limit)
+    host = args.host or names.bind_address(os.environ.get(names.ENV_POD_IP, ""))
     try:
-        asyncio.run(_serve(router, args.host, args.port, settings))
+        asyncio.run(_serve(router, host, args.port, settings))
     except OSError as e:
-        print(f"shardwise router: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+        print(f"shardwise router: cannot listen on {host}:{args.port}: {e.strerror or e}", file=sys.stderr)
         return 1
     return 0
 

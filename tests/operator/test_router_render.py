@@ -72,7 +72,7 @@ def test_enabled_router_is_a_restricted_deployment_of_the_operators_image():
     assert c["image"] == "ghcr.io/shardwise/operator:1"
     assert c["command"] == ["shardwise", "router"]
     args = c["args"]
-    assert args[:6] == ["--replicas-file", "/etc/shardwise/router/replicas", "--host", "$(POD_IP)", "--port", "8080"]
+    assert args[:4] == ["--replicas-file", "/etc/shardwise/router/replicas", "--port", "8080"]
     assert args[args.index("--api-key-file") + 1] == names.API_KEYS_PATH
     assert args[args.index("--rate-limit") + 1] == "200/s:1000:tokens"
     assert args[args.index("--hold-seconds") + 1] == "20"

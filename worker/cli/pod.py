@@ -137,7 +137,7 @@ def _run(args) -> int:
     for var in (names.ENV_MASTER_ADDR, names.ENV_MASTER_PORT):
         if not os.environ.get(var):
             raise WorkerError(f"${var} is not set (the address of the replica's stage-0 pod)")
-    host = args.host or _bind_address(os.environ.get(names.ENV_POD_IP, ""))
+    host = args.host or names.bind_address(os.environ.get(names.ENV_POD_IP, ""))
     model_path = contract.model.path
     if contract.source is not None:    # a remote model: this stage's files into the cache first
         from shardwise.worker.cli.pod_fetch import fetch_model
@@ -274,11 +274,6 @@ def _supervise(start, loaded_q, health, stopped_code: int = Exit.OK,
     return Exit.OK
 
 
-def _bind_address(pod_ip: str) -> str:
-    """A pod in its own network namespace listens on every address: the Service reaches it on its
-    IP and `kubectl port-forward` on localhost inside the pod. Pods of local nodes share the host's
-    network, each with a loopback address of its own, so they bind that one."""
-    return pod_ip if pod_ip.startswith("127.") else "0.0.0.0"
 
 
 def _run_training(contract, replica: int, stage: int, device: str, dtype: str, host: str) -> int:
