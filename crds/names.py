@@ -68,16 +68,6 @@ ENV_STAGE = "SHARDWISE_STAGE"
 ENV_MASTER_ADDR = "MASTER_ADDR"     # the torch.distributed rendezvous (the world's stage-0 pod)
 ENV_MASTER_PORT = "MASTER_PORT"
 ENV_POD_IP = "POD_IP"
-
-
-def bind_address(pod_ip: str) -> str:
-    """The address a pod's server listens on. A pod in its own network namespace listens on every
-    address: the Service reaches it on its IP and `kubectl port-forward` on localhost inside the pod.
-    Pods of local nodes share the host's network, each with a loopback address of its own, so they
-    bind that one."""
-    return pod_ip if pod_ip.startswith("127.") else "0.0.0.0"
-
-
 ENV_NODE_NAME = "NODE_NAME"
 
 # --- the names of the objects a ShardedModel makes ------------------------------------------------
@@ -188,3 +178,12 @@ DOWNLOAD_PROGRESS_PATH = "/download"
 COMPRESSION_METHODS = ("none", "int8", "int4", "topk", "topk-int4", "powersgd")
 POWERSGD_DEFAULT_RANK = 8      # rank of each gradient matrix's approximation: the smallest that kept the loss (docs/training.md)
 POWERSGD_MAX_RANK = 256
+
+
+# --- where a pod's server listens (the worker's and the router's) ----------------------------------
+def bind_address(pod_ip: str) -> str:
+    """The address a pod's server listens on. A pod in its own network namespace listens on every
+    address: the Service reaches it on its IP and `kubectl port-forward` on localhost inside the pod.
+    Pods of local nodes share the host's network, each with a loopback address of its own, so they
+    bind that one."""
+    return pod_ip if pod_ip.startswith("127.") else "0.0.0.0"

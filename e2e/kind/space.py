@@ -6,9 +6,9 @@ and a node stop moves pods onto nodes that have not pulled it yet. Without that 
 with "no space left on device" deep inside a node, minutes into a test; `check_room` says so in one
 line before the cluster is made.
 
-What each `shardwise kind build` leaves behind is reclaimed by the next (`reclaim`): the build tags
+What each `shardwise kind build` leaves behind is removed by the next (`prune_superseded`): it tags
 every stage of the operator and worker images (`stage_tag`) and labels each image it makes (LABEL),
-so an untagged image with that label is one a later build superseded (`prune_superseded`). The
+so an untagged image with that label is one a later build superseded. The
 local registry keeps the layers of every image pushed under a tag that has since moved until its
 garbage collector runs (registry.collect_garbage, after each push). Images this project did not
 make are never touched.
