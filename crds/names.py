@@ -22,6 +22,9 @@ MANAGED_BY = "shardwise"
 ANNOTATION_PLANNED_NODE = "shardwise.dev/planned-node"   # where the plan put a pod not bound yet
 ANNOTATION_LAYERS = "shardwise.dev/layers"               # a worker pod's decoder layers, first-end
 ANNOTATION_PLAN_HASH = "shardwise.dev/plan-hash"         # the contract ConfigMap's whole plan
+# on a router pod: the digest of its replicas file as the operator last wrote it (a pod update makes
+# the kubelet refresh the pod's ConfigMap volumes at once, not at its next periodic sync)
+ANNOTATION_ROUTER_REPLICAS = "shardwise.dev/router-replicas"
 # prefix of kopf's own bookkeeping annotations on a ShardedModel
 KOPF_ANNOTATION_PREFIX = "operator.shardwise.dev"
 
@@ -61,6 +64,8 @@ METRIC_RUNNING = "vllm:num_requests_running"
 METRIC_KV_CACHE = ("vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc")
 METRIC_LORA = "vllm:lora_requests_info"
 METRIC_TTFT = "shardwise_time_to_first_token_seconds"     # a histogram, by endpoint
+# a router's requests waiting now for a Ready replica (the autoscaler's signal to scale from zero)
+METRIC_ROUTER_HELD = "shardwise_router_held_requests"
 
 # --- a worker pod's environment: all that differs between the pods sharing one contract -----------
 ENV_REPLICA = "SHARDWISE_REPLICA"

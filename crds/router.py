@@ -11,9 +11,15 @@ from typing import Optional
 from pydantic import Field, field_validator
 
 from shardwise.crds.apimodel import ApiModel
+from shardwise.crds.autoscaling import Autoscaling
 
 MAX_ROUTER_REPLICAS = 16
 MAX_HOLD_SECONDS = 600
+HOLD_SECONDS = 30.0     # the router's default hold: a replica's restart
+# What a request waits by default in front of a model that scales to zero: its first request wakes
+# it, and a replica starts within this on most clusters (a pod scheduled, its image pulled, the
+# model fetched and loaded).
+HOLD_FROM_ZERO_SECONDS = 300
 # RATE/s[:BURST][:requests|tokens] (operator/router/limits.py parses it; the pattern bounds its shape)
 RATE_LIMIT_PATTERN = r"^[0-9]+(\.[0-9]+)?/s(:[0-9]+(\.[0-9]+)?)?(:(requests|tokens))?$"
 ROUTER_SERVING_ONLY = "spec.serving.router is only for workload: inference"
@@ -37,7 +43,7 @@ class Router(ApiModel):
         "tokens); over it, 429 with Retry-After. Omitted: no limit."))
     hold_seconds: Optional[float] = Field(None, ge=0, le=MAX_HOLD_SECONDS, description=(
         "How long a request waits while no replica is Ready before 503 with Retry-After. Omitted: the "
-        "router's default."))
+        f"router's default ({HOLD_SECONDS:g} s), or {HOLD_FROM_ZERO_SECONDS} s with autoscaling.minReplicas 0."))
 
     @field_validator("rate_limit")
     @classmethod
@@ -50,6 +56,16 @@ class Router(ApiModel):
             if not (0 < rate <= 1e6 and 1 <= burst <= 1e9):
                 raise ValueError(f"rateLimit {value!r}: RATE must be in (0, 1e6] and BURST in [1, 1e9]")
         return value
+
+
+def hold_seconds(router: Router, autoscaling: Optional[Autoscaling]) -> Optional[float]:
+    """The hold the router runs with: the spec's, else a cold start's when the model may scale to
+    zero, else None (the router's own default)."""
+    if router.hold_seconds is not None:
+        return router.hold_seconds
+    if autoscaling is not None and autoscaling.min_replicas == 0:
+        return float(HOLD_FROM_ZERO_SECONDS)
+    return None
 
 
 def check_workload(router: Optional[Router], training: bool) -> None:

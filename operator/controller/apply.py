@@ -166,6 +166,11 @@ class Applier:
         return _json(self.core.list_namespaced_pod(namespace, label_selector=f"{names.LABEL_MODEL}={model}",
                                                    _preload_content=False))["items"]
 
+    def list_router_pods(self, namespace: str, model: str) -> list[dict]:
+        self._count("list", "Pod")
+        return _json(self.core.list_namespaced_pod(namespace, label_selector=f"{names.LABEL_ROUTER}={model}",
+                                                   _preload_content=False))["items"]
+
     def get_configmap(self, namespace: str, name: str) -> dict | None:
         self._count("get", "ConfigMap")
         try:
@@ -304,6 +309,17 @@ class Applier:
             except ApiException as e:
                 if e.status != 404:
                     raise
+
+    def annotate_pod(self, namespace: str, name: str, key: str, value: str) -> None:
+        """Merge-patch one annotation of a pod; gone meanwhile is fine."""
+        self.fence()
+        self._count("patch", "Pod")
+        try:
+            self.core.patch_namespaced_pod(name, namespace, {"metadata": {"annotations": {key: value}}},
+                                           _preload_content=False)
+        except ApiException as e:
+            if e.status != 404:
+                raise
 
     def delete_group(self, namespace: str, model: str, replica: int, uid: str) -> None:
         """Tear a replica group down as one unit: the pods with its labels that the model owns

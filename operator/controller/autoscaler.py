@@ -28,6 +28,7 @@ from shardwise.operator.controller.apply import Applier
 from shardwise.operator.decide import autoscaling, recovery
 from shardwise.operator.decide.autoscaling import ReplicaLoad
 from shardwise.operator.decide.decisions import Event
+from shardwise.operator.render.renderer import router_enabled
 
 log = logging.getLogger("shardwise.operator")
 METRICS_TIMEOUT = 2.0          # seconds for one pod's whole /metrics read
@@ -35,6 +36,7 @@ METRICS_MAX_BYTES = 1 << 20    # a worker's /metrics is a few tens of KiB (more 
 MAX_BUCKETS = 64               # histogram buckets kept of one pod (the worker has 14)
 MAX_COUNT = 1e15               # a counter no pod reaches
 READERS = 16                   # pods read at once
+MAX_HELD = 1 << 20             # requests one router pod is believed to hold at most
 
 Buckets = tuple[tuple[float, float], ...]
 Reader = Callable[[Mapping[str, Any]], Optional[str]]
@@ -64,6 +66,19 @@ def parse(text: str) -> tuple[ReplicaLoad, Buckets]:
                        running=_clamp(gauges.get(names.METRIC_RUNNING, 0.0), MAX_SEQUENCES),
                        kv_cache=_clamp(gauges.get(names.METRIC_KV_CACHE[0], 0.0), 1.0))
     return load, tuple(sorted(buckets.items()))
+
+
+def parse_held(text: str) -> int:
+    """The requests a router pod holds now, waiting for a Ready replica, from its /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+    try:
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == names.METRIC_ROUTER_HELD:
+                    return int(_clamp(float(s.value), MAX_HELD))
+    except Exception as e:  # noqa: BLE001 - a pod's text: whatever it holds, it is no count
+        raise ValueError(f"unreadable metrics ({type(e).__name__})") from None
+    return 0
 
 
 def read_metrics(pod: Mapping[str, Any]) -> Optional[str]:
@@ -135,6 +150,18 @@ class Autoscaler:
         delta = tuple((b, max(0.0, c - before.get(b, 0.0))) for b, c in cumulative)
         return ReplicaLoad(load.waiting, load.running, load.kv_cache, delta)
 
+    def held(self, pods: Iterable[Mapping[str, Any]]) -> int:
+        """Requests the model's Ready router pods hold now for want of a Ready replica; a pod that
+        does not answer (or answers nonsense) holds none."""
+        ready = [p for p in pods if recovery.pod_ready(p) and not p["metadata"].get("deletionTimestamp")]
+        total = 0
+        for pod, text in zip(ready, self.pool.map(self.read, ready)):
+            try:
+                total += parse_held(text) if text is not None else 0
+            except ValueError as e:
+                log.warning(f"ignoring router pod {pod['metadata'].get('name')}'s metrics: {e}")
+        return total
+
     def forget(self, live: Iterable[Mapping[str, Any]]) -> None:
         """Drop the histograms of pods gone (bounded by the pods that exist)."""
         uids = {p["metadata"].get("uid") or p["metadata"].get("name", "") for p in live}
@@ -160,13 +187,15 @@ class Autoscaler:
         pods = applier.list_model_pods(namespace, name)
         loads = self.loads(stage0_pods(pods, replicas))
         self.forget(pods)
+        # at zero nothing runs to report load: requests held at the router wake the model
+        held = self.held(applier.list_router_pods(namespace, name)) if replicas == 0 and router_enabled(model) else 0
         stored = (body.get("status") or {}).get("autoscaling") or {}
         verdict = autoscaling.decide(loads, replicas, spec, autoscaling.Memory.from_status(stored), now(),
-                                     SERVING_GRACE_SECONDS)
+                                     SERVING_GRACE_SECONDS, held=held)
         events = []
         if verdict.scales and verdict.desired != replicas:
             applier.scale(namespace, name, verdict.desired)
-            text = autoscaling.message(verdict, replicas, spec)
+            text = autoscaling.message(verdict, replicas, spec, held)
             log.info(f"{namespace}/{name}: {text}")
             events.append(Event("Normal", verdict.reason.value, text))
         new = verdict.status(spec.value)

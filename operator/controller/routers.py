@@ -49,23 +49,43 @@ class Routers:
             if settings.current().network_policy:
                 front.append(renderer.render_network_policy(model))
             # the router first, then the Service that sends traffic to it
-            self._apply_changed(applier, key, objs + front, last or {})
+            changed = self._apply_changed(applier, key, objs + front, last or {})
+            if ("ConfigMap", names.router_name(state.name)) in changed:
+                self._refresh(applier, state.namespace, state.name, router.replicas_digest(objs))
         except (ObjectConflict, ApiException) as e:
             # the model's replicas serve on whatever the router's state: said, and tried next pass
             reason = str(e) if isinstance(e, ObjectConflict) else f"{e.status} {e.reason}"
             log.warning(f"router of {state.namespace}/{state.name}: {reason}")
 
     def _apply_changed(self, applier: Applier, key: tuple[str, str], objs: list[dict],
-                       last: dict[tuple[str, str], tuple[float, str]]) -> None:
-        now, done = time.monotonic(), dict(last)
+                       last: dict[tuple[str, str], tuple[float, str]]) -> set[tuple[str, str]]:
+        """Apply each object whose content changed (or was last applied REAPPLY_SECONDS ago); the
+        objects whose content changed."""
+        now, done, changed = time.monotonic(), dict(last), set()
         for obj in objs:
             ident, what = (obj["kind"], obj["metadata"]["name"]), json.dumps(obj, sort_keys=True)
             before = last.get(ident)
             if before is None or before[1] != what or now - before[0] >= REAPPLY_SECONDS:
                 applier.apply(obj)
                 done[ident] = (now, what)
+                if before is None or before[1] != what:
+                    changed.add(ident)
         with self.lock:
             self.applied[key] = done
+        return changed
+
+    @staticmethod
+    def _refresh(applier: Applier, namespace: str, name: str, digest: str) -> None:
+        """Annotate each running router pod with the replicas file's digest: a pod update makes its
+        kubelet mount the ConfigMap's new content at once, where its periodic sync would take up to
+        a minute, and a replica that has just become Ready (the first, after a scale from zero) is
+        used as soon as the router re-reads its file."""
+        for pod in applier.list_router_pods(namespace, name):
+            meta = pod["metadata"]
+            if meta.get("deletionTimestamp") or (meta.get("annotations") or {}).get(
+                    names.ANNOTATION_ROUTER_REPLICAS) == digest:
+                continue
+            applier.annotate_pod(namespace, meta["name"], names.ANNOTATION_ROUTER_REPLICAS, digest)
 
     def _disabled(self, applier: Applier, state: ModelState, last) -> None:
         """No router wanted: remove one this process made, or one found left from before it ran."""

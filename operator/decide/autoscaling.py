@@ -12,9 +12,10 @@ load that the replicas it already added have not taken yet. Around it:
   which the reconciler removes first) still runs or queues requests, unless that has lasted the
   drain grace too: its pod's own drain on SIGTERM then finishes them;
 - to zero only when no replica runs or queues anything, and with minReplicas 0;
-- from zero: nothing runs to report load, so requests held at the model's front door with no
-  replica (`held`) wake it; until a front door reports them, a wake is a manual scale (`kubectl
-  scale --replicas=1`), which the autoscaler then keeps for scaleDownDelaySeconds at least.
+- from zero: nothing runs to report load, so requests held at the model's router with no replica
+  (`held`, its shardwise_router_held_requests gauge) wake it; without a router, a wake is a manual
+  scale (`kubectl scale --replicas=1`), which the autoscaler then keeps for scaleDownDelaySeconds
+  at least.
 
 The times the delays count from are kept in status.autoscaling (aboveSince, belowSince), so a
 restarted operator goes on where the last one was.
@@ -189,8 +190,11 @@ def _down(desired: int, replicas: int, loads: Mapping[int, ReplicaLoad], spec: A
     return Verdict(desired, reason, observed, Memory(now))
 
 
-def message(verdict: Verdict, replicas: int, spec: Autoscaling) -> str:
+def message(verdict: Verdict, replicas: int, spec: Autoscaling, held: int = 0) -> str:
     """The Event's message for a change of replicas: one line."""
+    if replicas == 0 and held > 0:
+        return (f"replicas 0 -> {verdict.desired}: {held} request{'s' if held > 1 else ''} held at the router "
+                f"({spec.min_replicas}-{spec.max_replicas} replicas)")
     seen = "no value" if verdict.observed is None else f"{verdict.observed:.3g}"
     return (f"replicas {replicas} -> {verdict.desired}: {spec.target.value} {seen} per replica, "
             f"target {spec.value:g} ({spec.min_replicas}-{spec.max_replicas} replicas)")

@@ -413,10 +413,11 @@ def render_serving_service(model: ShardedModel) -> dict:
                      "ports": [{"name": "http", "port": port, "targetPort": port}]}}
 
 
-def router_enabled(model: ShardedModel) -> bool:
+def router_enabled(model: ShardedModel | ShardedModelSpec) -> bool:
     """Whether the model runs its router (render/router.py): a serving model that asks for it."""
-    router = model.spec.serving.router
-    return router is not None and router.enabled and model.spec.workload != Workload.TRAINING
+    spec = model.spec if isinstance(model, ShardedModel) else model
+    router = spec.serving.router
+    return router is not None and router.enabled and spec.workload != Workload.TRAINING
 
 
 def render_configmap(model: ShardedModel, plan: ShardPlan, settings: Settings | None = None) -> dict:

@@ -10,9 +10,11 @@ changes its selector to LABEL_ROUTER.
 
 The replicas file lists `http://<podIP>:<port>` of every Ready stage-0 pod (one per replica); the
 operator keeps the ConfigMap current (controller/routers.py) and the router re-reads the file when
-its mounted copy changes. The kubelet refreshes a ConfigMap volume within its sync period (about a
-minute): a replica that fails is skipped at once anyway (the router's health checks and failed
-connections), only a new replica waits for it.
+its mounted copy changes. A kubelet refreshes a ConfigMap volume at its periodic sync (up to about
+a minute), or at once when the pod itself is updated: so the operator annotates each router pod
+with the new file's digest (replicas_digest, ANNOTATION_ROUTER_REPLICAS), and a new replica - the
+first, after a scale from zero - is routed to within seconds. A replica that fails is skipped at
+once anyway (the router's health checks and failed connections).
 
 Router pods carry LABEL_ROUTER, not LABEL_MODEL: they are no worker (the operator's pod lists, the
 disruption budget and the model's NetworkPolicy all select LABEL_MODEL), and the workers' policy
@@ -20,10 +22,12 @@ admits them to the serving port alone, not to the rendezvous and collectives.
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Iterable, Mapping
 
 from shardwise.crds import names
 from shardwise.crds.models import ShardedModel
+from shardwise.crds.router import hold_seconds
 from shardwise.operator.render import netpolicy
 from shardwise.operator.render.renderer import (WORKER_CONTAINER_SECURITY, WORKER_POD_SECURITY,
                                                 _api_keys, owner_reference, router_enabled)
@@ -67,6 +71,12 @@ def render_replicas_configmap(model: ShardedModel, addresses: list[str]) -> dict
             "data": {REPLICAS_FILE: "".join(a + "\n" for a in addresses)}}
 
 
+def replicas_digest(objs: Iterable[Mapping[str, Any]]) -> str:
+    """A short digest of the replicas file among render()'s objects (ANNOTATION_ROUTER_REPLICAS)."""
+    data = next(o["data"][REPLICAS_FILE] for o in objs if o["kind"] == "ConfigMap")
+    return hashlib.sha256(data.encode()).hexdigest()[:16]
+
+
 def _args(model: ShardedModel) -> list[str]:
     router, port = model.spec.serving.router, model.spec.serving.port
     assert router is not None
@@ -77,8 +87,9 @@ def _args(model: ShardedModel) -> list[str]:
         args += ["--api-key-file", names.API_KEYS_PATH]
     if router.rate_limit:
         args += ["--rate-limit", router.rate_limit]
-    if router.hold_seconds is not None:
-        args += ["--hold-seconds", f"{router.hold_seconds:g}"]
+    hold = hold_seconds(router, model.spec.autoscaling)
+    if hold is not None:
+        args += ["--hold-seconds", f"{hold:g}"]
     return args
 
 
@@ -131,10 +142,12 @@ def render_deployment(model: ShardedModel, settings: Settings | None = None) -> 
 
 
 def render_network_policy(model: ShardedModel, settings: Settings | None = None) -> dict:
-    """The router pods hear their port only, from spec.serving.allowFrom's peers (anyone when empty)."""
+    """The router pods hear their port only, from spec.serving.allowFrom's peers (anyone when empty)
+    and from the operator's own pods (it reads a router's /metrics to wake a model scaled to zero)."""
     serving: dict[str, Any] = {"ports": [{"protocol": "TCP", "port": model.spec.serving.port}]}
     if model.spec.serving.allow_from:
-        serving["from"] = [netpolicy._peer(p) for p in model.spec.serving.allow_from]
+        operator = netpolicy.operator_peer(settings or current())
+        serving["from"] = [netpolicy._peer(p) for p in model.spec.serving.allow_from] + ([operator] if operator else [])
     return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": _meta(model),
             "spec": {"podSelector": {"matchLabels": {names.LABEL_ROUTER: model.name}},
                      "policyTypes": ["Ingress"], "ingress": [serving]}}
@@ -146,7 +159,7 @@ def render(model: ShardedModel, pods: Iterable[Mapping[str, Any]], settings: Set
     if not router_enabled(model):
         return []
     settings = settings or current()
-    policy = [render_network_policy(model)] if settings.network_policy else []
+    policy = [render_network_policy(model, settings)] if settings.network_policy else []
     addresses = ready_addresses(pods, model.spec.serving.port)
     return policy + [render_replicas_configmap(model, addresses), render_deployment(model, settings)]
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from shardwise.crds import names
+
 
 class Metrics:
     def __init__(self):
@@ -24,6 +26,8 @@ class Metrics:
                                      "held requests answered 503 when the hold bound passed", registry=r)
         self.rate_limited = Counter("shardwise_router_rate_limited_total", "requests answered 429 by a key's limit",
                                     registry=r)
+        # the operator's autoscaler reads this one to wake a model scaled to zero
+        self.held = Gauge(names.METRIC_ROUTER_HELD, "requests waiting now for a Ready replica", registry=r)
         self.ready = Gauge("shardwise_router_ready_replicas", "replicas whose health check passes", registry=r)
         self.added = Histogram("shardwise_router_added_seconds",
                                "time from a request's arrival to its forwarding to a replica",

@@ -18,6 +18,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from shardwise.crds.apikeys import ApiKeys
+from shardwise.crds.router import HOLD_SECONDS
 from shardwise.operator.router import forward
 from shardwise.operator.router.limits import Buckets, RateLimit
 from shardwise.operator.router.metrics import Metrics
@@ -30,7 +31,7 @@ COMPLETIONS, CHAT, MODELS = "/v1/completions", "/v1/chat/completions", "/v1/mode
 @dataclass
 class Settings:
     policy: Policy = Policy.PREFIX
-    hold_seconds: float = 30.0          # how long a request waits for a Ready replica
+    hold_seconds: float = HOLD_SECONDS  # how long a request waits for a Ready replica
     max_held: int = 1024                # requests waiting at once; more are answered 503 at once
     max_body: int = 4 * 1024 * 1024     # bytes of a request body
     max_headers: int = 64               # headers of a request
@@ -133,6 +134,7 @@ class Router:
             return r
         self.held += 1
         self.metrics.holds.inc()
+        self.metrics.held.inc()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.hold_seconds
         try:
@@ -149,6 +151,7 @@ class Router:
             return r
         finally:
             self.held -= 1
+            self.metrics.held.dec()
 
     def unavailable(self) -> web.Response:
         return error_response(503, "No replica of this model is ready; retry after the time in the "

@@ -103,3 +103,17 @@ def test_ttft_counts_the_requests_since_the_last_read(pods):
     assert second.ttft_buckets == ((0.5, 1.0), (float("inf"), 10.0))
     scaler.forget([])
     assert scaler.histograms == {}
+
+
+def test_requests_held_at_router_pods_are_summed_and_bounded(pods):
+    """At zero replicas the autoscaler reads the router pods' held-requests gauge: summed over the
+    Ready ones; a lie is clamped, a pod that floods, drips or sends garbage holds none."""
+    held = "# TYPE shardwise_router_held_requests gauge\nshardwise_router_held_requests {}\n"
+    two, three, lie = pods(0, held.format(2).encode()), pods(1, held.format(3).encode()), pods(2, held.format("1e30").encode())
+    unready = pods(3, held.format(7).encode())
+    unready["status"]["conditions"][0]["status"] = "False"
+    bad = [pods(4, b"drip"), pods(5, b"\x00\xff{not metrics\n"), pods(6, held.format(-4).encode())]
+    scaler = autoscaler.Autoscaler()
+    assert scaler.held([two, three, unready, *bad]) == 5
+    assert scaler.held([lie]) == autoscaler.MAX_HELD
+    assert scaler.held([]) == 0

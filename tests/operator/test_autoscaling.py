@@ -106,6 +106,7 @@ def test_a_scale_is_remembered_and_said_in_one_line():
 def test_requests_held_at_the_front_door_wake_a_model_at_zero():
     v = decide({}, 0, ZERO, Memory(), NOW, GRACE, held=3)
     assert (v.desired, v.reason) == (1, R.SCALED_UP)
+    assert message(v, 0, ZERO, held=3) == "replicas 0 -> 1: 3 requests held at the router (0-4 replicas)"
 
 
 def test_quantile_is_prometheus_histogram_quantile():

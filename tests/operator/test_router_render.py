@@ -120,10 +120,35 @@ def test_serving_service_selects_the_router_and_workers_hear_only_router_and_ope
     assert peer not in serving["from"]
     front = _kinds(router.render(model, [], settings=OPERATOR))["NetworkPolicy"]["spec"]
     assert front["podSelector"] == {"matchLabels": {names.LABEL_ROUTER: "llama"}}
-    assert front["ingress"] == [{"ports": [{"protocol": "TCP", "port": 8000}], "from": [peer]}]
+    # the peers allowed, and the operator (it reads the router's held requests to wake a model at zero)
+    assert front["ingress"] == [{"ports": [{"protocol": "TCP", "port": 8000}], "from": [peer, serving["from"][1]]}]
     # open model: the router hears anyone on its port, and nothing else
     open_front = router.render_network_policy(_model(router={"enabled": True}))["spec"]["ingress"]
     assert open_front == [{"ports": [{"protocol": "TCP", "port": 8000}]}]
+
+
+def test_a_model_that_scales_to_zero_holds_requests_for_a_cold_start():
+    def hold(router_spec: dict, autoscaling: dict | None) -> str | None:
+        model = _model(router=router_spec)
+        if autoscaling:
+            model.spec.autoscaling = ShardedModelSpec.model_validate(
+                {"model": {"uri": "pvc://m/x"}, "autoscaling": autoscaling}).autoscaling
+        args = router.render_deployment(model, OPERATOR)["spec"]["template"]["spec"]["containers"][0]["args"]
+        return args[args.index("--hold-seconds") + 1] if "--hold-seconds" in args else None
+    assert hold({"enabled": True}, None) is None                                  # the router's own 30 s
+    assert hold({"enabled": True}, {"minReplicas": 1, "maxReplicas": 3}) is None
+    assert hold({"enabled": True}, {"minReplicas": 0, "maxReplicas": 3}) == "300"
+    assert hold({"enabled": True, "holdSeconds": 45}, {"minReplicas": 0, "maxReplicas": 3}) == "45"
+
+
+def test_the_replicas_digest_follows_the_replicas_file():
+    model = _model(router={"enabled": True})
+    one = router.replicas_digest(router.render(model, [_pod(0, 0, "10.0.0.5")], settings=OPERATOR))
+    same = router.replicas_digest(router.render(model, [_pod(0, 0, "10.0.0.5"), _pod(0, 1, "10.0.0.6")],
+                                                settings=OPERATOR))
+    two = router.replicas_digest(router.render(model, [_pod(0, 0, "10.0.0.5"), _pod(1, 0, "10.0.0.7")],
+                                               settings=OPERATOR))
+    assert one == same != two and len(one) == 16
 
 
 def test_no_router_network_policy_when_the_operator_makes_none():

@@ -160,8 +160,11 @@ def test_replicas_from_a_file_that_changes(pair, tmp_path):
         waiting = threading.Thread(target=lambda: got.append(post(router, "/v1/completions", body)))
         waiting.start()
         wait_until(lambda: metric(router, "shardwise_router_holds_total").get("", 0) >= 1)
+        # what the operator's autoscaler reads to wake a model scaled to zero
+        assert metric(router, "shardwise_router_held_requests")[""] == 1
         listing.write_text(f"# rendered by the operator\n{a}\n")
         waiting.join(60)
+        assert metric(router, "shardwise_router_held_requests")[""] == 0
         assert got[0][0] == 200 and got[0][2]["choices"][0]["text"] == post(a, "/v1/completions", body)[2]["choices"][0]["text"]
         text, end = stream(router, "/v1/completions", {**body, "n": 2})
         assert end == "done" and text

@@ -44,10 +44,12 @@ tests/e2e/test_chart_install.py runs the operator as this ServiceAccount against
   resources: ["inferencepools"]
   verbs: ["get", "create", "patch"]
 # Worker pods: watched (failures, readiness, GPUs in use), created per replica group, torn down as a
-# group (the pods with its labels that the model owns, one by one) or when their node is lost.
+# group (the pods with its labels that the model owns, one by one) or when their node is lost. A
+# router pod's one annotation is patched when its replicas file changes (its kubelet then mounts the
+# new file at once).
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["list", "watch", "create", "delete"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
 # The rendezvous and serving Services, the plan ConfigMap and the PodDisruptionBudget: server-side
 # apply: a patch, which the API server also authorizes as a create when the object is missing. Each
 # is read first: one that exists without the model's ownerReference is not taken over. The plan

@@ -6,7 +6,8 @@ Node labelled `shardwise.dev/local-node=true` that is not labelled `shardwise.de
 
 - keeps the node alive: renews its Lease in kube-node-lease and writes its Ready condition;
 - for each pod bound to it: gives the pod its own loopback IP (status.podIP, env POD_IP), writes its
-  ConfigMap/Secret volumes into a per-pod folder, and runs each container's command + args as a
+  ConfigMap/Secret volumes into a per-pod folder (written again when the pod's labels or
+  annotations change, as a kubelet's sync of an updated pod does), and runs each container's command + args as a
   process (own process group) with the container's env; stdout/stderr go to
   <state>/pods/<namespace>_<pod>/<container>.log;
 - reports phase, container states, restartCount and readiness (the container's readinessProbe:

@@ -40,12 +40,18 @@ class PodRunner(threading.Thread):
         self.report = True
         self.kill_grace = 0.0
         self.last_status: str | None = None
+        self.remount = False
         self.lock = threading.Lock()
         self.environment = PodEnvironment(host.client, host.resolve, lambda: self.pod, self.ip)
         self.prober = Prober(self.environment, self.ip, self.dir)
 
     def update(self, pod: dict) -> None:
         with self.lock:
+            before = self.pod["metadata"]
+            # a kubelet mounts a pod's ConfigMaps and Secrets again whenever the pod is updated (its
+            # own status reports aside): a change of its labels or annotations does it here
+            if any(before.get(k) != pod["metadata"].get(k) for k in ("labels", "annotations")):
+                self.remount = True
             self.pod = pod
 
     def stop(self, grace: float, report: bool) -> None:
@@ -84,6 +90,9 @@ class PodRunner(threading.Thread):
         if pod["metadata"].get("deletionTimestamp"):
             self._delete(pod)
             return True
+        if self.remount and self.environment.mounts:
+            self.remount = False
+            volumes.refresh(self.environment, pod, self.dir, self.containers, self.environment.mounts)
         if not self.environment.mounts:
             try:
                 self.environment.mounts = volumes.materialise(self.environment, pod, self.dir,

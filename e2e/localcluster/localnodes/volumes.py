@@ -3,6 +3,7 @@ hostPath volumes on its node's disk, claims at their bound PersistentVolume's pa
 ConfigMap volumes (inside gzip too) get the pod's paths rewritten to those folders."""
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -45,6 +46,32 @@ def materialise(environment: PodEnvironment, pod: dict, folder: Path, state_dir:
     for text in texts:
         _rewrite_file(text, paths)
     return mounts or {"": ""}
+
+
+def refresh(environment: PodEnvironment, pod: dict, folder: Path, containers: list[ContainerProc],
+            mounts: dict[str, str]) -> None:
+    """Write the pod's ConfigMap and Secret volumes again from the objects as they are now (a kubelet
+    does so when the pod is updated), each file replaced whole so that a reader never sees half of
+    it; a volume whose object is missing keeps what it had."""
+    paths = {**termination_paths(containers), **{k: v for k, v in mounts.items() if k}}
+    for vol in pod["spec"].get("volumes") or []:
+        if "configMap" not in vol and "secret" not in vol:
+            continue
+        target, staging = folder / "volumes" / vol["name"], folder / "volumes" / f".{vol['name']}.new"
+        if staging.exists():
+            shutil.rmtree(staging)
+        staging.mkdir(parents=True)
+        try:
+            for text in _write_objects(environment, vol, staging):
+                _rewrite_file(text, paths)
+            for path in sorted(p for p in staging.rglob("*") if p.is_file()):
+                dest = target / path.relative_to(staging)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(path, dest)
+        except Waiting:
+            pass
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def _rewrite_file(path: Path, paths: dict[str, str]) -> None:
