@@ -156,6 +156,132 @@ def test_sharded_model_spans_nodes_answers_and_recovers_from_a_node_stop(kind_cl
         cluster.advertise_gpus()
 
 
+def _model_spec(model_dir: Path, claim_path: str) -> dict:
+    """spec.model for a tiny model on a claim: the uri and the hints the operator cannot read there."""
+    config = json.loads((model_dir / "config.json").read_text())
+    return {"uri": claim_path, "parameters": _parameters(model_dir), "layers": config["num_hidden_layers"],
+            "heads": config["num_attention_heads"], "kvHeads": config["num_key_value_heads"],
+            "hiddenSize": config["hidden_size"], "intermediateSize": config["intermediate_size"],
+            "vocabSize": config["vocab_size"]}
+
+
+def test_streams_through_the_router_survive_a_node_stop_with_zero_failed_requests(kind_cluster):
+    """A model of two replicas behind its router, under a steady load of concurrent streams; `docker
+    stop` of the node holding one replica. Every request ends with the greedy text of an undisturbed
+    run (the router moves a broken stream to the other replica), and the longest stall is reported."""
+    pytest.importorskip("torch")
+    import threading
+    from shardwise.worker.weights.tiny import write_tiny_model
+
+    cluster, name = kind_cluster, "routed"
+    inputs = cluster.shared_claim(MODEL_NS, "inputs", "inputs", read_only=True)
+    model_dir = write_tiny_model(inputs / "routed-model", _corpus(), layers=2, hidden=64, heads=4, kv_heads=2)
+    subprocess.run(["chmod", "-R", "a+rX", str(inputs)], check=True)   # the worker is not root
+    sm = {"apiVersion": "shardwise.dev/v1alpha1", "kind": "ShardedModel",
+          "metadata": {"name": name, "namespace": MODEL_NS},
+          "spec": {"model": _model_spec(model_dir, "pvc://inputs/routed-model"), "dtype": "float32",
+                   "parallelism": {"tensor": 1, "pipeline": 1, "replicas": 2},
+                   "serving": {"router": {"enabled": True, "replicas": 2}, "maxModelLength": 1024},
+                   "recovery": {"backoffSeconds": 1, "maxRestarts": 5}}}
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(sm))
+    workers, routers = f"shardwise.dev/model={name},shardwise.dev/stage=0", f"shardwise.dev/router={name}"
+    victim = None
+    try:
+        replicas = wait_until(lambda: len(r := cluster.ready_pods(MODEL_NS, workers)) == 2 and r, 600,
+                              f"{name}'s two replicas Ready", interval=3, retry_on=(DockerError,))
+        nodes = [p["spec"]["nodeName"] for p in replicas]
+        assert len(set(nodes)) == 2, f"both replicas on one node: {nodes}"
+        victim = nodes[0]
+        front = wait_until(lambda: [p for p in cluster.ready_pods(MODEL_NS, routers)
+                                    if p["spec"]["nodeName"] != victim], 300,
+                           f"a router pod Ready off {victim}", interval=3, retry_on=(DockerError,))[0]
+        # prompts that share no prefix, so that prefix-aware routing spreads them over both replicas
+        prompts = [f"{w} the quick brown fox jumps over" for w in ("seven", "lazy", "wizards", "quietly",
+                                                                   "brew", "elixirs")]
+        with cluster.port_forward(MODEL_NS, f"pod/{front['metadata']['name']}", 8000) as url:
+            undisturbed = {}
+            for prompt in prompts:   # through the router, before anything happens; retried while it
+                undisturbed[prompt] = wait_until(    # learns the replicas
+                    lambda: (r := _stream(url, prompt))[1] == "done" and r[0], 180, "the router answering",
+                    interval=2, retry_on=(OSError,))
+            failures, stalls, done = [], [0.0], threading.Event()
+
+            def client(k: int) -> None:
+                i = k
+                while not done.is_set():
+                    prompt = prompts[i % len(prompts)]
+                    i += 1
+                    try:
+                        text, end, stall = _stream(url, prompt, timed=True)
+                    except OSError as e:
+                        failures.append(f"{prompt!r}: {e}")
+                        continue
+                    stalls[0] = max(stalls[0], stall)
+                    if end != "done" or text != undisturbed[prompt]:
+                        failures.append(f"{prompt!r}: ended {end}, text {'same' if text == undisturbed[prompt] else 'different'}")
+
+            threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(6)]
+            for t in threads:
+                t.start()
+            time.sleep(5)
+            # the stopped replica was serving: the router had sent it requests (its address, label)
+            on_victim = _metric(url, "shardwise_router_routed_total", replicas[0]["status"]["podIP"])
+            cluster.stop_node(victim)
+            stopped = time.monotonic()
+            time.sleep(45)    # through the stop, the node's NotReady and the operator's re-plan
+            done.set()
+            for t in threads:
+                t.join(180)
+            # a stream broken mid-way moves (migrations); one whose replica did not answer is sent to
+            # the other before its first token (retries); `docker stop` lets the node's kubelet stop
+            # its pods, whose drain finishes their streams, so neither may be needed
+            moved = sum(_metric(url, m) for m in ("shardwise_router_migrations_total",
+                                                  "shardwise_router_retries_total"))
+        say(f"streams through a node stop: {on_victim:.0f} sent to the stopped replica before, {len(failures)} "
+            f"failed, {moved:.0f} moved or retried on the other replica, "
+            f"longest stall {stalls[0]:.1f}s, {time.monotonic() - stopped:.0f}s of load after `docker stop {victim}`")
+        assert not failures, failures[:5]
+        assert on_victim >= 1, "no request went to the stopped replica: the test showed nothing"
+    finally:
+        if victim is not None:
+            cluster.start_node(victim)
+            wait_until(lambda: victim in cluster.nodes(), 120, f"{victim} back", interval=5,
+                       retry_on=(DockerError,))
+            cluster.advertise_gpus()
+        cluster.kubectl("delete", "sm", name, "-n", MODEL_NS, "--wait=false")
+
+
+def _metric(url: str, name: str, label: str = "") -> float:
+    """The sum of a metric's samples on a router's /metrics (those whose labels contain `label`)."""
+    import urllib.request
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        return sum(float(line.rpartition(" ")[2]) for line in r.read().decode().splitlines()
+                   if line.startswith(name) and label in line.rpartition(" ")[0])
+
+
+def _stream(url: str, prompt: str, timed: bool = False):
+    """(text, how it ended[, the longest wait for a chunk]) of a streamed greedy completion."""
+    import urllib.request
+    body = json.dumps({"prompt": prompt, "max_tokens": 160, "temperature": 0, "stream": True}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    text, end, last, longest = [], "eof", time.monotonic(), 0.0
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for line in r:
+            if not line.startswith(b"data: "):
+                continue
+            longest, last = max(longest, time.monotonic() - last), time.monotonic()
+            data = line[6:].strip()
+            if data == b"[DONE]":
+                end = "done"
+                break
+            obj = json.loads(data)
+            if "error" in obj:
+                end = f"error {obj['error']}"
+                break
+            text.extend(c.get("text", "") for c in obj["choices"])
+    return ("".join(text), end, longest) if timed else ("".join(text), end)
+
+
 def _corpus() -> str:
     rnd = random.Random(1)
     words = "the quick brown fox jumps over a lazy dog while seven wizards quietly brew elixirs".split()
