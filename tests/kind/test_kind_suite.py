@@ -189,6 +189,7 @@ def test_streams_through_the_router_survive_a_node_stop_with_zero_failed_request
     try:
         replicas = wait_until(lambda: len(r := cluster.ready_pods(MODEL_NS, workers)) == 2 and r, 600,
                               f"{name}'s two replicas Ready", interval=3, retry_on=(DockerError,))
+        both_ready = time.monotonic()
         nodes = [p["spec"]["nodeName"] for p in replicas]
         assert len(set(nodes)) == 2, f"both replicas on one node: {nodes}"
         victim = nodes[0]
@@ -199,6 +200,13 @@ def test_streams_through_the_router_survive_a_node_stop_with_zero_failed_request
         prompts = [f"{w} the quick brown fox jumps over" for w in ("seven", "lazy", "wizards", "quietly",
                                                                    "brew", "elixirs")]
         with cluster.port_forward(MODEL_NS, f"pod/{front['metadata']['name']}", 8000) as url:
+            # the replicas file reaches a running router pod when the operator annotates it (its
+            # kubelet's periodic sync alone takes up to a minute or more)
+            wait_until(lambda: _health(url)["ready_replicas"] == 2, 120, "the router seeing both replicas",
+                       interval=1, retry_on=(OSError, ValueError, KeyError))
+            learned = time.monotonic() - both_ready
+            say(f"the router routes to both replicas {learned:.1f}s after they were Ready")
+            assert learned < 45, f"the router took {learned:.0f}s to see a new replica"
             undisturbed = {}
             for prompt in prompts:   # through the router, before anything happens; retried while it
                 undisturbed[prompt] = wait_until(    # learns the replicas
@@ -249,6 +257,12 @@ def test_streams_through_the_router_survive_a_node_stop_with_zero_failed_request
                        retry_on=(DockerError,))
             cluster.advertise_gpus()
         cluster.kubectl("delete", "sm", name, "-n", MODEL_NS, "--wait=false")
+
+
+def _health(url: str) -> dict:
+    import urllib.request
+    with urllib.request.urlopen(f"{url}/healthz", timeout=10) as r:
+        return json.loads(r.read())
 
 
 def _metric(url: str, name: str, label: str = "") -> float:
