@@ -234,6 +234,10 @@ def test_the_charts_deployment_runs_two_operators_and_another_leads_when_the_lea
         assert dep["status"].get("readyReplicas") == 2  # both answered the readiness probe on /healthz
 
         def holder() -> str:
+            # both replicas are Ready (a standby answers /healthz too) possibly before either has
+            # made the Lease
+            if not cluster.kubectl("get", "lease", name, "--ignore-not-found", namespace=namespace).strip():
+                return ""
             lease = get(cluster, "lease", name, namespace=namespace)
             return (lease.get("spec") or {}).get("holderIdentity") or ""
         pods = {p["metadata"]["name"] for p in get(cluster, "pods", "-l", f"app.kubernetes.io/instance={name}",
