@@ -74,6 +74,7 @@ def test_a_model_with_a_router_answers_through_it_and_a_lost_replica_loses_no_st
         wait(lambda: stream_text(routers[0], 1)[0] is not None, 60, "the router to reach a replica")
         prompt = "the quick brown fox"
         assert complete(routers[0], prompt) == complete(replicas[0], prompt) == complete(routers[1], prompt)
+        _prefix_routing_against_round_robin(routers[0], replicas)
 
         # two long streams through one router pod; a replica's pod deleted once both give text
         bodies = [{"prompt": f"the quick brown fox {i} jumps", "max_tokens": 600, "temperature": 0} for i in range(2)]
@@ -106,6 +107,42 @@ def test_a_model_with_a_router_answers_through_it_and_a_lost_replica_loses_no_st
         wait(lambda: not cluster.client.exists(f"/apis/apps/v1/namespaces/{namespace}/deployments/{NAME}-router"),
              30, "the router's Deployment deleted")
         assert not cluster.client.exists(f"{api}/configmaps/{NAME}-router")
+
+
+def _prefix_routing_against_round_robin(router: str, replicas: list[str]) -> None:
+    """Chat requests each with one of 4 long system prompts, in a seeded random order, one at a time:
+    alternated over the replicas (round robin, as a Service spreads connections), then through the
+    router (prefix-aware), each policy with prompts of its own so that neither finds the other's
+    cache. Prints TTFT p50/p90 (a 1-token answer's latency) and the share of prompt tokens found in
+    a replica's cache; prefix routing finds more."""
+    import random
+    import statistics
+    import urllib.request
+    rnd = random.Random(5)
+    words = sorted(set(PANGRAMS.replace(".", " ").split()))
+    order = [rnd.randrange(4) for _ in range(24)]
+    rows = []
+    for policy, bases in (("round robin", replicas), ("prefix", [router])):
+        systems = [" ".join(rnd.choice(words) for _ in range(120)) for _ in range(4)]
+        ttft, cached, prompt_tokens = [], 0, 0
+        for i, k in enumerate(order):
+            body = {"messages": [{"role": "system", "content": systems[k]},
+                                 {"role": "user", "content": f"{rnd.choice(words)} {rnd.choice(words)}"}],
+                    "max_tokens": 1, "temperature": 0}
+            req = urllib.request.Request(f"http://{bases[i % len(bases)]}:8000/v1/chat/completions",
+                                         data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+            t0 = time.perf_counter()
+            with urllib.request.urlopen(req, timeout=60) as r:
+                usage = json.loads(r.read())["usage"]
+            ttft.append(time.perf_counter() - t0)
+            prompt_tokens += usage["prompt_tokens"]
+            cached += usage["prompt_tokens_details"]["cached_tokens"]
+        q = statistics.quantiles(ttft, n=10)
+        rows.append((policy, statistics.median(ttft), q[8], cached / prompt_tokens))
+    print("\n  policy       TTFT p50   TTFT p90   prompt tokens cached")
+    for policy, p50, p90, hit in rows:
+        print(f"  {policy:11}  {p50 * 1e3:6.0f} ms  {p90 * 1e3:6.0f} ms  {hit:6.0%}")
+    assert rows[1][3] > rows[0][3], rows
 
 
 def stream_text(ip: str, tokens: int) -> tuple[str | None, str]:
