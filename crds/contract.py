@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serial
 from shardwise.crds import compressed
 from shardwise.crds.models import (Checkpoint, ModelSource, Serving, ShardedModelSpec, Training, Workload,
                                    describe_validation_error)
+from shardwise.crds.names import MAX_FETCH_STREAMS
 from shardwise.crds.plan import ShardPlan
 from shardwise.crds.sourcespec import ModelCache
 
@@ -71,6 +72,16 @@ class SourceContract(_Contract):
     cache_dir: str = Field(pattern=r"^/", max_length=4096, description="the cache inside the pod")
     cache_budget: Optional[int] = Field(None, ge=0, description=(
         "bytes the node's cache may hold (least recently used entries out); None for a pod's own cache"))
+    streams: Optional[int] = Field(None, ge=1, le=MAX_FETCH_STREAMS, description=(
+        "spec.model.fetchStreams: reads in flight at once while the pod fetches; None: the fetcher's default"))
+
+    @model_serializer(mode="wrap")
+    def _no_unset_streams(self, handler):
+        # Unset, it is left out of the file, so that a worker image older than it still reads the contract.
+        out = handler(self)
+        if isinstance(out, dict) and out.get("streams", 0) is None:
+            del out["streams"]
+        return out
 
 
 class ServingContract(Serving):

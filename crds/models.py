@@ -78,7 +78,7 @@ MODEL_URI_PVC = "model.uri must look like pvc://<claim>/<path> when it starts wi
 TRAINING_DATA_PVC = "training.data must look like pvc://<claim>/<path> when it starts with pvc://"
 
 
-class ModelSource(ApiModel):
+class ModelSource(sourcespec.FetchSettings):
     """Where the weights are and, when the operator cannot read them, what the model looks like."""
 
     model_config = ConfigDict(json_schema_extra=cel(
@@ -128,7 +128,7 @@ class ModelSource(ApiModel):
     def _cross_checks(self) -> "ModelSource":
         if self.format == "gguf" and not self.uri.endswith(".gguf"):
             raise ValueError("model.uri must name a .gguf file when model.format is gguf")
-        source_problem = sourcespec.problem(self.uri, self.format, self.endpoint, self.region, self.path_style)
+        source_problem = sourcespec.problem(self.uri, self.format, self.endpoint, self.region, self.path_style, self.fetch_streams)
         if source_problem:
             raise ValueError(source_problem)
         if malformed_pvc(self.uri):

@@ -175,6 +175,11 @@ CHECKPOINT_CREDENTIAL_PREFIX = "CHECKPOINT_"
 MODEL_CACHE_ROOT = "/var/lib/shardwise/model-cache"
 MODEL_CACHE_MOUNT = "/var/cache/shardwise/models"
 MODEL_CACHE_BUDGET = 200 << 30   # bytes the cache keeps on a node by default (least recently used out)
+# Reads in flight at once while a pod fetches its files (spec.model.fetchStreams, `shardwise fetch
+# --streams`): the default, and the most a spec or a command may ask (each store's client keeps that
+# many connections).
+FETCH_STREAMS = 8
+MAX_FETCH_STREAMS = 32
 # A fetching pod's download progress (crds/download.py DownloadReport): served as JSON on its http
 # port at this path while it fetches.
 DOWNLOAD_PROGRESS_PATH = "/download"

@@ -1,6 +1,7 @@
 """spec.model's fields for a model fetched from where it lives (hf://, s3://, oci://): which uri
 schemes the API accepts, the S3 endpoint, region and addressing, the Secret of credentials, where
-the fetched files are cached; and the rules between them, as CEL for the API server and in Python
+the fetched files are cached, how many reads a pod's fetch keeps in flight (FetchSettings, a base of
+crds/models.py ModelSource); and the rules between them, as CEL for the API server and in Python
 for `shardwise plan -f`, with one message each.
 
 The full grammar of each scheme is the uri parser's; here only what the API server can refuse at
@@ -18,6 +19,7 @@ from pydantic import Field
 from shardwise.crds.access import DNS_SUBDOMAIN_PATTERN
 from shardwise.crds.apimodel import ApiModel
 from shardwise.crds.modelsource import ModelUriError, parse_model_uri, scheme_of
+from shardwise.crds.names import FETCH_STREAMS, MAX_FETCH_STREAMS
 
 # The schemes whose models the pods fetch (into the node-local cache) before loading them.
 REMOTE_SCHEMES = ("hf", "s3", "oci")
@@ -39,6 +41,7 @@ HF_GGUF = r"^hf://[^/@]+/[^/@]+(@[^/@]+)?/.+[.]gguf$"   # no backslash: CEL stri
 
 UNKNOWN_SCHEME = ("model.uri has an unknown scheme: use a path, pvc://, hf://, s3:// or oci://")
 S3_ONLY = "model.endpoint, model.region and model.pathStyle are for s3:// uris only"
+REMOTE_ONLY = "model.fetchStreams is for hf://, s3:// and oci:// uris only"
 HF_GGUF_FILE = "model.uri must name a .gguf file inside the repository (hf://<org>/<name>/<file>.gguf) when model.format is gguf"
 
 # An S3-compatible endpoint: http(s), a host and an optional port and path; no user:password@ (the
@@ -71,6 +74,17 @@ class CredentialsRef(ApiModel):
         "reads it."))
 
 
+class FetchSettings(ApiModel):
+    """How a pod fetches a remote model: spec.model's fields beside the uri, endpoint and cache (a base
+    of ModelSource, so they sit in spec.model). Unset by default: a model made before they existed
+    keeps its spec hash, its contract and its pods."""
+
+    fetch_streams: Optional[int] = Field(None, ge=1, le=MAX_FETCH_STREAMS, description=(
+        f"hf://, s3://, oci://: reads each pod keeps in flight while it fetches (files at once, and "
+        f"large files in byte-range parts), 1 to {MAX_FETCH_STREAMS}; 1 fetches one file after another. "
+        f"Omitted: {FETCH_STREAMS}. Read when a pod starts: changing it restarts no pod."))
+
+
 def cel_rules() -> list[tuple[str, str, str]]:
     """The CEL rules of spec.model about remote sources (self is spec.model)."""
     rules = [(f"!self.uri.matches('{ANY_SCHEME}') || self.uri.matches('{KNOWN_SCHEME}')", UNKNOWN_SCHEME, ".uri")]
@@ -79,13 +93,15 @@ def cel_rules() -> list[tuple[str, str, str]]:
                       f"model.uri must look like {form}", ".uri"))
     rules.append(("self.uri.startsWith('s3://') || (!has(self.endpoint) && !has(self.region) && "
                   "!has(self.pathStyle))", S3_ONLY, ".endpoint"))
+    remote = "^(" + "|".join(REMOTE_SCHEMES) + ")://"
+    rules.append((f"!has(self.fetchStreams) || self.uri.matches('{remote}')", REMOTE_ONLY, ".fetchStreams"))
     rules.append(("self.format != 'gguf' || !self.uri.startsWith('hf://') || "
                   f"self.uri.matches('{HF_GGUF}')", HF_GGUF_FILE, ".uri"))
     return rules
 
 
 def problem(uri: str, fmt: str, endpoint: Optional[str], region: Optional[str],
-            path_style: Optional[bool]) -> str:
+            path_style: Optional[bool], fetch_streams: Optional[int] = None) -> str:
     """cel_rules in Python: the first rule the source breaks, "" when none."""
     if re.match(ANY_SCHEME, uri) and not re.match(KNOWN_SCHEME, uri):
         return UNKNOWN_SCHEME
@@ -94,6 +110,8 @@ def problem(uri: str, fmt: str, endpoint: Optional[str], region: Optional[str],
         return f"model.uri must look like {SCHEME_SHAPES[found][1]}"
     if found != "s3" and (endpoint is not None or region is not None or path_style is not None):
         return S3_ONLY
+    if fetch_streams is not None and found not in REMOTE_SCHEMES:
+        return REMOTE_ONLY
     if fmt == "gguf" and found == "hf" and not re.match(HF_GGUF, uri):
         return HF_GGUF_FILE
     if found in REMOTE_SCHEMES:

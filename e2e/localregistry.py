@@ -36,13 +36,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# bcrypt's lowest cost (2^4 rounds): the registry checks the password with bcrypt on every request,
+# and at the default cost (2^12) a pull of a few files spent seconds hashing on a loaded machine.
+BCRYPT_ROUNDS = 16
+
+
 def _bcrypt(password: str) -> str:
     """A bcrypt hash (the only kind the registry's htpasswd accepts) from the C library's crypt(3),
     through the standard library's `crypt` (deprecated, still there up to Python 3.12)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         import crypt
-    return crypt.crypt(password, crypt.mksalt(crypt.METHOD_BLOWFISH))
+    return crypt.crypt(password, crypt.mksalt(crypt.METHOD_BLOWFISH, rounds=BCRYPT_ROUNDS))
 
 
 class LocalRegistry:

@@ -100,8 +100,10 @@ def spec_hash(spec: ShardedModelSpec, default_image: str = DEFAULT_IMAGE) -> str
     serving_out = {"allow_from", "router"} | {f for f in ("auth", *CAPACITY_OPTIONAL) if getattr(spec.serving, f) is None}
     if spec.serving.decode == DecodeMode.AUTO:
         serving_out.add("decode")
-    # spec.model's remote options, when unset, likewise (crds/sourcespec.py)
-    model_out = {f for f in REMOTE_OPTIONS if getattr(spec.model, f) is None}
+    # spec.model's remote options, when unset, likewise (crds/sourcespec.py); fetchStreams always: it
+    # is read when a pod starts, by the pods started after it changed, and re-fetching nothing is no
+    # reason to restart the pods serving
+    model_out = {f for f in REMOTE_OPTIONS if getattr(spec.model, f) is None} | {"fetch_streams"}
     keep = spec.model_dump(mode="json", by_alias=True,
                            exclude={"recovery": True, "placement": True, "autoscaling": True, "rollout": True,
                                     "parallelism": {"replicas"},

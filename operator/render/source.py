@@ -48,7 +48,8 @@ def contract(model: ShardedModel, settings: Settings) -> SourceContract | None:
     mode = cache_mode(model, settings)
     return SourceContract(uri=m.uri, scheme=scheme, endpoint=m.endpoint, region=m.region, path_style=m.path_style,
                           cache=mode, cache_dir=names.MODEL_CACHE_MOUNT,
-                          cache_budget=settings.model_cache_budget if mode == ModelCache.NODE else None)
+                          cache_budget=settings.model_cache_budget if mode == ModelCache.NODE else None,
+                          streams=m.fetch_streams)
 
 
 def credentials_env(model: ShardedModel) -> list[dict]:

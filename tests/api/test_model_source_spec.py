@@ -21,7 +21,7 @@ ACCEPTED = [
     {"uri": "hf://HuggingFaceTB/SmolLM2-135M@main", "credentialsRef": {"name": "hub-token"}},
     {"uri": "hf://TheBloke/Llama-2-7B-GGUF@a1b2c3/llama-2-7b.Q4_K_M.gguf", "format": "gguf"},
     {"uri": "s3://models/smollm2", "endpoint": "http://minio.storage:9000", "region": "us-east-1",
-     "pathStyle": True, "credentialsRef": {"name": "s3-creds"}, "cache": "pod"},
+     "pathStyle": True, "credentialsRef": {"name": "s3-creds"}, "cache": "pod", "fetchStreams": 16},
     {"uri": "s3://my-bucket"},
     {"uri": "oci://registry.local:5000/models/smollm2:v1"},
     {"uri": "oci://ghcr.io/org/model@sha256:" + "a" * 64, "cache": "node"},
@@ -47,6 +47,9 @@ REFUSED = [
     ({"uri": "s3://b/m", "credentialsRef": {"name": "Not_A_Secret"}},
      "spec.model.credentialsRef.name: String should match pattern"),
     ({"uri": "s3://b/m", "cache": "disk"}, "spec.model.cache: Input should be 'node' or 'pod'"),
+    ({"uri": "s3://b/m", "fetchStreams": 0}, "spec.model.fetchStreams: Input should be greater than or equal to 1"),
+    ({"uri": "hf://org/name", "fetchStreams": 33}, "spec.model.fetchStreams: Input should be less than or equal to 32"),
+    ({"uri": "pvc://weights/llama", "fetchStreams": 4}, sourcespec.REMOTE_ONLY),
 ]
 
 

@@ -23,6 +23,7 @@ from shardwise.crds.models import (AUTOSCALING_SERVING_ONLY, DP_DIVIDES, DP_PROD
                                    load_manifest)
 from shardwise.crds.names import MAX_MODEL_NAME
 from shardwise.crds.schema import CRD_FILE
+from shardwise.crds.sourcespec import REMOTE_ONLY
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.timeout(300)]
 
@@ -186,6 +187,10 @@ BAD = {
                              "spec.serving.router.replicas", "less than or equal to 16"),
     "router-rate-limit-shape": (manifest("a", serving={"router": {"enabled": True, "rateLimit": "fast"}}),
                                 "spec.serving.router.rateLimit", "should match"),
+    # a remote model's fetch (crds/sourcespec.py)
+    "fetch-streams-over": (manifest("a", model__uri="s3://models/llama", model__fetchStreams=33),
+                           "spec.model.fetchStreams", "less than or equal to 32"),
+    "fetch-streams-for-a-claim": (manifest("a", model__fetchStreams=4), "spec.model.fetchStreams", REMOTE_ONLY),
     # the roll's budgets (crds/rollout.py): maxSurge 0 with maxUnavailable's default 0 allows no step
     "rollout-no-step": (manifest("a", rollout={"maxSurge": 0}), "spec.rollout.maxSurge", NO_STEP),
     "rollout-surge-over": (manifest("a", rollout={"maxSurge": 17}), "spec.rollout.maxSurge",

@@ -104,12 +104,12 @@ def _run(cluster, kubectl, label, endpoint, gguf, nodes) -> None:
         seen.extend(st.get("download") or [])
         if st.get("phase") != "Ready":
             return None
-        return _stage0(kubectl)[1]
+        return stage0(kubectl)[1]
 
     t0 = time.monotonic()
     ip = wait(ready_ip, 420, "smol Ready from s3://")
     print(f"created -> Ready (probed, fetched at {LINK_BYTES_PER_S >> 20} MiB/s, loaded) in "
-          f"{time.monotonic() - t0:.1f}s; {_fetch_line(kubectl, cluster)}")
+          f"{time.monotonic() - t0:.1f}s; {fetch_line(kubectl, cluster)}")
     # no hints in the spec: the plan's 30 layers were read from the store by the probe pod
     assert model()["status"]["plan"]["placements"][0]["layers"] == "0-29"
     assert seen and all(0 <= d["percent"] <= 100 for d in seen), seen
@@ -123,14 +123,14 @@ def _run(cluster, kubectl, label, endpoint, gguf, nodes) -> None:
     assert reference.returncode == 0, reference.stderr
     assert first == json.loads(reference.stdout.strip().splitlines()[-1])["text"]
     first_node = _placed(model())
-    assert "fetched 0.0 MiB" not in _fetch_line(kubectl, cluster)
+    assert "fetched 0.0 MiB" not in fetch_line(kubectl, cluster)
 
     # lose the node: the group moves to the other node, whose cache is empty, and fetches
     t0 = time.monotonic()
     cluster.node_down(first_node)
     ip = wait(lambda: _ready_away_from(model, kubectl, first_node), 480, "smol Ready on the other node")
     second_node = _placed(model())
-    line = _fetch_line(kubectl, cluster)
+    line = fetch_line(kubectl, cluster)
     print(f"node down -> Ready on a node with an empty cache in {time.monotonic() - t0:.1f}s; {line}")
     assert "fetched 0.0 MiB" not in line
     assert complete(ip) == first
@@ -141,14 +141,15 @@ def _run(cluster, kubectl, label, endpoint, gguf, nodes) -> None:
     cluster.node_down(second_node)
     ip = wait(lambda: _ready_away_from(model, kubectl, second_node), 480, "smol Ready on the first node again")
     assert _placed(model()) == first_node
-    line = _fetch_line(kubectl, cluster)
+    line = fetch_line(kubectl, cluster)
     print(f"node down -> Ready on the node whose cache holds the model in {time.monotonic() - t0:.1f}s; {line}")
     assert "fetched 0.0 MiB" in line and "from the node's cache" in line, line
     assert complete(ip) == first
 
 
-def _stage0(kubectl):
-    pods = json.loads(kubectl("get", "pods", "-l", "shardwise.dev/model=smol,shardwise.dev/stage=0",
+def stage0(kubectl, model: str = "smol"):
+    """(name, IP) of the model's running stage-0 pod, (None, None) while there is none."""
+    pods = json.loads(kubectl("get", "pods", "-l", f"shardwise.dev/model={model},shardwise.dev/stage=0",
                               "-o", "json"))["items"]
     live = [p for p in pods if not p["metadata"].get("deletionTimestamp") and p["status"].get("podIP")
             and p["status"].get("phase") == "Running"]
@@ -163,14 +164,14 @@ def _ready_away_from(model, kubectl, lost: str):
     st = model()["status"]
     if st.get("phase") != "Ready" or _placed({"status": st}) == lost:
         return None
-    return _stage0(kubectl)[1]
+    return stage0(kubectl)[1]
 
 
-def _fetch_line(kubectl, cluster) -> str:
-    """The serving pod's line of what it fetched, from its log on its local node."""
-    name, _ = _stage0(kubectl)
+def fetch_line(kubectl, cluster, model: str = "smol", uri: str = "s3://models/smollm2") -> str:
+    """The serving pod's line of what it fetched of `uri`, from its log on its local node."""
+    name, _ = stage0(kubectl, model)
     namespace = json.loads(kubectl("get", "pod", name, "-o", "json"))["metadata"]["namespace"]
     log = (Path(cluster.state_dir) / "pods" / f"{namespace}_{name}" / "worker.log").read_text(errors="replace")
-    lines = [x for x in log.splitlines() if "s3://models/smollm2: fetched" in x]
+    lines = [x for x in log.splitlines() if f"{uri}: fetched" in x]
     assert lines, log[-2000:]
     return lines[-1]

@@ -119,6 +119,18 @@ def test_changing_where_a_model_is_fetched_from_rolls_its_pods():
     assert len({renderer.spec_hash(m.spec) for m in (base, moved, keyed)}) == 3
 
 
+def test_fetch_streams_reach_the_pods_contract_and_restart_no_pod():
+    plain, streamed = _model(uri="oci://registry.local:5000/models/tiny:v1"), _model(
+        uri="oci://registry.local:5000/models/tiny:v1", fetchStreams=3)
+    assert _contract(streamed).source.streams == 3
+    assert _contract(plain).source.streams is None
+    text = json.loads(renderer.configmap_contract(renderer.render_configmap(plain, _plan(), SETTINGS)))
+    assert "streams" not in text["source"], "an older worker image must still read the contract"
+    # the pods are the same: setting, changing or unsetting it rolls nothing (the next pod started reads it)
+    assert renderer.spec_hash(plain.spec) == renderer.spec_hash(streamed.spec)
+    assert _pod(plain)["metadata"]["labels"] == _pod(streamed)["metadata"]["labels"]
+
+
 def test_the_probe_of_a_remote_model_reads_the_store_itself_with_the_models_credentials():
     m = _model(uri="s3://models/smollm2", endpoint="http://minio:9000", region="eu-1", pathStyle=True,
                credentialsRef={"name": "store-creds"})

@@ -24,7 +24,7 @@ _HELD: list[ExitStack] = []
 def fetch_model(contract, placement, host: str) -> str:
     """The folder of the pod's stage files, fetched or found in the cache; one line says which."""
     from shardwise.crds.modelsource import parse_model_uri
-    from shardwise.worker.fetch.cache import CacheConfig, ModelCache
+    from shardwise.worker.fetch.cache import ModelCache
     from shardwise.worker.fetch.progress import DownloadTracker, ProgressServer
     from shardwise.worker.fetch.pull import hold_stage
     from shardwise.worker.fetch.stores import open_remote, options_of
@@ -33,8 +33,7 @@ def fetch_model(contract, placement, host: str) -> str:
     parsed = parse_model_uri(source.uri)
     remote = open_remote(parsed, options_of(source))
     tracker = DownloadTracker()
-    budget = source.cache_budget or POD_CACHE_BUDGET
-    cache = ModelCache(CacheConfig(Path(source.cache_dir), budget), on_retry=tracker.retried)
+    cache = ModelCache(cache_config(source), on_retry=tracker.retried)
     server = ProgressServer(tracker, host, contract.serving.port)
     began, held = time.monotonic(), ExitStack()
     try:
@@ -55,8 +54,17 @@ def fetch_model(contract, placement, host: str) -> str:
     where = "the node's cache" if source.cache is SourceCache.NODE else "the pod's cache"
     print(f"shardwise worker: {parsed}: fetched {report.fetched_bytes / mib:.1f} MiB, reused "
           f"{report.reused_bytes / mib:.1f} MiB from {where} ({_files(len(report.files))} of stage "
-          f"{placement.stage}) in {time.monotonic() - began:.1f}s", file=sys.stderr, flush=True)
+          f"{placement.stage}) in {time.monotonic() - began:.1f}s over {cache.config.streams} streams",
+          file=sys.stderr, flush=True)
     return str(report.files_dir)
+
+
+def cache_config(source):
+    """The cache a pod fills, as its contract's `source` block says: where, its byte budget, and the
+    reads in flight (spec.model.fetchStreams; the fetcher's default when unset)."""
+    from shardwise.worker.fetch.cache import CacheConfig
+    streams = {"streams": source.streams} if source.streams is not None else {}
+    return CacheConfig(Path(source.cache_dir), source.cache_budget or POD_CACHE_BUDGET, **streams)
 
 
 def _files(n: int) -> str:

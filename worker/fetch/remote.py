@@ -10,6 +10,8 @@ import enum
 from dataclasses import dataclass
 from typing import Iterator, Protocol
 
+from shardwise.crds import names
+
 # Bounds on what a store may answer: a listing longer than this, or a name longer than this, is
 # refused in one line (a hostile or broken store must not make the fetcher use unbounded memory).
 MAX_LISTED_FILES = 100_000
@@ -18,7 +20,7 @@ MAX_NAME_BYTES = 1024
 READ_CHUNK = 8 << 20
 # A store is read by at most this many concurrent reads (the cache's parallel streams are bounded by
 # it; a store's client keeps this many connections).
-MAX_STREAMS = 32
+MAX_STREAMS = names.MAX_FETCH_STREAMS
 # S3 allows at most this many parts in one multipart upload.
 MAX_MULTIPART_PARTS = 10_000
 

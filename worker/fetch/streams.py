@@ -14,13 +14,14 @@ import threading
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Callable, Optional, TypeVar
 
+from shardwise.crds import names
 from shardwise.worker.fetch.remote import MAX_STREAMS
 
-# Reads in flight at once by default (`shardwise fetch --streams`, CacheConfig.streams): enough to
-# fill a link that one TCP stream cannot (a long round trip, a store's per-connection limit), few
-# enough not to be throttled by the store nor to hold much memory (a stream holds up to three
-# READ_CHUNKs in flight).
-STREAMS = 8
+# Reads in flight at once by default (`shardwise fetch --streams`, spec.model.fetchStreams,
+# CacheConfig.streams): enough to fill a link that one TCP stream cannot (a long round trip, a
+# store's per-connection limit), few enough not to be throttled by the store nor to hold much memory
+# (a stream holds up to three READ_CHUNKs in flight).
+STREAMS = names.FETCH_STREAMS
 # A file is split into parts of at least this many bytes: smaller ones cost a request each for
 # little gain.
 MIN_PART_BYTES = 16 << 20

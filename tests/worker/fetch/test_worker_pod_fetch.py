@@ -1,8 +1,9 @@
 """`shardwise worker` with a remote model: a pod whose contract names `s3://models/tiny` fetches its
 stage's files from a real S3 server into its cache folder, answers GET /download with its progress
-while it does, then serves the API from the fetched folder; a second pod on the same cache fetches
-nothing. The store is reached through a slow link (a TCP relay that paces the server's bytes), so
-the fetch lasts long enough to be watched."""
+while it does, with the stream count its contract gives (spec.model.fetchStreams), then serves the
+API from the fetched folder; a second pod on the same cache fetches nothing. The store is reached
+through a slow link (a TCP relay that paces the server's bytes), so the fetch lasts long enough to
+be watched."""
 from __future__ import annotations
 
 import json
@@ -17,6 +18,7 @@ from urllib.parse import urlparse
 
 import torch
 
+from shardwise.crds import names
 from shardwise.crds.contract import ModelContract, PodContract, ServingContract, SourceContract
 from shardwise.crds.download import DownloadReport
 from shardwise.crds.plan import ShardPlan, StagePlacement
@@ -37,7 +39,7 @@ def _get(url):
         return None, b""
 
 
-def _start_pod(tmp_path, name, endpoint, cache, port, master, env):
+def _start_pod(tmp_path, name, endpoint, cache, port, master, env, streams=None):
     plan = ShardPlan(tensor=1, pipeline=1, replicas=1, num_layers=4, placements=[
         StagePlacement(replica=0, stage=0, node="n0", gpus=1, layer_start=0, layer_end=4, embedding=True, head=True)])
     contract = tmp_path / f"contract-{name}.json"
@@ -46,7 +48,8 @@ def _start_pod(tmp_path, name, endpoint, cache, port, master, env):
         workload="inference", serving=ServingContract(port=port, model_name="tiny"),
         termination_log=str(tmp_path / "log"),
         source=SourceContract(uri="s3://models/tiny", scheme="s3", endpoint=endpoint, path_style=True,
-                              cache="node", cache_dir=str(cache), cache_budget=1 << 30)).to_json())
+                              cache="node", cache_dir=str(cache), cache_budget=1 << 30,
+                              streams=streams)).to_json())
     log = open(tmp_path / f"{name}.log", "w+")
     env = {**os.environ, **env, "SHARDWISE_REPLICA": "0", "SHARDWISE_STAGE": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(master), "POD_IP": "127.0.0.1"}
@@ -68,7 +71,7 @@ def test_a_pod_fetches_its_files_shows_progress_then_serves(s3_server, s3_model,
     link = SlowLink((up.hostname, up.port), LINK_BYTES_PER_S)
     cache, port = tmp_path / "node-cache", free_port()
     pod, log = _start_pod(tmp_path, "first", f"http://127.0.0.1:{link.port}", cache, port, free_port(),
-                          s3_server.env())
+                          s3_server.env(), streams=3)      # spec.model.fetchStreams
     reports = []
     try:
         deadline = time.time() + 180
@@ -94,6 +97,7 @@ def test_a_pod_fetches_its_files_shows_progress_then_serves(s3_server, s3_model,
         assert reports[-1].done and reports[-1].bytes_fetched == reports[-1].bytes_total == whole
         fetched = [line for line in log.read_text().splitlines() if "fetched" in line]
         assert len(fetched) == 1 and "reused 0.0 MiB from the node's cache" in fetched[0], fetched
+        assert fetched[0].endswith("over 3 streams"), fetched
 
         req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(
             {"prompt": "all that glitters", "max_tokens": 6, "temperature": 0}).encode())
@@ -117,6 +121,7 @@ def test_a_pod_fetches_its_files_shows_progress_then_serves(s3_server, s3_model,
             time.sleep(0.2)
         line = next(x for x in log2.read_text().splitlines() if "fetched" in x)
         assert "fetched 0.0 MiB" in line and "reused 0.0 MiB" not in line, line
+        assert line.endswith(f"over {names.FETCH_STREAMS} streams"), line     # unset: the default
     finally:
         _stop(again)
         link.close()
