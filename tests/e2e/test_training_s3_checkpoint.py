@@ -37,8 +37,8 @@ BUCKET, PREFIX = "checkpoints", "tiny"
 # The run must outlast the first checkpoint, the node loss's detection and the restart; the
 # learning rate is one at which runs of different data-parallel degrees stay within 1e-3 (see
 # test_elastic_training.py).
-STEPS, EVERY, KEEP = 160, 20, 2
-OPTIONS = {"batchSize": 8, "seqLength": 64, "learningRate": 0.001, "seed": 7}
+STEPS, EVERY, KEEP = 100, 10, 2
+OPTIONS = {"batchSize": 4, "seqLength": 32, "learningRate": 0.001, "seed": 7}
 RTOL = 1e-3
 
 
@@ -134,6 +134,9 @@ def test_a_job_checkpointing_to_s3_survives_a_node_loss_resumes_from_the_store_r
     step = int(resumed.group(1))
     assert first["lastCheckpoint"]["step"] <= step < STEPS and step % EVERY == 0
     print(f"resumed at DP=1 from checkpoint step {step} in s3://{BUCKET}/{PREFIX}")
+    pods = sorted((Path(cluster.state_dir) / "pods").glob(f"{job.namespace}_tiny-train-r*"))
+    on_disk = [p.name for pod in pods for p in (pod / "volumes" / "checkpoint").iterdir()]
+    assert len(pods) >= 3 and set(on_disk) <= {"progress.json"}, on_disk   # no pod had a copy of its own
 
     # The store holds the last KEEP checkpoints, each with its marker and the ranks' DCP files.
     stored = _store_steps(client)
