@@ -80,26 +80,27 @@ def _steps(text: str) -> dict[int, float]:
 
 
 class Reference:
-    """The same job, uninterrupted, in one process: `shardwise train` with the same global batch.
+    """The same job, uninterrupted, in one process: `shardwise train` with the same global batch
+    (`steps` and `options`, spec.training's names: this module's job unless given).
     Started with the job, so that its CPU time overlaps the job's waits (node-loss detection, pod
     starts) instead of adding to the test's time; on one thread, since beside the job's ranks a
     second thread would mostly wait for a core."""
 
-    def __init__(self, model: Path, corpus: Path, tmp: Path):
-        self.out = tmp / "reference.jsonl"
+    def __init__(self, model: Path, corpus: Path, tmp: Path, steps: int = STEPS, options: dict = OPTIONS):
+        self.out, self.steps = tmp / "reference.jsonl", steps
         self.started = time.monotonic()
         with open(self.out, "wb") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "shardwise", "train", "--model", str(model), "--data", str(corpus),
-                 "--steps", str(STEPS), "--checkpoint-dir", str(tmp / "reference"), "--checkpoint-every", "0",
-                 "--batch-size", str(OPTIONS["batchSize"]), "--seq-len", str(OPTIONS["seqLength"]),
-                 "--lr", str(OPTIONS["learningRate"]), "--seed", str(OPTIONS["seed"]), "--dtype", "float32",
+                 "--steps", str(steps), "--checkpoint-dir", str(tmp / "reference"), "--checkpoint-every", "0",
+                 "--batch-size", str(options["batchSize"]), "--seq-len", str(options["seqLength"]),
+                 "--lr", str(options["learningRate"]), "--seed", str(options["seed"]), "--dtype", "float32",
                  "--threads", "1", "--json"], stdout=out, stderr=subprocess.STDOUT)
 
     def losses(self, timeout: float = 400) -> dict[int, float]:
         code = self.proc.wait(timeout)
         text = self.out.read_text(errors="replace")
-        print(f"reference run of {STEPS} steps done {time.monotonic() - self.started:.1f}s after it started")
+        print(f"reference run of {self.steps} steps done {time.monotonic() - self.started:.1f}s after it started")
         assert code == 0, text[-2000:]
         return _steps(text)
 

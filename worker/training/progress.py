@@ -47,7 +47,9 @@ def announce(trainer, meta: dict | None, emit) -> None:
     elif meta is not None:
         emit({"event": "resume", "step": trainer.step, "tier": "shared", "from_layout": meta.get("layout"),
               "message": f"resumed from checkpoint step {trainer.step} "
-                         f"(saved under {_layout_text(meta.get('layout'))}, now {_layout_text(layout_record(opts))})"})
+                         f"(saved under {_layout_text(meta.get('layout'))}, now {_layout_text(layout_record(opts))})"
+                         # where it was read: a job resumed from an object store says which
+                         + (f" in {opts.checkpoint_uri}" if opts.checkpoint_uri else "")})
     else:
         emit({"event": "start", "step": 0, "message": f"training from {opts.model} "
               f"({_layout_text(layout_record(opts))}, {len(trainer.data)} tokens)"})

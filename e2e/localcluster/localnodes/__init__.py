@@ -17,7 +17,8 @@ Node labelled `shardwise.dev/local-node=true` that is not labelled `shardwise.de
   when its node is deleted or marked down, and when this runtime stops.
 
 What a container sees, since there is no image and no mount namespace:
-- mountPath of a volume is rewritten to the materialised folder wherever it appears in command, args,
+- mountPath of a volume is rewritten to the materialised folder wherever it appears as a whole path
+  (not inside a longer path or a URL such as s3://checkpoints/tiny) in command, args,
   env values and the files of ConfigMap volumes, a gzip-compressed one inside and recompressed
   (`/etc/shardwise/contract.json.gz` -> `<state>/pods/ns_pod/volumes/plan/contract.json.gz`; the
   worker's pod contract in that file names the model, data and checkpoint paths inside the pod);

@@ -22,9 +22,12 @@ class Waiting(Exception):
 
 
 def rewrite_paths(text: str, paths: dict[str, str]) -> str:
-    """Each path inside the pod (a mountPath, a terminationMessagePath) -> its folder or file here."""
+    """Each path inside the pod (a mountPath, a terminationMessagePath) -> its folder or file here.
+    Only a whole path: not the tail of a longer one (/data/checkpoints) nor of a URL whose bucket and
+    prefix spell it (s3://checkpoints/tiny beside a mount at /checkpoints/tiny)."""
     for mount in sorted((m for m in paths if m), key=len, reverse=True):
-        text = re.sub(re.escape(mount) + r"(?=/|$|[^\w.-])", paths[mount].replace("\\", "\\\\"), text)
+        text = re.sub(r"(?<![\w./-])" + re.escape(mount) + r"(?=/|$|[^\w.-])", paths[mount].replace("\\", "\\\\"),
+                      text)
     return text
 
 
