@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
