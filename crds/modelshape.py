@@ -88,6 +88,10 @@ class ModelFacts:
     file_bytes: int = 0            # the weights as stored (a quantized GGUF's own size); 0 unknown
     experts: int = 0               # mixture of experts: experts per layer (0: a dense model)
     shared_intermediate: int = 0   # a shared expert's intermediate size (Qwen2-MoE); 0: none
+    # A GGUF file's type of the token embedding and of the LM head (the embedding's when tied), as
+    # "Q8_0"; "" unknown or not a GGUF. quantized("gguf") sizes them in blocks where they are native.
+    embedding_dtype: str = ""
+    head_dtype: str = ""
 
     def tensor_fits(self, tensor: int) -> bool:
         """Whether a tensor-parallel degree splits the model: it divides the attention and KV
@@ -133,10 +137,12 @@ class ModelFacts:
         """These facts sized for weight-only quantization (spec.serving.quantization). int8: the
         decoder layers' weight matrices at 1 byte a parameter plus a float32 scale per output row;
         gguf: those matrices kept in the GGUF file's own blocks, GGUF_NATIVE_BYTES[dtype] a
-        parameter (scales and zeros included), for a file stored as Q8_0, Q4_0 or Q4_1. Either way
-        the embedding, the LM head and the norms stay at bytes_per_param (what the worker keeps in
-        the compute dtype; a GGUF file's embedding and head it keeps in blocks where one rank holds
-        them whole: this is then an upper bound). bytes_per_param becomes the average over the whole model."""
+        parameter (scales and zeros included), for a file stored as Q8_0, Q4_0 or Q4_1, and the
+        embedding and the LM head too at GGUF_NATIVE_BYTES of their own types (embedding_dtype,
+        head_dtype) where those are native: the worker keeps them in blocks, a rank's vocabulary
+        slice under tensor parallelism, whatever the degree. The norms, and for int8 the embedding
+        and the head, stay at bytes_per_param (the compute dtype), as does an embedding or head of
+        another or an unknown type. bytes_per_param becomes the average over the whole model."""
         if method in ("", "none"):
             return self
         if self.experts and method in ("int8", "gguf"):   # the worker quantizes dense layers only
@@ -147,12 +153,13 @@ class ModelFacts:
             if self.dtype not in GGUF_NATIVE_BYTES:
                 raise ModelFactsError(f"quantization gguf keeps a GGUF file's Q8_0, Q4_0 or Q4_1 blocks; "
                                       f"this model is stored as {self.dtype or 'an unknown dtype'}")
-            return self._layer_matrices_at(GGUF_NATIVE_BYTES[self.dtype], row_bytes=0)
+            return self._layer_matrices_at(GGUF_NATIVE_BYTES[self.dtype], row_bytes=0, vocab=True)
         raise ModelFactsError(f"quantization {method!r} is not one of none, int8, gguf")
 
-    def _layer_matrices_at(self, element_bytes: float, row_bytes: float) -> ModelFacts:
+    def _layer_matrices_at(self, element_bytes: float, row_bytes: float, vocab: bool = False) -> ModelFacts:
         """These facts with each decoder layer's weight matrices (q, k, v, o, gate, up, down) at
-        `element_bytes` an element plus `row_bytes` per output row, everything else kept."""
+        `element_bytes` an element plus `row_bytes` per output row, everything else kept; with
+        `vocab`, the embedding and the untied head at their GGUF types' block bytes (vocab_bytes)."""
         kept = self.bytes_per_param
         norms = 2 * self.hidden
         matrices = self.layer_params - norms
@@ -161,7 +168,16 @@ class ModelFacts:
         per_layer = matrices * element_bytes + rows * row_bytes + norms * kept
         outside = self.params - self.layers * self.layer_params
         total = self.layers * per_layer + outside * kept
+        if vocab:
+            table = self.vocab * self.hidden
+            tables = [self.embedding_dtype] + ([] if self.tied_embeddings else [self.head_dtype])
+            total -= sum(table * (kept - self.vocab_bytes(t)) for t in tables)
         return replace(self, bytes_per_param=min(kept, total / self.params))
+
+    def vocab_bytes(self, dtype: str) -> float:
+        """Bytes an element of an embedding or LM head stored as `dtype` takes under quantization
+        gguf: its blocks' where the type is kept as stored (GGUF_NATIVE_BYTES), else bytes_per_param."""
+        return min(self.bytes_per_param, GGUF_NATIVE_BYTES.get(dtype, self.bytes_per_param))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON types only: what `shardwise inspect --json` prints and the operator caches."""
@@ -317,13 +333,16 @@ def from_gguf(path: str | Path, dtype: str = "auto", limit: int | None = None) -
     intermediate = key("feed_forward_length", 4 * hidden)
     if experts and meta.get(f"{arch}.expert_feed_forward_length"):
         intermediate = key("expert_feed_forward_length")
+    types = {t.name: GGML_TYPES[t.ggml_type][0] if t.ggml_type in GGML_TYPES else "" for t in tensors}
+    embedding = types.get("token_embd.weight", "")
     return ModelFacts(layers=key("block_count"), heads=heads, experts=experts,
                       kv_heads=int(meta.get(f"{arch}.attention.head_count_kv") or heads), hidden=hidden,
                       vocab=vocab, intermediate=intermediate,
                       params=sum(count for _, count in counts),
                       bytes_per_param=DTYPE_BYTES[in_memory_dtype(dtype, stored, "cuda")],
-                      tied_embeddings=not any(t.name == "output.weight" for t in tensors),
-                      source=str(path), dtype=stored, file_bytes=sum(_stored_bytes(k, c) for k, c in counts))
+                      tied_embeddings="output.weight" not in types,
+                      source=str(path), dtype=stored, file_bytes=sum(_stored_bytes(k, c) for k, c in counts),
+                      embedding_dtype=embedding, head_dtype=types.get("output.weight", embedding))
 
 
 def _stored_bytes(kind: int, count: int) -> int:

@@ -103,12 +103,14 @@ def test_real_quantized_gguf():
     assert facts.params == 134_515_008                      # SmolLM2-135M, tied embeddings
     assert facts.dtype == "Q4_1" and 0.5 < facts.file_bytes / facts.params < 1   # with some F32 norms
     assert facts.bytes_per_param == 2                       # dequantized to bfloat16 on a GPU
+    assert (facts.embedding_dtype, facts.head_dtype) == ("Q8_0", "Q8_0")   # the tied table's own type
 
 
 @pytest.mark.skipif(not SMOL_GGUF.exists(), reason="SmolLM2 GGUF not installed")
 def test_kept_q4_1_blocks_take_the_files_own_bytes_for_the_layer_matrices():
     """spec.serving.quantization gguf: a Q4_1 file's layer matrices stay as small in memory as in the
-    file (20 bytes a 32-value block either way); the embedding and norms take the dtype's room."""
+    file (20 bytes a 32-value block either way); its tied Q8_0 embedding/head is held in blocks too,
+    as two 4-bit planes (1.25 bytes an element); the norms take the dtype's room."""
     facts = modelfacts.from_gguf(SMOL_GGUF)
     tensors = read_header(SMOL_GGUF).tensors
     layer_matrices = [(t.ggml_type, t.dims[0] * t.dims[1]) for t in tensors
@@ -116,7 +118,8 @@ def test_kept_q4_1_blocks_take_the_files_own_bytes_for_the_layer_matrices():
     in_file = sum(modelfacts._stored_bytes(kind, count) for kind, count in layer_matrices)
     elements = sum(count for _, count in layer_matrices)
     kept = facts.quantized("gguf")
-    assert kept.weight_bytes == pytest.approx(in_file + (facts.params - elements) * 2, abs=1)
+    table = facts.vocab * facts.hidden
+    assert kept.weight_bytes == pytest.approx(in_file + table * 1.25 + (facts.params - elements - table) * 2, abs=1)
     assert facts.quantized("int8").weight_bytes > kept.weight_bytes
 
 
@@ -243,3 +246,37 @@ def test_planned_weight_bytes_are_what_the_worker_loads():
     assert dtype == "bfloat16" and next(model.parameters()).dtype == DTYPES[dtype]
     assert abs(planned - loaded) / loaded < 0.10, (planned, loaded)
     assert facts.file_bytes < loaded / 2      # sizing by the quantized file would promise far too little
+
+
+@pytest.mark.skipif(not SMOL_GGUF.exists(), reason="SmolLM2 GGUF not installed")
+def test_planned_gguf_weight_bytes_under_tensor_parallelism_are_what_each_rank_holds():
+    """spec.serving.quantization gguf at TP 3 (SmolLM2's 9 heads admit 1 and 3): the plan's weight
+    bytes per GPU against each rank loaded by the worker's own steps (load, fuse, keep the blocks)
+    in the dtype the rule gives a GPU. Each rank keeps its third of the tied Q8_0 table in blocks,
+    so a head sized in bf16 would promise ~20% more than a rank holds."""
+    pytest.importorskip("torch")
+    from shardwise.operator.planning import planner
+    from shardwise.operator.planning.inventory import NodeInfo
+    from shardwise.worker.distributed import tensor_parallel as parallel
+    from shardwise.worker.model.inference import install_fused_weights
+    from shardwise.worker.weights.loader import DTYPES, load_stage, open_model
+    from shardwise.worker.weights.quantize import quantize_weights
+
+    spec = ShardedModelSpec.model_validate({"model": {"uri": str(SMOL_GGUF)}, "parallelism": {"tensor": 3, "pipeline": 1},
+                                            "serving": {"quantization": "gguf"}})
+    facts = modelfacts.resolve(spec)
+    result = planner.plan(spec, facts, [NodeInfo("n1", gpus=3, gpu_memory=80 * planner.GiB)])
+    (stage,) = result.placements
+    planned = planner.weight_bytes(facts.quantized("gguf"), stage.params, result.tensor)
+    head_in_bf16 = planner.weight_bytes(replace(facts, embedding_dtype="", head_dtype="").quantized("gguf"),
+                                        stage.params, result.tensor)
+    source = open_model(str(SMOL_GGUF))
+    dtype = DTYPES[in_memory_dtype(spec.dtype, source.dtype, "cuda")]
+    for rank in range(3):
+        model = load_stage(source, stage.layer_start, stage.layer_end, stage.embedding, stage.head,
+                           tp_rank=rank, tp_world=3, dtype=dtype, keep_blocks=True)
+        install_fused_weights(model)
+        quantize_weights(model, "gguf")
+        loaded = parallel.weight_bytes(model)
+        assert abs(planned - loaded) / loaded < 0.02, (planned, loaded)
+        assert loaded < 0.9 * head_in_bf16, (loaded, head_in_bf16)

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from shardwise.crds.models import ShardedModelSpec
 from shardwise.crds.modelshape import from_hf_config
-from shardwise.operator.planning.layouts import CUDA_OVERHEAD, USABLE_FRACTION
+from shardwise.operator.planning.layouts import ACTIVATION_FRACTION, CUDA_OVERHEAD, USABLE_FRACTION
 from shardwise.operator.planning.planner import GiB, LayoutError, PlanError, plan
 from tests.operator.builders import gpu_node as node
 from tests.operator.test_planner import LLAMA_70B, SMOL
@@ -130,10 +130,11 @@ def test_training_never_streams():
 LLAMA_70B_Q4_1 = replace(LLAMA_70B, dtype="Q4_1")
 
 
-def brute_force_gguf_bytes(cfg: dict, tied: bool, block_bytes: float) -> float:
+def brute_force_gguf_bytes(cfg: dict, tied: bool, block_bytes: float, embedding_bytes: float = 2,
+                           head_bytes: float = 2) -> float:
     """Every tensor of a transformers Llama with these shapes, built on the meta device and counted
-    one by one: the decoder layers' 2-D weights at `block_bytes` an element, everything else
-    (embedding, LM head, norms) in bf16; a tied head is the embedding, counted once."""
+    one by one: the decoder layers' 2-D weights at `block_bytes` an element, the embedding and the
+    LM head at theirs, the norms in bf16; a tied head is the embedding, counted once."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     with torch.device("meta"):
@@ -141,7 +142,8 @@ def brute_force_gguf_bytes(cfg: dict, tied: bool, block_bytes: float) -> float:
     total = 0.0
     for name, tensor in model.named_parameters():
         in_layer_matrix = name.startswith("model.layers.") and tensor.dim() == 2
-        total += tensor.numel() * (block_bytes if in_layer_matrix else 2)
+        vocab = {"model.embed_tokens.weight": embedding_bytes, "lm_head.weight": head_bytes}
+        total += tensor.numel() * (block_bytes if in_layer_matrix else vocab.get(name, 2))
     return total
 
 
@@ -155,6 +157,36 @@ def test_gguf_sizing_matches_every_tensor_counted(cfg, tied, qtype, block_bytes)
     assert gguf.weight_bytes == pytest.approx(brute_force_gguf_bytes(cfg, tied, block_bytes), rel=1e-6)
     # Q4 blocks take less than INT8; Q8_0, held as two 4-bit planes, a little more
     assert (gguf.weight_bytes < facts.quantized("int8").weight_bytes) == (qtype != "Q8_0")
+
+
+@pytest.mark.parametrize("cfg,tied,types,table_bytes", [
+    (LLAMA_8B, False, ("Q4_0", "Q6_K"), (0.625, 2)),     # llama.cpp's usual Q4_0: the head in Q6_K, dequantized
+    (LLAMA_8B, False, ("Q8_0", "Q4_1"), (1.25, 0.625)),
+    (dict(LLAMA_8B, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16), True, ("Q8_0", "Q8_0"), (1.25, 1.25)),
+])
+def test_gguf_sizing_counts_the_embedding_and_head_in_their_blocks(cfg, tied, types, table_bytes):
+    """The worker keeps a GGUF file's embedding and LM head in their own types' blocks where those
+    are Q8_0, Q4_0 or Q4_1 (at any tensor degree): the rule counts them so, others in the dtype."""
+    facts = replace(from_hf_config(dict(cfg, tie_word_embeddings=tied), "auto"), dtype="Q4_1",
+                    embedding_dtype=types[0], head_dtype=types[1])
+    want = brute_force_gguf_bytes(cfg, tied, 0.625, *table_bytes)
+    assert facts.quantized("gguf").weight_bytes == pytest.approx(want, rel=1e-6)
+    unknown = replace(facts, embedding_dtype="", head_dtype="")     # int8 keeps them in the dtype
+    assert facts.quantized("int8").bytes_per_param == unknown.quantized("int8").bytes_per_param
+
+
+def test_a_ggufs_head_is_planned_in_its_blocks_at_tp_2():
+    """SmolLM2's Q4_1 file stores its tied embedding/head as Q8_0 (from_gguf reads the type): at
+    TP 2 each GPU is planned with its half of that table in blocks, 1.25 bytes an element, not bf16's
+    2. (SmolLM2 with 12 heads and 4 KV heads, which TP 2 divides: the widened file the worker's
+    tests run TP 2 on, gguf_index.write_widened.)"""
+    facts = replace(SMOL, heads=12, kv_heads=4, dtype="Q4_1", embedding_dtype="Q8_0", head_dtype="Q8_0")
+    spec, nodes = serving("gguf", tensor=2, pipeline=1), [node("n1", 2)]
+    result = plan(spec, facts, nodes)
+    in_bf16 = plan(spec, replace(facts, embedding_dtype="", head_dtype=""), nodes)   # a type it does not know
+    assert (result.tensor, result.pipeline, result.quantization) == (2, 1, "gguf")
+    saved = (1 + ACTIVATION_FRACTION) * SMOL.vocab * SMOL.hidden * (2 - 1.25) / 2
+    assert in_bf16.memory_per_gpu - result.memory_per_gpu == pytest.approx(saved, abs=2)
 
 
 def test_auto_keeps_a_ggufs_blocks_before_int8_and_says_why():

@@ -13,7 +13,9 @@ autograd and FSDP understand.
 
 The embedding and LM head are split along the vocabulary (padded to a multiple of the degree):
 each rank looks up the ids it owns and the partial embeddings are summed; each rank computes its
-slice of the logits and they are gathered. A tied head shares the embedding's slice.
+slice of the logits and they are gathered. A tied head shares the embedding's slice. The slice may
+be held in another form than floats (use_lookup, use_matrix: `--quantize gguf` keeps a GGUF file's
+blocks of those rows, weights/quantize.py).
 
 `apply_tensor_parallel` works on a model on the meta device (before loading) or on a loaded
 one (it then slices the weights). It records in `model.tp_shards` how each parameter is split, so
@@ -124,33 +126,52 @@ def _narrow_param(p: nn.Parameter, shard: Shard) -> nn.Parameter:
 
 
 class VocabParallelEmbedding(nn.Module):
+    """The rank's rows of the (padded) vocabulary: [vocab_start, vocab_start + rows). Held as
+    `weight`, as the tied head's transposed `weight_t` (use_transposed), or as a `lookup` module
+    (use_lookup: a GGUF file's blocks, gguf_blocks.BlockEmbedding)."""
+
     def __init__(self, weight: nn.Parameter, vocab_start: int, group):
         super().__init__()
         self.weight = weight
         self.vocab_start, self.group = vocab_start, group
         self.rows = weight.shape[0]
         self.weight_t = None
+        self.lookup = None
 
     def use_transposed(self, weight_t: nn.Parameter) -> None:
         """Read rows from the tied head's transposed table instead (inference.install_fused_weights)."""
         self.weight = None
         self.weight_t = weight_t
 
+    def use_lookup(self, lookup: nn.Module) -> None:
+        """Read rows through `lookup` (local ids [...] -> rows [..., hidden] of this rank's slice)
+        instead of a table of floats."""
+        self.weight = self.weight_t = None
+        self.lookup = lookup
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.rows)
         local = local.masked_fill(outside, 0)
-        out = F.embedding(local, self.weight) if self.weight_t is None else self.weight_t.t()[local]
-        out = out.masked_fill(outside[..., None], 0)
+        if self.lookup is not None:
+            out = self.lookup(local)
+        else:
+            out = F.embedding(local, self.weight) if self.weight_t is None else self.weight_t.t()[local]
+        out = out.masked_fill(outside[..., None], 0)        # ids another rank owns add 0 to the sum
         return all_reduce(out, self.group)
 
 
 class VocabParallelHead(nn.Module):
+    """The rank's slice of the logits, gathered. The slice's matrix is `weight`, its transpose
+    `weight_t` (transpose_weight) or a `matrix` module (use_matrix: a GGUF file's blocks,
+    gguf_blocks.BlockLinear)."""
+
     def __init__(self, weight: nn.Parameter, vocab_size: int, group, world: int, rank: int):
         super().__init__()
         self.weight = weight
         self.vocab_size, self.group, self.world, self.rank = vocab_size, group, world, rank
         self.weight_t = None
+        self.matrix = None
 
     def transpose_weight(self) -> nn.Parameter:
         """Keep the slice as [hidden, vocab/world] for inference (inference.transposed_for_inference)."""
@@ -158,8 +179,17 @@ class VocabParallelHead(nn.Module):
         self.weight = None
         return self.weight_t
 
+    def use_matrix(self, matrix: nn.Module) -> None:
+        """Compute the slice's logits with `matrix` (h [..., hidden] -> [..., rows], an
+        inference.InferenceMatrix) instead of a table of floats."""
+        self.weight = self.weight_t = None
+        self.matrix = matrix
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        local = F.linear(h, self.weight) if self.weight_t is None else h @ self.weight_t
+        if self.matrix is not None:
+            local = self.matrix(h)
+        else:
+            local = F.linear(h, self.weight) if self.weight_t is None else h @ self.weight_t
         logits = all_gather_last(local, self.group, self.world)
         return logits[..., :self.vocab_size]
 

@@ -22,9 +22,11 @@ Where the kernel does not run (a CUDA device, a torch build without it) the same
 packed two a byte and each matmul dequantizes its matrix first, in the activation dtype (under
 `--decode compile` inductor fuses that into the matmul's reads).
 
-The embedding and the LM head are kept so too where a rank holds them whole (loader._read_blocks):
-the head is a BlockLinear, the embedding a BlockEmbedding that dequantizes only the rows it looks
-up, read from the kernel's own packing (kernel_row_layout); a tied pair shares one BlockLinear.
+The embedding and the LM head are kept so too (loader._read_blocks), whole or, under tensor
+parallelism, the rank's vocabulary slice of rows (Blocks.rows: a row's blocks are whole, so the
+slice is exact): the head is a BlockLinear, the embedding a BlockEmbedding that dequantizes only
+the rows it looks up, read from the kernel's own packing (kernel_row_layout); a tied pair shares
+one BlockLinear per rank.
 
 Other GGUF types (Q6_K, Q5_K, ...) have no fast path: the loader dequantizes those tensors, and
 runtime.validate says so in one line.
@@ -70,6 +72,16 @@ class Blocks:
             return None
         size = _BLOCK_BYTES[self.qtype]
         return Blocks(self.qtype, self.data[:, start // BLOCK * size:stop // BLOCK * size])
+
+    def rows(self, start: int, stop: int) -> "Blocks":
+        """Rows [start, stop) (a column-parallel or vocabulary slice: a row's blocks are whole, so
+        the slice is exact); rows past the matrix's end are zero blocks, whose scale (and Q4_1
+        min) 0 makes every value 0, as the padding of a vocabulary split is."""
+        have = self.data[min(start, len(self.data)):min(stop, len(self.data))]
+        if len(have) == stop - start:
+            return Blocks(self.qtype, have)
+        pad = np.zeros((stop - start - len(have), self.data.shape[1]), dtype=np.uint8)
+        return Blocks(self.qtype, np.concatenate([have, pad]))
 
     @staticmethod
     def concat(parts: list["Blocks"]) -> "Blocks":

@@ -157,8 +157,10 @@ class GGUFSource(ModelSource):
 
     def read_blocks(self, name: str, shard: Shard | None):
         """This rank's slice of a weight matrix as the file's blocks (gguf_blocks.Blocks), not
-        dequantized; None where the tensor's type has no fast path (gguf_blocks.NATIVE) or a
-        column slice would cut a block (the caller then reads it with `read`)."""
+        dequantized: its rows (a vocabulary slice of the embedding or head included, padded as
+        `read` pads it) or whole blocks of its columns; None where the tensor's type has no fast
+        path (gguf_blocks.NATIVE) or a column slice would cut a block (the caller then reads it
+        with `read`)."""
         from gguf import GGMLQuantizationType
         from shardwise.worker.weights.gguf_blocks import NATIVE, Blocks
         g = _gguf_name(name)
@@ -171,9 +173,10 @@ class GGUFSource(ModelSource):
             start, stop = shard.bounds(t.shape[1])
             blocks = blocks.columns(start, min(stop, t.shape[1]))
         elif shard is not None:
+            # a run of whole rows; a vocabulary slice (shard.padded) past the last row is zero rows
             start, stop = shard.bounds(t.shape[0])
-            blocks = Blocks(qtype, blocks.data[start:min(stop, t.shape[0])])
-        if blocks is None or (shard is not None and shard.padded):
+            blocks = blocks.rows(start, stop)
+        if blocks is None:
             return None
         if self.permuted_qk and (name.endswith("attention.wq.weight") or name.endswith("attention.wk.weight")):
             # rows permuted whole: a row's blocks move with it

@@ -15,7 +15,8 @@ from shardwise.crds.modelshape import COMPUTE_DTYPES
 from shardwise.worker.errors import WorkerError
 from shardwise.worker.model.inference import FUSED_MATRICES
 from shardwise.worker.model.llama import ModelConfig, Transformer
-from shardwise.worker.distributed.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
+from shardwise.worker.distributed.tensor_parallel import (VocabParallelEmbedding, VocabParallelHead,
+                                                          apply_tensor_parallel, check_tensor_parallel)
 from shardwise.worker.weights.builtin import builtin_model_path, resolve_model
 from shardwise.worker.weights.formats import open_model
 from shardwise.worker.weights.source import ModelSource
@@ -36,6 +37,11 @@ def check_layout(config: ModelConfig, tensor: int, pipeline: int) -> None:
 DTYPES = {name: getattr(torch, name) for name in COMPUTE_DTYPES}
 
 
+# The embedding and head modules whose weights can be kept as blocks (quantize._build_vocab_blocks
+# builds each kind): a whole table, or a rank's vocabulary slice under tensor parallelism.
+_VOCAB_MODULES = (nn.Embedding, nn.Linear, VocabParallelEmbedding, VocabParallelHead)
+
+
 def _read_blocks(source: ModelSource, model: Transformer, shards: dict) -> tuple[dict, set[str]]:
     """({'layers.3.attention.wqkv': Blocks, ...}, the parameter names they stand for): each fused
     matrix of this rank's layers whose parts all come in one fast-path type (see load_stage)."""
@@ -50,13 +56,13 @@ def _read_blocks(source: ModelSource, model: Transformer, shards: dict) -> tuple
             if all(b is not None for b in got) and len({b.qtype for b in got}) == 1:
                 blocks[f"layers.{i}.{fused}"] = Blocks.concat(got)
                 kept.update(names)
-    # The embedding and the LM head (one matrix when tied), where they are plain modules: split
-    # over the vocabulary (tensor parallelism) they stay as read.
+    # The embedding and the LM head (one matrix when tied): whole, or under tensor parallelism the
+    # rank's vocabulary slice of rows (tensor_parallel._split_vocab), zero rows for the padding.
     for name, module in (("tok_embeddings", model.tok_embeddings), ("output", model.output)):
         weight = getattr(module, "weight", None)
-        if not read or type(module) not in (nn.Embedding, nn.Linear) or name + ".weight" in kept:
+        if not read or type(module) not in _VOCAB_MODULES or name + ".weight" in kept:
             continue
-        got = read(name + ".weight", None)
+        got = read(name + ".weight", shards.get(name + ".weight"))
         if got is not None:
             names = {n for n, p in model.named_parameters(remove_duplicate=False) if p is weight}
             blocks.update({n.rpartition(".")[0]: got for n in names})    # tied: both keys, one Blocks
@@ -73,7 +79,8 @@ def load_stage(source: ModelSource, layer_start: int, layer_end: int, embedding:
     with a fast path are not read as floats: their blocks go to `model.gguf_blocks` by fused name
     (inference.FUSED_MATRICES), the parameters stay on the meta device, and quantize.quantize_weights
     builds them after inference.install_fused_weights. A fused group is kept only if all its parts are.
-    The embedding and the LM head are kept likewise where they are plain modules (TP 1)."""
+    The embedding and the LM head are kept likewise, whole or (tensor parallelism) their vocabulary
+    slice of rows."""
     with torch.device("meta"):
         model = Transformer(source.config, layer_start, layer_end, embedding, head)
     apply_tensor_parallel(model, tp_rank, tp_world, group)

@@ -183,20 +183,33 @@ def _build_block_matrices(model: nn.Module, device: str) -> int:
 
 
 def _build_vocab_blocks(model: nn.Module, blocks: dict, device: str) -> int:
-    """The embedding and the LM head kept in blocks (loader._read_blocks: plain modules only),
-    popped from `blocks`: the head a BlockLinear, the embedding a BlockEmbedding reading rows of its
-    own BlockLinear or, tied, of the head's (one tensor for both). Returns how many matrices it built."""
+    """The embedding and the LM head kept in blocks (loader._read_blocks), popped from `blocks`:
+    the head a BlockLinear, the embedding a BlockEmbedding reading rows of its own BlockLinear or,
+    tied, of the head's (one tensor for both). Under tensor parallelism they are the rank's
+    vocabulary slices, held by the vocab-parallel modules (tensor_parallel.VocabParallelHead's
+    use_matrix, VocabParallelEmbedding's use_lookup), which mask and gather as before. Returns how
+    many matrices it built."""
     from shardwise.worker.weights.gguf_blocks import BlockEmbedding, BlockLinear
     emb, head = blocks.pop("tok_embeddings", None), blocks.pop("output", None)
     placed = next(p.device for p in model.parameters() if p.device.type != "meta")
     dtype = next(p.dtype for p in model.parameters() if p.device.type != "meta")
     table = None
     if head is not None:
-        model.output = table = BlockLinear(head, device, rows=head is emb).to(placed)
+        table = BlockLinear(head, device, rows=head is emb).to(placed)
+        if hasattr(model.output, "use_matrix"):
+            model.output.use_matrix(table)
+        else:
+            model.output = table
     if emb is not None:
         table = table if head is emb else BlockLinear(emb, device, rows=True).to(placed)
+        lookup = BlockEmbedding(table, dtype)
+        module = model.tok_embeddings
+        if hasattr(module, "use_lookup"):
+            module.use_lookup(lookup)
+        else:
+            module = lookup
         # registered last: a stage's first parameter stays one of the model's dtype (the
         # pipeline's buffers and the KV cache take their dtype from it), not a packed table
         del model.tok_embeddings
-        model.tok_embeddings = BlockEmbedding(table, dtype)
+        model.tok_embeddings = module
     return len({id(b) for b in (emb, head) if b is not None})
