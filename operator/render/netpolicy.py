@@ -14,7 +14,7 @@ is enforced is the cluster's network plugin's business (docs/security.md).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 from shardwise.crds import names
 from shardwise.crds.models import LabelSelector, NetworkPeer, ShardedModel
@@ -45,6 +45,13 @@ def operator_peer(settings: Settings) -> dict | None:
     return peer
 
 
+def allowed(peers: Iterable[NetworkPeer], settings: Settings) -> list[dict]:
+    """spec.serving.allowFrom's peers as NetworkPolicy peers, and the operator's pods with them (it
+    reads what the pods serve: /metrics, /progress)."""
+    operator = operator_peer(settings)
+    return [_peer(p) for p in peers] + ([operator] if operator else [])
+
+
 def router_peer(model: str) -> dict:
     """The model's router pods (same namespace)."""
     return {"podSelector": {"matchLabels": {names.LABEL_ROUTER: model}}}
@@ -62,8 +69,7 @@ def render(model: ShardedModel, meta: dict, settings: Settings) -> dict:
         # the workers' serving port hears only them and the operator
         serving["from"] = [router_peer(model.name)] + ([operator] if operator else [])
     elif allow:
-        peers = [_peer(p) for p in allow]
-        serving["from"] = peers + ([operator] if operator else [])
+        serving["from"] = allowed(allow, settings)
     return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": meta,
             "spec": {"podSelector": {"matchLabels": {names.LABEL_MODEL: model.name}},
                      "policyTypes": ["Ingress"],

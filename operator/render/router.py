@@ -146,8 +146,7 @@ def render_network_policy(model: ShardedModel, settings: Settings | None = None)
     and from the operator's own pods (it reads a router's /metrics to wake a model scaled to zero)."""
     serving: dict[str, Any] = {"ports": [{"protocol": "TCP", "port": model.spec.serving.port}]}
     if model.spec.serving.allow_from:
-        operator = netpolicy.operator_peer(settings or current())
-        serving["from"] = [netpolicy._peer(p) for p in model.spec.serving.allow_from] + ([operator] if operator else [])
+        serving["from"] = netpolicy.allowed(model.spec.serving.allow_from, settings or current())
     return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": _meta(model),
             "spec": {"podSelector": {"matchLabels": {names.LABEL_ROUTER: model.name}},
                      "policyTypes": ["Ingress"], "ingress": [serving]}}

@@ -274,8 +274,6 @@ def _supervise(start, loaded_q, health, stopped_code: int = Exit.OK,
     return Exit.OK
 
 
-
-
 def _run_training(contract, replica: int, stage: int, device: str, dtype: str, host: str) -> int:
     from shardwise.worker.cli.train import check_inputs
     from shardwise.worker.training.trainer import options_from_contract, pod_rank
