@@ -36,6 +36,7 @@ class Request:
     top_k: int = 0
     seed: int | None = None
     stop_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False             # the model's end-of-sequence tokens do not end it (stop_ids still do)
     logprobs: int | None = None          # None: none; k >= 0: each token's log-probability and the top k
     on_token: Callable[["Request", int], None] | None = None   # called on the engine thread
     id: int = field(default_factory=lambda: next(_ids))

@@ -451,7 +451,7 @@ class Scheduler:
         req.token_ids.append(token)
         if req.first_token_at is None:
             req.first_token_at = now
-        if token in self.eos_ids or token in req.stop_ids or req.cancelled:
+        if (token in self.eos_ids and not req.ignore_eos) or token in req.stop_ids or req.cancelled:
             req.finish_reason = FinishReason.STOP
         elif len(req.token_ids) >= req.max_new_tokens or seq.fed + 1 >= self.max_seq:
             req.finish_reason = FinishReason.LENGTH

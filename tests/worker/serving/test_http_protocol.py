@@ -65,6 +65,7 @@ CASES = [
      (400, "'stop' must be a string or a list of non-empty strings", 'stop', None)),
     (False, {'prompt': 'x', 'stop': 5}, (400, "'stop' must be a string or a list of non-empty strings", 'stop', None)),
     (False, {'prompt': 'x', 'stream': 'yes'}, (400, "'stream' must be a boolean", 'stream', None)),
+    (False, {'prompt': 'x', 'ignore_eos': 1}, (400, "'ignore_eos' must be a boolean", 'ignore_eos', None)),
     (False, {'prompt': 'x', 'stream_options': 5},
      (400, "'stream_options' is only allowed when 'stream' is true", 'stream_options', None)),
     (False, {'prompt': 'x', 'stream': True, 'stream_options': {'include_usage': 1}},
@@ -121,6 +122,9 @@ def test_a_valid_body_becomes_n_engine_requests(app):
     assert [(r.prompt_ids, r.max_new_tokens, r.seed, r.logprobs) for r in job.reqs] == [([0, 1, 2], 16, 5, 3),
                                                                                       ([0, 1, 2], 16, 6, 3)]
     assert type(job.reqs[0].temperature) is float and job.reqs[0].top_p == 1.0
+    assert not job.reqs[0].ignore_eos
+    assert [r.ignore_eos for r in app.build_request({"prompt": "abc", "n": 2, "ignore_eos": True}, chat=False).reqs] \
+        == [True, True]
     assert (job.stop, job.chat, job.stream, job.include_usage, job.logprobs) == (["x"], False, True, True, True)
 
 

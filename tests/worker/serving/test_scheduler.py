@@ -302,6 +302,16 @@ def test_requests_end_on_an_end_token_a_stop_token_their_length_or_the_context()
     assert all(r.finished_at >= r.first_token_at >= r.created for r in (stop, length, context))
 
 
+def test_ignore_eos_generates_past_the_end_token_to_its_length_but_a_stop_token_still_ends_it():
+    s = _scheduler(rows=4, blocks=64, max_seq=12, eos=(TOKEN,))
+    past = Request([1, 2], max_new_tokens=5, ignore_eos=True)
+    stopped = Request([1, 2], max_new_tokens=5, ignore_eos=True, stop_ids=(TOKEN,))
+    _submit(s, past, stopped)
+    _Loop(s).run()
+    assert (past.token_ids, past.finish_reason) == ([TOKEN] * 5, FinishReason.LENGTH)
+    assert (stopped.token_ids, stopped.finish_reason) == ([TOKEN], FinishReason.STOP)
+
+
 def test_take_all_empties_the_queue_and_names_the_running_requests():
     s = _scheduler(rows=1)
     a, b = Request([1, 2]), Request([3, 4])

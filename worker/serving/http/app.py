@@ -93,7 +93,8 @@ class App:
                              f"request of several choices (--max-request-tokens). Please reduce n or "
                              f"{options.max_tokens_param}.", param="n")
         reqs = [Request(ids, max_new_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
-                        seed=None if seed is None else seed + i, logprobs=top) for i in range(n)]
+                        seed=None if seed is None else seed + i, logprobs=top, ignore_eos=options.ignore_eos)
+                for i in range(n)]
         try:
             self.engine.check(reqs[0], n)
         except WorkerError as e:

@@ -43,7 +43,7 @@ UNSUPPORTED = {
     "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
 }
 FIELD_ORDER = ("model", *UNSUPPORTED, "prompt", "messages", "max_tokens", "max_completion_tokens",
-               "temperature", "top_p", "n", "seed", "stop", "stream", "stream_options", "return_token_ids", "logprobs", "top_logprobs")
+               "temperature", "top_p", "n", "seed", "stop", "stream", "stream_options", "return_token_ids", "ignore_eos", "logprobs", "top_logprobs")
 _BOUND = f"an integer from 0 to {MAX_LOGPROBS}"
 
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
@@ -144,6 +144,10 @@ class _Options(_Model):
     # tokenizer: a streamed answer's first chunk carries the prompt's token ids and the completion
     # bound in force, and each chunk the ids of the tokens it covers
     return_token_ids: StrictBool = False
+    # vLLM's and llama.cpp's extension: generate past the model's end-of-sequence token, up to
+    # max_tokens (a stop string still ends the answer), so a load test produces the answer lengths
+    # it asked for whatever the model would say
+    ignore_eos: StrictBool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -250,6 +254,7 @@ def _message(err: dict, body: dict, served: str, chat: bool) -> BadRequest:
                  "stop_length": f"each 'stop' string must be at most {MAX_STOP_CHARS} characters",
                  }.get(kind, "'stop' must be a string or a list of non-empty strings"),
         "stream": "'stream' must be a boolean",
+        "ignore_eos": "'ignore_eos' must be a boolean",
         "stream_options": ("'stream_options' is only allowed when 'stream' is true" if kind == "stream_off" else
                            "'stream_options' must be an object like {\"include_usage\": true}"),
         "logprobs": "'logprobs' must be a boolean" if chat else f"'logprobs' must be {_BOUND}",
