@@ -36,7 +36,7 @@ from shardwise.crds.speculative import (DRAFT_TOKENS, DRAFT_TOKENS_MAX, NGRAM_LI
 from shardwise.crds import sourcespec
 from shardwise.crds.sourcespec import ENDPOINT_PATTERN, REGION_PATTERN, CredentialsRef, ModelCache
 from shardwise.crds.schedules import INTERLEAVED_MICRO_BATCHES, PipelineSchedule
-from shardwise.crds.training import (DP_DIVIDES, DP_PRODUCT, MIN_REPLICAS, TRAINING_DATA_PVC,  # noqa: F401
+from shardwise.crds.training import (CP_DIVIDES, CP_SEQUENCE, DP_DIVIDES, DP_PRODUCT, MIN_REPLICAS, TRAINING_DATA_PVC,  # noqa: F401
                                      TRAINING_LAYOUT_RULES, DataParallel, GradientCompression, Training,
                                      check_layout as check_training_layout)
 from shardwise.crds.checkpointstore import STORE_OPTIONS_NEED_URI, ObjectStoreCheckpoint, store_rule

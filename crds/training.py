@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_serializer, model_validator
 
 from shardwise.crds import names
 from shardwise.crds.apimodel import ApiModel, cel, malformed_pvc, pvc_rule
@@ -17,18 +17,38 @@ from shardwise.crds.schedules import DEFAULT_SCHEDULE, INTERLEAVED_MICRO_BATCHES
 
 TRAINING_DATA_PVC = "training.data must look like pvc://<claim>/<path> when it starts with pvc://"
 
+# Context parallelism: ranks one sequence is split over, at most (each is one replica of the job).
+MAX_CONTEXT_PARALLEL = 64
+CP_SEQUENCE = ("training.seqLength must be a multiple of 2 x training.contextParallel: each sequence is cut "
+               "into 2 chunks per context-parallel rank")
+
+
+def sequence_splits(seq_len: int, degree: int) -> bool:
+    """Whether a sequence of `seq_len` tokens splits over `degree` context-parallel ranks: cut into
+    2·degree equal chunks, rank i holding chunks i and 2·degree-1-i (the zigzag split that gives
+    every rank the same causal-attention work; worker/training/context_parallel.py)."""
+    return degree <= 1 or seq_len % (2 * degree) == 0
+
+
+def sequence_problem(seq_len: int, degree: int) -> str | None:
+    """Why a sequence length cannot be split over `degree` context-parallel ranks (one line), or None."""
+    if sequence_splits(seq_len, degree):
+        return None
+    return (f"context parallelism splits each sequence into 2 x {degree} = {2 * degree} chunks: "
+            f"sequence length {seq_len} is not a multiple of {2 * degree}")
+
 
 class DataParallel(ApiModel):
     """How the data-parallel replicas hold the model: ZeRO-3 (FSDP2) over `shard` of them, `replicate`
-    copies of that averaged (HSDP). shard x replicate = spec.parallelism.replicas."""
+    copies of that averaged (HSDP). shard x replicate x training.contextParallel = spec.parallelism.replicas."""
 
     shard: Optional[int] = Field(None, ge=1, le=10000, description=(
         "Replicas that shard parameters, gradients and optimizer state among themselves (ZeRO-3). "
-        "Must divide parallelism.replicas. Omitted: replicas / replicate, or with replicate omitted "
+        "Must divide parallelism.replicas / contextParallel. Omitted: replicas / replicate, or with replicate omitted "
         "too, the smallest degree whose layout fits the GPUs' memory (the planner chooses)."))
     replicate: Optional[int] = Field(None, ge=1, le=10000, description=(
         "Copies of the sharded model whose gradients are averaged (HSDP). Must divide "
-        "parallelism.replicas. Omitted: replicas / shard."))
+        "parallelism.replicas / contextParallel. Omitted: replicas / shard."))
 
 
 class GradientCompression(ApiModel):
@@ -50,6 +70,9 @@ class Training(ApiModel):
 
     model_config = ConfigDict(json_schema_extra=cel(
         pvc_rule("data", TRAINING_DATA_PVC),
+        ("!has(self.contextParallel) || self.contextParallel == 1 || !has(self.seqLength) || "
+         "self.seqLength % (2 * self.contextParallel) == 0",
+         CP_SEQUENCE, ".seqLength"),
     ))
 
     data: str = Field(min_length=1, max_length=4096, description=(
@@ -75,6 +98,12 @@ class Training(ApiModel):
         "Recompute each decoder block's activations in the backward pass instead of keeping them."))
     sequence_parallel: bool = Field(False, description=(
         "Tensor parallelism also splits norms and activations over the sequence (seqLength % T == 0)."))
+    context_parallel: int = Field(1, ge=1, le=MAX_CONTEXT_PARALLEL, description=(
+        "Context parallelism: each sequence split over this many ranks, which attend over the keys and "
+        "values of the whole sequence. They are carved from the replicas: each replica (a tensor x "
+        "pipeline group) holds 1/C of a sequence, so parallelism.replicas = dataParallel.shard x "
+        "dataParallel.replicate x contextParallel, and C must divide the replicas. seqLength must be "
+        "a multiple of 2 x C. 1: none."))
     gradient_compression: Optional[GradientCompression] = Field(None, description=(
         "Compress the gradients averaged between replicated copies (dataParallel.replicate > 1)."))
     min_replicas: Optional[int] = Field(None, ge=1, le=10000, description=(
@@ -89,23 +118,41 @@ class Training(ApiModel):
     def _cross_checks(self) -> "Training":
         if malformed_pvc(self.data):
             raise ValueError(TRAINING_DATA_PVC)
+        if not sequence_splits(self.seq_length, self.context_parallel):
+            raise ValueError(f"{CP_SEQUENCE} (seqLength {self.seq_length}, contextParallel {self.context_parallel})")
         return self
+
+    @model_serializer(mode="wrap")
+    def _no_default_context(self, handler):
+        # Left out at 1, so that a spec without it hashes as before (its pods do not roll) and a
+        # worker image older than it still reads the pod contract.
+        out = handler(self)
+        if isinstance(out, dict) and self.context_parallel == 1:
+            out.pop("context_parallel", None)
+            out.pop("contextParallel", None)
+        return out
 
 
 _DP = "self.training.dataParallel"
 # spec.training against spec.parallelism. The API server's message is static (a messageExpression
 # with string(int) is refused by the CRD cost estimator; format() needs Kubernetes 1.29+), so
 # check_layout says the same words and adds the values in parentheses.
-# Replicas 0 pauses a training job: shard x replicate may stay in the spec meanwhile.
-DP_PRODUCT = "training.dataParallel: shard x replicate must equal parallelism.replicas"
-DP_DIVIDES = "training.dataParallel.{axis} must divide parallelism.replicas"
+# Replicas 0 pauses a training job: shard x replicate may stay in the spec meanwhile. The C ranks of
+# a sequence are replicas: replicas = shard x replicate x contextParallel.
+_CP = "(has(self.training.contextParallel) ? self.training.contextParallel : 1)"
+DP_PRODUCT = "training.dataParallel: shard x replicate x contextParallel must equal parallelism.replicas"
+DP_DIVIDES = "training.dataParallel.{axis} x contextParallel must divide parallelism.replicas"
+CP_DIVIDES = ("training.contextParallel must divide parallelism.replicas: the ranks of a sequence are "
+              "replicas (tensor x pipeline groups)")
 MIN_REPLICAS = "training.minReplicas must not exceed parallelism.replicas"
 TRAINING_LAYOUT_RULES = (
     (f"!has(self.training) || !has({_DP}) || !has({_DP}.shard) || !has({_DP}.replicate) || "
-     f"self.parallelism.replicas == 0 || {_DP}.shard * {_DP}.replicate == self.parallelism.replicas",
+     f"self.parallelism.replicas == 0 || {_DP}.shard * {_DP}.replicate * {_CP} == self.parallelism.replicas",
      DP_PRODUCT, ".training.dataParallel"),
-    *((f"!has(self.training) || !has({_DP}) || !has({_DP}.{axis}) || self.parallelism.replicas % {_DP}.{axis} == 0",
+    *((f"!has(self.training) || !has({_DP}) || !has({_DP}.{axis}) || "
+       f"self.parallelism.replicas % ({_DP}.{axis} * {_CP}) == 0",
        DP_DIVIDES.format(axis=axis), f".training.dataParallel.{axis}") for axis in ("shard", "replicate")),
+    (f"!has(self.training) || self.parallelism.replicas % {_CP} == 0", CP_DIVIDES, ".training.contextParallel"),
     ("!has(self.training) || !has(self.training.schedule) || self.training.schedule != 'Interleaved1F1B' || "
      "!has(self.training.microBatches) || !has(self.parallelism.pipeline) || "
      "self.training.microBatches % self.parallelism.pipeline == 0",
@@ -117,13 +164,16 @@ TRAINING_LAYOUT_RULES = (
 
 def check_layout(t: Training, replicas: int, pipeline: Optional[int]) -> None:
     """TRAINING_LAYOUT_RULES in Python: the same words, and the values that break the rule."""
-    dp, n = t.data_parallel, replicas
-    if dp and dp.shard and dp.replicate and n and dp.shard * dp.replicate != n:
-        raise ValueError(f"{DP_PRODUCT} (shard {dp.shard} x replicate {dp.replicate} = "
-                         f"{dp.shard * dp.replicate}, replicas {n})")
+    dp, n, c = t.data_parallel, replicas, t.context_parallel
+    cp = f" x contextParallel {c}" if c > 1 else ""
+    if dp and dp.shard and dp.replicate and n and dp.shard * dp.replicate * c != n:
+        raise ValueError(f"{DP_PRODUCT} (shard {dp.shard} x replicate {dp.replicate}{cp} = "
+                         f"{dp.shard * dp.replicate * c}, replicas {n})")
     for axis, degree in (("shard", dp and dp.shard), ("replicate", dp and dp.replicate)):
-        if degree and n % degree:
-            raise ValueError(f"{DP_DIVIDES.format(axis=axis)} ({axis} {degree}, replicas {n})")
+        if degree and n % (degree * c):
+            raise ValueError(f"{DP_DIVIDES.format(axis=axis)} ({axis} {degree}{cp}, replicas {n})")
+    if n % c:
+        raise ValueError(f"{CP_DIVIDES} (contextParallel {c}, replicas {n})")
     if not micro_batches_fit(t.schedule, pipeline, t.micro_batches):
         raise ValueError(f"{INTERLEAVED_MICRO_BATCHES} (microBatches {t.micro_batches}, "
                          f"pipeline {pipeline})")

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 from shardwise.crds import names
 from shardwise.crds.layout import RankLayout
 from shardwise.crds.modelsource import ModelUriError, parse_s3_uri
+from shardwise.crds.training import sequence_problem
 
 from shardwise.worker.errors import WorkerError
 from shardwise.worker.fetch.s3 import S3Config
 from shardwise.worker.training import checkpoint as ckpt
-from shardwise.worker.training import context_parallel as cp
 from shardwise.worker.training import parallelize as par
 from shardwise.worker.training import schedules as pipe
 
@@ -99,7 +99,7 @@ class TrainOptions:
             return f"prefetch depth must be 0 to 8 blocks, got {self.prefetch_depth}"
         if self.compression_warmup < 0:
             return f"compression warm-up must be 0 or more steps, got {self.compression_warmup}"
-        problem = cp.sequence_problem(self.seq_len, self.context)
+        problem = sequence_problem(self.seq_len, self.context)   # the zigzag split (context_parallel.py)
         if problem:
             return problem
         local = self.seq_len // self.context     # the tokens of a sequence each context-parallel rank holds
