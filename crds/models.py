@@ -429,6 +429,10 @@ class ShardedModelSpec(ApiModel):
         floor = self.training.min_replicas if self.workload == Workload.TRAINING and self.training else None
         return min(floor or replicas, replicas)
 
+    def context_parallel(self) -> int:
+        """Replicas each sequence is split over (training.contextParallel; 1 when not training)."""
+        return self.training.context_parallel if self.workload == Workload.TRAINING and self.training else 1
+
 # ---------------------------------------------------------------- status
 
 
