@@ -148,3 +148,30 @@ def test_an_elastic_context_parallel_job_short_of_capacity_runs_whole_sequences_
     shrunk = [e.message for e in c.events if e.reason == "Shrunk"]
     assert shrunk and shrunk[-1].startswith(
         "running 2 of 4 replicas (minReplicas 1; only multiples of 2: training.contextParallel 2): "), shrunk
+
+
+# ------------------------------------------------------------------ the pods
+
+def test_a_context_parallel_model_renders_one_world_of_its_replicas_pods():
+    """contextParallel 2 over 4 replicas of tensor 2: 4 pods of 2 GPUs (8 ranks: C x D x T = 2 x 2 x 2),
+    one rendezvous, and the C in the contract every pod reads (plan.context and training)."""
+    from shardwise.crds.contract import PodContract
+    from shardwise.crds.models import ShardedModel
+    spec = training_spec(4, tensor=2, contextParallel=2)
+    result = plan(spec, LLAMA_8B, nodes(1, 10_000))
+    model = ShardedModel(metadata={"name": "job", "namespace": "ns", "uid": "u"}, spec=spec)
+    pods = [p for r in range(4) for p in renderer.render_replica_pods(model, result, r, 0)]
+    assert len(pods) == 4
+    for pod in pods:
+        container = pod["spec"]["containers"][0]
+        assert container["command"] == ["shardwise", "worker"] and container["args"][:1] == ["--contract"]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    envs = [{e["name"]: e.get("value") for e in p["spec"]["containers"][0]["env"]} for p in pods]
+    assert len({(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs}) == 1
+    contract = PodContract.from_json(renderer.configmap_contract(renderer.render_configmap(model, result)))
+    assert (contract.plan.context, contract.plan.data_shard, contract.training.context_parallel) == (2, 2, 2)
+    # without it, the plan and the spec are written as before: no pod of an existing job rolls
+    plain = training_spec(4, tensor=2)
+    assert "context" not in plan(plain, LLAMA_8B, nodes(1, 10_000)).model_dump()
+    assert "context_parallel" not in plain.model_dump()["training"]
+    assert renderer.spec_hash(plain) != renderer.spec_hash(spec)

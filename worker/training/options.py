@@ -146,14 +146,18 @@ def layout_record(opts: TrainOptions) -> dict:
 
 def options_from_plan(plan, *, model: str, data: str, steps: int, checkpoint_dir: str,
                       **more) -> TrainOptions:
-    """Training options for a ShardedModel's pods: the layout (T, P, replicas as DP) and each
+    """Training options for a ShardedModel's pods: the layout (T, P, replicas as DP x CP) and each
     stage's layer range come from the plan; the rest from the spec (passed as keywords with
     TrainOptions' names, e.g. checkpoint_every=100, lr=1e-4)."""
     stages = plan.stages_of(0) if plan.placements else []
     layers = [(p.layer_start, p.layer_end) for p in stages] or None
+    # The plan's replicas are C ranks per sequence x the data-parallel replicas, and its ZeRO-3
+    # degree counts replicas too (dp_shard x cp): MeshShape's order, so a pod's rank is the same.
+    context = plan.context
     return TrainOptions(model=model, data=data, steps=steps, checkpoint_dir=checkpoint_dir,
-                        tensor=plan.tensor, pipeline=plan.pipeline, data_parallel=max(1, plan.replicas),
-                        data_shard=plan.data_shard, stage_layers=layers, **more)
+                        tensor=plan.tensor, pipeline=plan.pipeline, context=context,
+                        data_parallel=max(1, plan.replicas // context), data_shard=plan.data_shard // context,
+                        stage_layers=layers, **more)
 
 
 def pod_rank(replica: int, stage: int, local_rank: int, plan) -> int:
