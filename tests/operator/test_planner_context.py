@@ -175,3 +175,17 @@ def test_a_context_parallel_model_renders_one_world_of_its_replicas_pods():
     assert "context" not in plan(plain, LLAMA_8B, nodes(1, 10_000)).model_dump()
     assert "context_parallel" not in plain.model_dump()["training"]
     assert renderer.spec_hash(plain) != renderer.spec_hash(spec)
+
+
+def test_a_new_context_degree_restarts_the_job_on_a_new_plan_and_says_so():
+    c = Cluster(training(replicas=4), rack("n0 n1", "a"))
+    c.ready()
+    c.edit(training={"data": "/data/text.txt", "steps": 100, "contextParallel": 2})
+    c.reconcile()
+    told = [e.message for e in c.events if e.reason == "Restarting"]
+    assert told and told[-1].startswith("layout changed from TP=4 PP=1 CP=1 to TP=4 PP=1 CP=2"), told
+    c.reconcile()
+    contract = json.loads(renderer.configmap_contract(c.configmap))
+    assert (contract["plan"]["context"], contract["plan"]["data_shard"], contract["training"]["context_parallel"]) == (
+        2, 2, 2)
+    assert len(c.replica_pods()) == 4
