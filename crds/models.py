@@ -433,6 +433,7 @@ class ShardedModelSpec(ApiModel):
         """Replicas each sequence is split over (training.contextParallel; 1 when not training)."""
         return self.training.context_parallel if self.workload == Workload.TRAINING and self.training else 1
 
+
 # ---------------------------------------------------------------- status
 
 

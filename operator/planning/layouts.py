@@ -128,7 +128,7 @@ def asked_shard(spec: ShardedModelSpec) -> int | None:
     if dp is None or replicas == 0 or not (dp.shard or dp.replicate):
         return None
     shard = dp.shard * context if dp.shard else replicas // dp.replicate
-    replicate = dp.replicate or replicas // shard
+    replicate = dp.replicate or (replicas // shard if shard else 0)   # (replicate > replicas: shard 0)
     if shard * replicate != replicas or shard % context:   # the API refuses it; a spec built in code may not be checked
         cp = f" with training.contextParallel {context}" if context > 1 else ""
         raise LayoutError(f"training.dataParallel (shard {dp.shard}, replicate {dp.replicate}) does not "
