@@ -1,5 +1,5 @@
 """The API and the contracts, torch-free: the ShardedModel spec (models) and status (status) on their
-base (apimodel), the ShardPlan (plan), the pod contract (contract), the names labels, annotations and
+base (apimodel), spec.training and its layout rules (training), the ShardPlan (plan), the pod contract (contract), the names labels, annotations and
 a pod's environment share (names), the pipeline-schedule rules (schedules), serving capacity
 (capacity), speculative decoding's settings (speculative), who may call a served model (access), the API-key file and its
 constant-time check that the pods and the router share (apikeys), the router's spec (router),

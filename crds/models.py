@@ -10,8 +10,8 @@ API server refuses a bad manifest before the operator sees it. The same rules ar
 by validators where that is cheap, so `shardwise plan -f` refuses the same manifests offline.
 
 The spec is here; the status is in crds/status.py, the base model and the helpers fields share in
-crds/apimodel.py, the pipeline-schedule rules in crds/schedules.py. Every name of those an importer
-of the API needs is importable from here too.
+crds/apimodel.py, the pipeline-schedule rules in crds/schedules.py, spec.training in
+crds/training.py. Every name of those an importer of the API needs is importable from here too.
 """
 from __future__ import annotations
 
@@ -33,9 +33,12 @@ from shardwise.crds.names import (LOCAL_CHECKPOINT_ROOT, MAX_MODEL_NAME, MAX_PIP
                                   MAX_REPLICAS, MODEL_NAME_PATTERN, RACK_LABEL, ZONE_LABEL)
 from shardwise.crds.speculative import (DRAFT_TOKENS, DRAFT_TOKENS_MAX, NGRAM_LIMIT, NGRAM_MAX,  # noqa: F401
                                       NGRAM_MIN, Speculative, SpeculativeMethod)
-from shardwise.crds import names, sourcespec
+from shardwise.crds import sourcespec
 from shardwise.crds.sourcespec import ENDPOINT_PATTERN, REGION_PATTERN, CredentialsRef, ModelCache
-from shardwise.crds.schedules import DEFAULT_SCHEDULE, INTERLEAVED_MICRO_BATCHES, PipelineSchedule, micro_batches_fit
+from shardwise.crds.schedules import INTERLEAVED_MICRO_BATCHES, PipelineSchedule
+from shardwise.crds.training import (CP_DIVIDES, CP_SEQUENCE, DP_DIVIDES, DP_PRODUCT, MIN_REPLICAS, TRAINING_DATA_PVC,  # noqa: F401
+                                     TRAINING_LAYOUT_RULES, DataParallel, GradientCompression, Training,
+                                     check_layout as check_training_layout)
 from shardwise.crds.checkpointstore import STORE_OPTIONS_NEED_URI, ObjectStoreCheckpoint, store_rule
 from shardwise.crds.status import (PHASES, Condition, GroupPhase, LastCheckpoint, ModelFactsStatus, ModelPhase,
                                    PlacementSummary, PlanSummary, ReplicaGroupStatus, ShardedModelStatus,
@@ -45,7 +48,7 @@ __all__ = [  # re-exported: the API's names, importable from one module
     "LABEL_KEY_PATTERN", "QUANTITY_PATTERN", "ApiModel", "describe_validation_error", "parse_pvc", "parse_quantity",
     "INTERLEAVED_MICRO_BATCHES", "PipelineSchedule", "PHASES", "Condition", "GroupPhase", "LastCheckpoint",
     "ModelFactsStatus", "ModelPhase", "PlacementSummary", "PlanSummary", "ReplicaGroupStatus",
-    "ShardedModelStatus", "TrainingProgress", "DecodeMode"]
+    "ShardedModelStatus", "TrainingProgress", "DecodeMode", "DataParallel", "GradientCompression", "Training"]
 
 GROUP = "shardwise.dev"
 VERSION = "v1alpha1"
@@ -75,7 +78,6 @@ MODEL_FACT_LIMITS = {"layers": 4096, "heads": 4096, "kv_heads": 4096, "hidden": 
                      "vocab": 2**24, "params": 10**15, "experts": 4096, "shared_intermediate": 2**22}
 
 MODEL_URI_PVC = "model.uri must look like pvc://<claim>/<path> when it starts with pvc://"
-TRAINING_DATA_PVC = "training.data must look like pvc://<claim>/<path> when it starts with pvc://"
 
 
 class ModelSource(sourcespec.FetchSettings):
@@ -290,80 +292,6 @@ class Checkpoint(ObjectStoreCheckpoint):
         return self
 
 
-class DataParallel(ApiModel):
-    """How the data-parallel replicas hold the model: ZeRO-3 (FSDP2) over `shard` of them, `replicate`
-    copies of that averaged (HSDP). shard x replicate = spec.parallelism.replicas."""
-
-    shard: Optional[int] = Field(None, ge=1, le=10000, description=(
-        "Replicas that shard parameters, gradients and optimizer state among themselves (ZeRO-3). "
-        "Must divide parallelism.replicas. Omitted: replicas / replicate, or with replicate omitted "
-        "too, the smallest degree whose layout fits the GPUs' memory (the planner chooses)."))
-    replicate: Optional[int] = Field(None, ge=1, le=10000, description=(
-        "Copies of the sharded model whose gradients are averaged (HSDP). Must divide "
-        "parallelism.replicas. Omitted: replicas / shard."))
-
-
-class GradientCompression(ApiModel):
-    """Compression of the gradients averaged between replicated copies (the replicate axis only)."""
-
-    method: Literal[names.COMPRESSION_METHODS] = Field("none", description=(
-        "none; int8, int4: quantized to 8 or 4 bits; topk: the largest `density` of the elements; topk-int4: those "
-        "in 4 bits; powersgd: each matrix as a rank-`rank` product. What is not sent is carried over (error feedback)."))
-    density: float = Field(0.01, gt=0, le=1, description="Fraction of the elements topk and topk-int4 send, in (0, 1].")
-    warmup_steps: int = Field(0, ge=0, le=1000000, description=(
-        "Steps uncompressed first; after them AdamW's variance is frozen (1-bit Adam). 0: none."))
-    rank: int = Field(names.POWERSGD_DEFAULT_RANK, ge=1, le=names.POWERSGD_MAX_RANK,
-                      description="powersgd: rank of each gradient matrix's approximation; bytes grow with it.")
-
-
-class Training(ApiModel):
-    """What a `workload: training` model trains on, and how. The layout (tensor x pipeline x
-    replicas as data parallel) comes from the plan; checkpoints go to spec.checkpoint."""
-
-    model_config = ConfigDict(json_schema_extra=cel(
-        pvc_rule("data", TRAINING_DATA_PVC),
-    ))
-
-    data: str = Field(min_length=1, max_length=4096, description=(
-        "UTF-8 text to train on: a path inside the pod, or pvc://<claim>/<path> to mount a "
-        "PersistentVolumeClaim read-only."))
-    steps: int = Field(ge=1, description="Optimizer steps in all; a restarted job does only the rest.")
-    batch_size: int = Field(8, ge=1, description="Sequences per step, over all data-parallel replicas.")
-    seq_length: int = Field(64, ge=2, le=1048576, description="Tokens per sequence.")
-    learning_rate: float = Field(3e-4, gt=0, le=10, description="AdamW learning rate (betas 0.9/0.95).")
-    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warmup.")
-    weight_decay: float = Field(0.0, ge=0, le=1)
-    seed: int = Field(0, ge=0, description="Data order and initial randomness: the batch of a step "
-                                           "depends on the seed and the step only, in any layout.")
-    micro_batches: Optional[int] = Field(None, ge=1, description=(
-        "Pipeline micro-batches per replica; default: the largest divisor of the per-replica batch "
-        "up to 2 x the pipeline stages (1 without a pipeline). Interleaved1F1B needs a multiple "
-        "of the stages."))
-    data_parallel: Optional[DataParallel] = Field(None, description=(
-        "ZeRO-3 sharding across the data-parallel replicas; omitted: the planner chooses."))
-    schedule: PipelineSchedule = Field(DEFAULT_SCHEDULE, description=(
-        "Pipeline schedule: 1F1B, GPipe or Interleaved1F1B."))
-    activation_checkpointing: bool = Field(False, description=(
-        "Recompute each decoder block's activations in the backward pass instead of keeping them."))
-    sequence_parallel: bool = Field(False, description=(
-        "Tensor parallelism also splits norms and activations over the sequence (seqLength % T == 0)."))
-    gradient_compression: Optional[GradientCompression] = Field(None, description=(
-        "Compress the gradients averaged between replicated copies (dataParallel.replicate > 1)."))
-    min_replicas: Optional[int] = Field(None, ge=1, le=10000, description=(
-        "Elastic training: when the healthy GPUs cannot hold parallelism.replicas, run with the most "
-        "replicas that fit, down to this many, and grow back when capacity returns. Omitted: "
-        "parallelism.replicas (the job runs whole or waits). Must not exceed parallelism.replicas."))
-    termination_grace_period_seconds: int = Field(120, ge=1, le=86400, description=(
-        "The training pods' terminationGracePeriodSeconds: on SIGTERM (a restart to grow, a spec "
-        "change, a drain) a rank saves a shared checkpoint and exits within this time."))
-
-    @model_validator(mode="after")
-    def _cross_checks(self) -> "Training":
-        if malformed_pvc(self.data):
-            raise ValueError(TRAINING_DATA_PVC)
-        return self
-
-
 class Recovery(ApiModel):
     max_restarts: int = Field(3, ge=0, le=1000, description=(
         "Restarts of one replica group before that group gives up (Failed). The model is Degraded "
@@ -423,28 +351,7 @@ class Resources(ApiModel):
         return {k: str(v) for k, v in value.items()} if isinstance(value, dict) else value
 
 
-_DP = "self.training.dataParallel"
-# spec.training against spec.parallelism. The API server's message is static (a messageExpression
-# with string(int) is refused by the CRD cost estimator; format() needs Kubernetes 1.29+), so
-# ShardedModelSpec._training_checks says the same words and adds the values in parentheses.
-# Replicas 0 pauses a training job: shard x replicate may stay in the spec meanwhile.
-DP_PRODUCT = "training.dataParallel: shard x replicate must equal parallelism.replicas"
-DP_DIVIDES = "training.dataParallel.{axis} must divide parallelism.replicas"
-MIN_REPLICAS = "training.minReplicas must not exceed parallelism.replicas"
 AUTOSCALING_SERVING_ONLY = "spec.autoscaling is only for workload: inference"
-_TRAINING_LAYOUT_RULES = (
-    (f"!has(self.training) || !has({_DP}) || !has({_DP}.shard) || !has({_DP}.replicate) || "
-     f"self.parallelism.replicas == 0 || {_DP}.shard * {_DP}.replicate == self.parallelism.replicas",
-     DP_PRODUCT, ".training.dataParallel"),
-    *((f"!has(self.training) || !has({_DP}) || !has({_DP}.{axis}) || self.parallelism.replicas % {_DP}.{axis} == 0",
-       DP_DIVIDES.format(axis=axis), f".training.dataParallel.{axis}") for axis in ("shard", "replicate")),
-    ("!has(self.training) || !has(self.training.schedule) || self.training.schedule != 'Interleaved1F1B' || "
-     "!has(self.training.microBatches) || !has(self.parallelism.pipeline) || "
-     "self.training.microBatches % self.parallelism.pipeline == 0",
-     INTERLEAVED_MICRO_BATCHES, ".training.microBatches"),
-    ("!has(self.training) || !has(self.training.minReplicas) || self.parallelism.replicas == 0 || "
-     "self.training.minReplicas <= self.parallelism.replicas", MIN_REPLICAS, ".training.minReplicas"),
-)
 
 
 class ShardedModelSpec(ApiModel):
@@ -469,7 +376,7 @@ class ShardedModelSpec(ApiModel):
          "spec.training is only for workload: training", ".training"),
         ("!has(self.autoscaling) || self.workload != 'training'", AUTOSCALING_SERVING_ONLY, ".autoscaling"),
         ROUTER_RULE,
-        *_TRAINING_LAYOUT_RULES,
+        *TRAINING_LAYOUT_RULES,
     ))
 
     model: ModelSource
@@ -513,7 +420,7 @@ class ShardedModelSpec(ApiModel):
             raise ValueError(AUTOSCALING_SERVING_ONLY)
         router_check(self.serving.router, self.workload == Workload.TRAINING)
         if self.training is not None:
-            self._training_checks(self.training, self.parallelism)
+            check_training_layout(self.training, self.parallelism.replicas, self.parallelism.pipeline)
         return self
 
     def min_replicas(self) -> int:
@@ -522,21 +429,9 @@ class ShardedModelSpec(ApiModel):
         floor = self.training.min_replicas if self.workload == Workload.TRAINING and self.training else None
         return min(floor or replicas, replicas)
 
-    @staticmethod
-    def _training_checks(t: Training, par: Parallelism) -> None:
-        """_TRAINING_LAYOUT_RULES in Python: the same words, and the values that break the rule."""
-        dp, n = t.data_parallel, par.replicas
-        if dp and dp.shard and dp.replicate and n and dp.shard * dp.replicate != n:
-            raise ValueError(f"{DP_PRODUCT} (shard {dp.shard} x replicate {dp.replicate} = "
-                             f"{dp.shard * dp.replicate}, replicas {n})")
-        for axis, degree in (("shard", dp and dp.shard), ("replicate", dp and dp.replicate)):
-            if degree and n % degree:
-                raise ValueError(f"{DP_DIVIDES.format(axis=axis)} ({axis} {degree}, replicas {n})")
-        if not micro_batches_fit(t.schedule, par.pipeline, t.micro_batches):
-            raise ValueError(f"{INTERLEAVED_MICRO_BATCHES} (microBatches {t.micro_batches}, "
-                             f"pipeline {par.pipeline})")
-        if t.min_replicas and n and t.min_replicas > n:
-            raise ValueError(f"{MIN_REPLICAS} (minReplicas {t.min_replicas}, replicas {n})")
+    def context_parallel(self) -> int:
+        """Replicas each sequence is split over (training.contextParallel; 1 when not training)."""
+        return self.training.context_parallel if self.workload == Workload.TRAINING and self.training else 1
 
 
 # ---------------------------------------------------------------- status

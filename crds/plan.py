@@ -13,9 +13,10 @@ crds/layout.py split_layers.
 """
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from shardwise.crds.layout import RankLayout
+from shardwise.crds.training import MAX_CONTEXT_PARALLEL
 
 
 class _Model(BaseModel):
@@ -73,7 +74,28 @@ class ShardPlan(_Model):
         "before it was planned (the contract then derives it the same way)"))
     data_shard: int = Field(1, ge=1, description=(
         "training: the ZeRO-3 shard degree - data-parallel replicas that shard parameters, gradients "
-        "and optimizer state among themselves (replicas = data_shard x data_replicate); 1 for serving"))
+        "and optimizer state among themselves (replicas = data_shard x data_replicate); 1 for serving. "
+        "With context parallelism a multiple of `context`: FSDP shards over dp_shard x cp"))
+    context: int = Field(1, ge=1, le=MAX_CONTEXT_PARALLEL, description=(
+        "training: replicas each sequence is split over (spec.training.contextParallel): consecutive "
+        "replicas r, r+1, ... r+context-1 (r a multiple of context) hold one sequence; the data-parallel "
+        "replicas are replicas / context. 1 for serving"))
+
+    @model_serializer(mode="wrap")
+    def _no_default_context(self, handler):
+        # Left out at 1, so that a plan without context parallelism hashes as before (its pods do
+        # not roll) and a worker image older than the field still reads it.
+        out = handler(self)
+        if isinstance(out, dict) and self.context == 1:
+            out.pop("context", None)
+        return out
+
+    @model_validator(mode="after")
+    def _shards_whole_sequences(self) -> "ShardPlan":
+        if self.data_shard % self.context:
+            raise ValueError(f"data_shard {self.data_shard} must be a multiple of context {self.context}: "
+                             f"FSDP shards over the data-parallel shard ranks x the context-parallel ranks")
+        return self
 
     @property
     def world_size(self) -> int:

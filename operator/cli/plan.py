@@ -72,7 +72,9 @@ def table(plan: Any) -> str:
                      f"{p.params / 1e9:.2f}B", ",".join(p.domains.values()) or "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    head = (f"tensor {plan.tensor} × pipeline {plan.pipeline} × {plan.replicas} replica(s); "
+    # context parallelism: the replicas are C ranks per sequence x the data-parallel replicas
+    cp = f" (context parallel {plan.context}: {plan.replicas // plan.context} data-parallel)" if plan.context > 1 else ""
+    head = (f"tensor {plan.tensor} × pipeline {plan.pipeline} × {plan.replicas} replica(s){cp}; "
             f"{plan.memory_per_gpu / 2**30:.1f} GiB per GPU; cost {plan.cost}"
             + (" (shrunk)" if plan.shrunk else ""))
     return "\n".join([head, *lines, "", *[g.explanation for g in plan.groups], *plan.notes])

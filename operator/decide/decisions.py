@@ -203,8 +203,10 @@ def _job_restart_reason(d: _Draft) -> str:
     if not planning.layout_matches(plan, d.spec):
         asked = planning.asked_shard(d.spec)
         zero = (f" ZeRO-3 shard {plan.data_shard}", f" ZeRO-3 shard {asked}") if asked else ("", "")
-        return (f"layout changed from TP={plan.tensor} PP={plan.pipeline}{zero[0]} to "
-                f"TP={d.spec.parallelism.tensor or 'auto'} PP={d.spec.parallelism.pipeline or 'auto'}{zero[1]}")
+        context = d.spec.context_parallel()
+        cp = (f" CP={plan.context}", f" CP={context}") if context != plan.context else ("", "")
+        return (f"layout changed from TP={plan.tensor} PP={plan.pipeline}{zero[0]}{cp[0]} to "
+                f"TP={d.spec.parallelism.tensor or 'auto'} PP={d.spec.parallelism.pipeline or 'auto'}{zero[1]}{cp[1]}")
     if planned(plan) != set(range(d.desired)):
         return f"replicas changed from {len(planned(plan))} to {d.desired}"
     for r, pods in d.pods.items():

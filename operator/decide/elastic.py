@@ -3,7 +3,8 @@
 A training job asks for `parallelism.replicas` and accepts as few as `training.minReplicas`. It is
 always planned whole at one size: the largest that fits, from the replicas asked down to
 minReplicas, only multiples of the ZeRO-3 shard degree the spec fixes (the shard degree stays as
-asked, so the plan keeps the spec's layout). Below minReplicas it waits, Pending.
+asked, so the plan keeps the spec's layout) and of training.contextParallel (the ranks of a
+sequence are replicas: a job runs whole sequences). Below minReplicas it waits, Pending.
 
 The size a job runs at is its stored plan's replica count (between minReplicas and the replicas
 asked): nothing else needs storing, and a restarted operator reads it back with the plan. While it
@@ -13,6 +14,7 @@ SIGTERM) and, once every old pod is gone, planned again: at the largest size tha
 """
 from __future__ import annotations
 
+import math
 from datetime import datetime
 from typing import Iterable
 
@@ -21,14 +23,19 @@ from shardwise.crds.plan import ShardPlan
 from shardwise.operator.planning import groups as planning
 
 GROW_AFTER_SECONDS = 30.0   # a job runs this long at a size before it may grow (no restart loops)
-SHRUNK_NOTE = "running {got} of {asked} replicas (minReplicas {floor}): {why}"
+SHRUNK_NOTE = "running {got} of {asked} replicas (minReplicas {floor}{step}): {why}"
+
+
+def step(spec: ShardedModelSpec) -> int:
+    """What every size the job runs at is a multiple of: the shard degree the spec fixes (in
+    replicas) and the context-parallel degree."""
+    return math.lcm(planning.asked_shard(spec) or 1, spec.context_parallel())
 
 
 def sizes(spec: ShardedModelSpec) -> list[int]:
     """The replica counts the job may run at, largest first (just the one asked when not elastic)."""
-    asked, floor = spec.parallelism.replicas, spec.min_replicas()
-    shard = planning.asked_shard(spec) or 1
-    return [n for n in range(asked, floor - 1, -1) if n % shard == 0 and n > 0] or [asked]
+    asked, floor, every = spec.parallelism.replicas, spec.min_replicas(), step(spec)
+    return [n for n in range(asked, floor - 1, -1) if n % every == 0 and n > 0] or [asked]
 
 
 def at_size(spec: ShardedModelSpec, replicas: int) -> ShardedModelSpec:
@@ -38,9 +45,9 @@ def at_size(spec: ShardedModelSpec, replicas: int) -> ShardedModelSpec:
     no_shrink = {"recovery": spec.recovery.model_copy(update={"allow_shrink": False})}
     if replicas == spec.parallelism.replicas or spec.training is None:
         return spec.model_copy(update=no_shrink)
-    shard = planning.asked_shard(spec)
+    shard = planning.asked_shard(spec)     # in replicas: dataParallel.shard x contextParallel
     training = spec.training.model_copy(update={
-        "data_parallel": DataParallel(shard=shard) if shard else None, "min_replicas": None})
+        "data_parallel": DataParallel(shard=shard // spec.context_parallel()) if shard else None, "min_replicas": None})
     return spec.model_copy(update={
         "parallelism": spec.parallelism.model_copy(update={"replicas": replicas}), "training": training,
         **no_shrink})
@@ -68,7 +75,18 @@ def may_grow(spec: ShardedModelSpec, size: int, groups: Iterable[ReplicaGroupSta
 
 
 def shrunk_note(spec: ShardedModelSpec, got: int, why: str) -> str:
-    return SHRUNK_NOTE.format(got=got, asked=spec.parallelism.replicas, floor=spec.min_replicas(), why=why)
+    return SHRUNK_NOTE.format(got=got, asked=spec.parallelism.replicas, floor=spec.min_replicas(),
+                              step=_step_words(spec), why=why)
+
+
+def _step_words(spec: ShardedModelSpec) -> str:
+    """Why only some sizes are run, for the note and the Event: "" when every size may be."""
+    every, context, shard = step(spec), spec.context_parallel(), planning.asked_shard(spec)
+    if every == 1:
+        return ""
+    why = [f"training.contextParallel {context}"] if context > 1 else []
+    why += [f"the ZeRO-3 shard degree {shard}"] if shard and shard > 1 else []
+    return f"; only multiples of {every}: {' and '.join(why)}"
 
 
 def shrunk_reason(plan: ShardPlan | None) -> str:

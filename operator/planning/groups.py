@@ -90,9 +90,10 @@ def plan_groups(spec: ShardedModelSpec, facts: ModelFacts, namespace: str, model
 
 def layout_matches(plan: ShardPlan, spec: ShardedModelSpec) -> bool:
     """The plan has the layout the spec asks for (an omitted degree matches any), the ZeRO-3 shard
-    degree of a training job included."""
+    degree and the context-parallel degree of a training job included."""
     t, p, s = spec.parallelism.tensor, spec.parallelism.pipeline, asked_shard(spec)
-    return (t is None or t == plan.tensor) and (p is None or p == plan.pipeline) and (s is None or s == plan.data_shard)
+    return ((t is None or t == plan.tensor) and (p is None or p == plan.pipeline) and (s is None or s == plan.data_shard)
+            and plan.context == spec.context_parallel())
 
 
 def asked_shard(spec: ShardedModelSpec) -> int | None:

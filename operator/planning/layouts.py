@@ -121,27 +121,30 @@ def stage_memory(facts: ModelFacts, spec: ShardedModelSpec, tensor: int, params:
 
 
 def asked_shard(spec: ShardedModelSpec) -> int | None:
-    """The ZeRO-3 shard degree spec.training.dataParallel fixes (shard, or replicas / replicate)."""
+    """The ZeRO-3 shard degree spec.training.dataParallel fixes, in replicas: shard x contextParallel
+    (FSDP shards over dp_shard x cp), or replicas / replicate."""
     dp = spec.training.data_parallel if spec.workload == Workload.TRAINING and spec.training else None
-    replicas = spec.parallelism.replicas
+    replicas, context = spec.parallelism.replicas, spec.context_parallel()
     if dp is None or replicas == 0 or not (dp.shard or dp.replicate):
         return None
-    shard = dp.shard or replicas // dp.replicate
-    replicate = dp.replicate or replicas // shard
-    if shard * replicate != replicas:   # the API refuses it; a spec built in code may not be checked
+    shard = dp.shard * context if dp.shard else replicas // dp.replicate
+    replicate = dp.replicate or (replicas // shard if shard else 0)   # (replicate > replicas: shard 0)
+    if shard * replicate != replicas or shard % context:   # the API refuses it; a spec built in code may not be checked
+        cp = f" with training.contextParallel {context}" if context > 1 else ""
         raise LayoutError(f"training.dataParallel (shard {dp.shard}, replicate {dp.replicate}) does not "
-                          f"split parallelism.replicas {replicas}")
+                          f"split parallelism.replicas {replicas}{cp}")
     return shard
 
 
 def shard_degrees(spec: ShardedModelSpec) -> list[int]:
     """ZeRO-3 shard degrees a layout may be sized at, least sharded first: the spec's, else every
-    divisor of the replicas (more sharding, more communication). [1] when not training."""
-    replicas = spec.parallelism.replicas
+    divisor of the replicas that is a multiple of the context-parallel degree (the ranks of a
+    sequence always shard among themselves; more sharding, more communication). [1] when not training."""
+    replicas, context = spec.parallelism.replicas, spec.context_parallel()
     fixed = asked_shard(spec)
     if fixed or spec.workload != Workload.TRAINING or replicas < 2:
-        return [fixed or 1]
-    return _divisors(replicas)
+        return [fixed or context]
+    return [d for d in _divisors(replicas) if d % context == 0] or [context]
 
 
 def _divisors(n: int) -> list[int]:
@@ -277,6 +280,10 @@ def check_layout(spec: ShardedModelSpec, facts: ModelFacts) -> None:
         raise LayoutError(f"parallelism.pipeline {spec.parallelism.pipeline} exceeds the model's "
                           f"{facts.layers} layers; use 1 to {facts.layers}")
     asked_shard(spec)   # a dataParallel that does not split the replicas (a spec the API did not check)
+    context = spec.context_parallel()
+    if spec.parallelism.replicas % context:   # the API refuses it; elastic sizes are multiples of it
+        raise LayoutError(f"training.contextParallel {context} does not divide parallelism.replicas "
+                          f"{spec.parallelism.replicas}: the ranks of a sequence are replicas")
 
 
 def fit_schedule(spec: ShardedModelSpec, facts: ModelFacts, layouts: list[Layout]) -> list[Layout]:
@@ -322,9 +329,11 @@ def layouts_to_try(spec: ShardedModelSpec, facts: ModelFacts, pool, kept: dict[i
 
 def sharded(spec: ShardedModelSpec, facts: ModelFacts, layout: Layout, replicas: int) -> Layout:
     """The layout at a shard degree dividing the replicas planned: a plan shrunk to replicas its
-    degree does not divide takes the least-sharded divisor at least as sharded, else all of them."""
+    degree does not divide takes the least-sharded divisor at least as sharded (and a multiple of
+    the context-parallel degree), else all of them."""
     if replicas % layout.shard == 0:   # always so for serving (shard 1) and for a plan not shrunk
         return layout
-    shard = next((d for d in _divisors(replicas) if d >= layout.shard), replicas)
+    context = spec.context_parallel()
+    shard = next((d for d in _divisors(replicas) if d >= layout.shard and d % context == 0), replicas)
     memory = _worst_stage(facts, spec, layout.tensor, layout.ranges, layout.stage_params, shard)
     return dataclasses.replace(layout, shard=shard, memory=memory)

@@ -39,6 +39,7 @@ Q4_1 file's layer matrices kept in its blocks, GGUF_NATIVE_BYTES).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 from shardwise.crds import names
@@ -168,14 +169,10 @@ def _plan(spec: ShardedModelSpec, facts: ModelFacts, nodes: Sequence[NodeInfo],
         if len(attempt.replicas) == count:
             chosen = attempt
             break
-    shrunk = False
+    shrunk = chosen is None
     if chosen is None:
-        most = max(attempts, key=lambda a: len(a.replicas))  # first among equals: most preferred
-        if not spec.recovery.allow_shrink or (not most.replicas and not kept):
-            raise PlanError(attempts[0].reason + (f" ({pool.why_not()} left out)" if pool.excluded else ""))
-        chosen, shrunk = most, True
-        notes.append(f"shrunk to {len(kept) + len(most.replicas)} of {wanted} replica(s): {attempts[0].reason}")
-    if chosen is not attempts[0] and len(attempts[0].replicas) < count:
+        chosen = _shrunk(spec, attempts, len(kept), wanted, pool, notes)
+    if chosen.layout is not attempts[0].layout and len(attempts[0].replicas) < count:
         notes.append(f"tensor {chosen.layout.tensor} × pipeline {chosen.layout.pipeline} instead of "
                      f"tensor {layouts[0].tensor} × pipeline {layouts[0].pipeline}: {attempts[0].reason}")
     result = _assemble(spec, facts, chosen, kept, wanted, shrunk, notes, by_name, keys, nodes)
@@ -189,6 +186,28 @@ def _plan(spec: ShardedModelSpec, facts: ModelFacts, nodes: Sequence[NodeInfo],
             update.update(offload_budget=budget, memory_per_gpu=max(
                 result.memory_per_gpu, int(min(n.gpu_memory for n in gpus if n.gpu_memory) * USABLE_FRACTION)))
     return result.model_copy(update=update)
+
+
+def _shrunk(spec: ShardedModelSpec, attempts: list[Attempt], kept: int, wanted: int, pool, notes: list[str]) -> Attempt:
+    """The attempt placing most replicas, when the spec allows shrinking (PlanError otherwise), its
+    reason added to `notes`."""
+    most = max(attempts, key=lambda a: len(a.replicas))  # first among equals: most preferred
+    chosen = _whole_sequences(spec, most, kept)
+    if not spec.recovery.allow_shrink or (not chosen.replicas and not kept):
+        raise PlanError(attempts[0].reason + (f" ({pool.why_not()} left out)" if pool.excluded else ""))
+    whole = f" (a multiple of training.contextParallel {spec.context_parallel()})" if chosen is not most else ""
+    notes.append(f"shrunk to {kept + len(chosen.replicas)} of {wanted} replica(s){whole}: {attempts[0].reason}")
+    return chosen
+
+
+def _whole_sequences(spec: ShardedModelSpec, attempt: Attempt, kept: int) -> Attempt:
+    """A shrunk attempt cut to a multiple of the context-parallel degree (the ranks of a sequence are
+    replicas: a part of such a group trains nothing); the attempt itself when it is one."""
+    context = spec.context_parallel()
+    whole = max(0, (kept + len(attempt.replicas)) // context * context - kept)
+    if whole == len(attempt.replicas):
+        return attempt
+    return dataclasses.replace(attempt, replicas=attempt.replicas[:whole])
 
 
 def _kept_replicas(keep: Sequence[StagePlacement], wanted: int, by_name: dict[str, NodeInfo],
@@ -237,7 +256,8 @@ def _assemble(spec: ShardedModelSpec, facts: ModelFacts, attempt: Attempt,
     return ShardPlan(tensor=layout.tensor, pipeline=layout.pipeline, replicas=len(groups),
                      num_layers=facts.layers, placements=placements, groups=groups,
                      cost=sum(g.cost for g in groups), shrunk=shrunk, notes=[*why_layout, *notes],
-                     memory_per_gpu=layout.memory, topology_keys=list(keys), data_shard=layout.shard)
+                     memory_per_gpu=layout.memory, topology_keys=list(keys), data_shard=layout.shard,
+                     context=spec.context_parallel())
 
 
 def _concurrency(spec: ShardedModelSpec, notes: list[str]) -> dict:
@@ -273,19 +293,26 @@ def _explain_shard(spec: ShardedModelSpec, layout: Layout, replicas: int) -> lis
     if compression is not None and compression.method != "none" and copies == 1:
         out.append(f"training.gradientCompression {compression.method} has nothing to compress: it acts "
                    f"between replicated copies, and every replica shards (replicate 1)")
+    context = spec.context_parallel()
+    if context > 1:
+        out.append(f"context parallel: each sequence split over {context} replicas ({spec.training.seq_length // context} "
+                   f"of its {spec.training.seq_length} tokens each, training.contextParallel); {replicas // context} "
+                   f"data-parallel replica(s), ZeRO-3 over dataParallel.shard {layout.shard // context} × {context}")
     if spec.training and spec.training.sequence_parallel:
-        out.append(_explain_sequence_parallel(spec.training.seq_length, layout.tensor))
+        out.append(_explain_sequence_parallel(spec.training.seq_length, layout.tensor, context))
     return out
 
 
-def _explain_sequence_parallel(seq_length: int, tensor: int) -> str:
+def _explain_sequence_parallel(seq_length: int, tensor: int, context: int = 1) -> str:
     if tensor == 1:
         return "training.sequenceParallel has no effect: the layout has no tensor parallelism (tensor 1)"
-    if seq_length % tensor:
-        return (f"training.sequenceParallel cannot split seqLength {seq_length} over tensor {tensor}: the "
-                f"training pods will refuse to start (make seqLength a multiple of {tensor})")
+    local = seq_length // context     # the tokens of a sequence each context-parallel rank holds
+    held = f"seqLength {seq_length}" if context == 1 else f"the {local} tokens of seqLength / contextParallel"
+    if local % tensor:
+        return (f"training.sequenceParallel cannot split {held} over tensor {tensor}: the "
+                f"training pods will refuse to start (make it a multiple of {tensor})")
     return (f"sequence parallel: norms and activations between blocks split over the {tensor} tensor ranks "
-            f"({seq_length // tensor} of {seq_length} tokens each)")
+            f"({local // tensor} of {local} tokens each)")
 
 
 def _explain(replica: int, stage_nodes: list[NodeInfo], layout: Layout, tree: Tree,

@@ -108,11 +108,11 @@ def test_training_layouts_that_are_accepted(replicas, fields):
 
 @pytest.mark.parametrize("replicas, pipeline, fields, message", [
     (3, None, {"dataParallel": {"shard": 2, "replicate": 2}},
-     "training.dataParallel: shard x replicate must equal parallelism.replicas (shard 2 x replicate 2 = 4, replicas 3)"),
+     "training.dataParallel: shard x replicate x contextParallel must equal parallelism.replicas (shard 2 x replicate 2 = 4, replicas 3)"),
     (4, None, {"dataParallel": {"shard": 3}},
-     "training.dataParallel.shard must divide parallelism.replicas (shard 3, replicas 4)"),
+     "training.dataParallel.shard x contextParallel must divide parallelism.replicas (shard 3, replicas 4)"),
     (6, None, {"dataParallel": {"replicate": 4}},
-     "training.dataParallel.replicate must divide parallelism.replicas (replicate 4, replicas 6)"),
+     "training.dataParallel.replicate x contextParallel must divide parallelism.replicas (replicate 4, replicas 6)"),
     (1, 4, {"schedule": "Interleaved1F1B", "microBatches": 6},
      "training.microBatches must be a multiple of parallelism.pipeline for schedule Interleaved1F1B (microBatches 6, pipeline 4)"),
     (2, None, {"dataParallel": {"shard": 0}}, "spec.training.dataParallel.shard: Input should be greater than or equal to 1"),
@@ -140,7 +140,8 @@ def test_training_layout_rules_are_cel_rules_with_the_same_words():
     spec = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
     rules = {r["fieldPath"]: r for r in spec["x-kubernetes-validations"] if r.get("fieldPath", "").startswith(".training.")}
     assert rules[".training.dataParallel"]["message"] == models.DP_PRODUCT
-    assert rules[".training.dataParallel.shard"]["message"] == "training.dataParallel.shard must divide parallelism.replicas"
+    assert rules[".training.dataParallel.shard"]["message"] == (
+        "training.dataParallel.shard x contextParallel must divide parallelism.replicas")
     assert rules[".training.microBatches"]["message"] == models.INTERLEAVED_MICRO_BATCHES
     training_schema = spec["properties"]["training"]["properties"]
     density = training_schema["gradientCompression"]["properties"]["density"]

@@ -18,8 +18,8 @@ from shardwise.crds.autoscaling import KV_OVER_ONE, MIN_OVER_MAX
 from shardwise.crds.router import ROUTER_SERVING_ONLY
 from shardwise.crds.rollout import NO_STEP
 from shardwise.crds.capacity import CONTEXT_OVER_CACHE
-from shardwise.crds.models import (AUTOSCALING_SERVING_ONLY, DP_DIVIDES, DP_PRODUCT, INTERLEAVED_MICRO_BATCHES, LOCAL_NEEDS_CLAIM,
-                                   LOCAL_PATH_DIFFERS, MIN_REPLICAS, NAME_NOT_DNS_LABEL, NAME_TOO_LONG,
+from shardwise.crds.models import (AUTOSCALING_SERVING_ONLY, CP_DIVIDES, CP_SEQUENCE, DP_DIVIDES, DP_PRODUCT,
+                                   INTERLEAVED_MICRO_BATCHES, LOCAL_NEEDS_CLAIM, LOCAL_PATH_DIFFERS, MIN_REPLICAS, NAME_NOT_DNS_LABEL, NAME_TOO_LONG,
                                    load_manifest)
 from shardwise.crds.names import MAX_MODEL_NAME
 from shardwise.crds.schema import CRD_FILE
@@ -137,6 +137,9 @@ BAD = {
                       'supported values: "1F1B", "GPipe", "Interleaved1F1B"'),
     "interleaved-micro-batches": (training_manifest(1, pipeline=4, schedule="Interleaved1F1B", microBatches=6),
                                   "spec.training.microBatches", INTERLEAVED_MICRO_BATCHES),
+    # context parallelism: the ranks of a sequence are replicas, each holding 2 of its 2C chunks
+    "context-divides": (training_manifest(3, contextParallel=2), "spec.training.contextParallel", CP_DIVIDES),
+    "context-chunks": (training_manifest(4, contextParallel=2, seqLength=66), "spec.training.seqLength", CP_SEQUENCE),
     # elastic training and the local checkpoint tier
     "min-replicas-above-replicas": (training_manifest(2, minReplicas=3), "spec.training.minReplicas", MIN_REPLICAS),
     "min-replicas-zero": (training_manifest(2, minReplicas=0), "spec.training.minReplicas",

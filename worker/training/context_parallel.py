@@ -7,7 +7,8 @@ of keys: chunk i sees i+1 chunks, chunk 2C-1-i sees 2C-i, 2C+1 in all on every r
 rotary positions and the loss's targets are all this rank's tokens only; the parameters are
 replicated over cp (FSDP shards them over dp_shard × cp like more data-parallel ranks), and the
 gradients are averaged over cp as over data parallel: every rank holds the same number of tokens,
-so the mean of the ranks' mean losses is the whole sequence's mean.
+so the mean of the ranks' mean losses is the whole sequence's mean. The lengths that split so are
+crds/training.py sequence_splits's (the API refuses the others too).
 
 In each attention layer the plan swaps the model's attention kernel (Attention.kernel) for one that
 all-gathers this layer's keys and values over cp (one collective of [2, B, kv heads, L/C, head_dim];
@@ -36,14 +37,6 @@ def local_part(x: torch.Tensor, rank: int, degree: int, dim: int = 1) -> torch.T
         return x
     pieces = x.chunk(2 * degree, dim=dim)
     return torch.cat([pieces[c] for c in chunks_of(rank, degree)], dim=dim)
-
-
-def sequence_problem(seq_len: int, degree: int) -> str | None:
-    """Why a sequence length cannot be split over `degree` cp ranks (one line), or None."""
-    if degree > 1 and seq_len % (2 * degree):
-        return (f"context parallelism splits each sequence into 2 x {degree} = {2 * degree} chunks: "
-                f"sequence length {seq_len} is not a multiple of {2 * degree}")
-    return None
 
 
 class _GatherSequence(torch.autograd.Function):

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 from shardwise.crds import names
 from shardwise.crds.layout import RankLayout
 from shardwise.crds.modelsource import ModelUriError, parse_s3_uri
+from shardwise.crds.training import sequence_problem
 
 from shardwise.worker.errors import WorkerError
 from shardwise.worker.fetch.s3 import S3Config
 from shardwise.worker.training import checkpoint as ckpt
-from shardwise.worker.training import context_parallel as cp
 from shardwise.worker.training import parallelize as par
 from shardwise.worker.training import schedules as pipe
 
@@ -99,7 +99,7 @@ class TrainOptions:
             return f"prefetch depth must be 0 to 8 blocks, got {self.prefetch_depth}"
         if self.compression_warmup < 0:
             return f"compression warm-up must be 0 or more steps, got {self.compression_warmup}"
-        problem = cp.sequence_problem(self.seq_len, self.context)
+        problem = sequence_problem(self.seq_len, self.context)   # the zigzag split (context_parallel.py)
         if problem:
             return problem
         local = self.seq_len // self.context     # the tokens of a sequence each context-parallel rank holds
@@ -146,14 +146,18 @@ def layout_record(opts: TrainOptions) -> dict:
 
 def options_from_plan(plan, *, model: str, data: str, steps: int, checkpoint_dir: str,
                       **more) -> TrainOptions:
-    """Training options for a ShardedModel's pods: the layout (T, P, replicas as DP) and each
+    """Training options for a ShardedModel's pods: the layout (T, P, replicas as DP x CP) and each
     stage's layer range come from the plan; the rest from the spec (passed as keywords with
     TrainOptions' names, e.g. checkpoint_every=100, lr=1e-4)."""
     stages = plan.stages_of(0) if plan.placements else []
     layers = [(p.layer_start, p.layer_end) for p in stages] or None
+    # The plan's replicas are C ranks per sequence x the data-parallel replicas, and its ZeRO-3
+    # degree counts replicas too (dp_shard x cp): MeshShape's order, so a pod's rank is the same.
+    context = plan.context
     return TrainOptions(model=model, data=data, steps=steps, checkpoint_dir=checkpoint_dir,
-                        tensor=plan.tensor, pipeline=plan.pipeline, data_parallel=max(1, plan.replicas),
-                        data_shard=plan.data_shard, stage_layers=layers, **more)
+                        tensor=plan.tensor, pipeline=plan.pipeline, context=context,
+                        data_parallel=max(1, plan.replicas // context), data_shard=plan.data_shard // context,
+                        stage_layers=layers, **more)
 
 
 def pod_rank(replica: int, stage: int, local_rank: int, plan) -> int:
