@@ -199,6 +199,20 @@ class ModelFactsStatus(ApiModel):
                                                          "a changed spec reads the model again")
 
 
+# status.nodeCache lists at most this many nodes (the most recently seen first)
+NODE_CACHE_MAX_NODES = 64
+
+
+class NodeCacheStatus(ApiModel):
+    """status.nodeCache: the nodes whose node-local cache the operator saw fill with this model's files
+    (a pod of the model Ready there, or a pre-pull pod done). A hint for the planner, which prefers
+    these nodes among otherwise equal placements; dropped when spec.model.uri changes."""
+
+    uri: str = Field(max_length=4096, description="the spec.model.uri the nodes hold files of")
+    nodes: list[str] = Field(default_factory=list, max_length=NODE_CACHE_MAX_NODES, description=(
+        "node names, the most recently seen first"))
+
+
 class ShardedModelStatus(ApiModel):
     phase: Optional[str] = Field(None, description="One of " + ", ".join(PHASES) + ".")
     message: Optional[str] = None
@@ -225,4 +239,6 @@ class ShardedModelStatus(ApiModel):
     model_facts: Optional[ModelFactsStatus] = Field(None, description="the model's shape as the operator read it")
     download: list[ReplicaDownload] = Field(default_factory=list, max_length=STATUS_MAX_DOWNLOADS, description=(
         "a remote model (hf://, s3://, oci://): each replica still fetching it, as its pods report"))
+    node_cache: Optional[NodeCacheStatus] = Field(None, description=(
+        "a remote model in the node-local cache: the nodes seen holding its files (a placement hint)"))
     autoscaling: Optional[AutoscalingStatus] = Field(None, description="the autoscaler's last decision (spec.autoscaling)")

@@ -8,6 +8,7 @@ import dataclasses
 from typing import Any, Mapping, Sequence, Union
 
 from shardwise.crds.models import ModelFactsStatus, ReplicaGroupStatus
+from shardwise.crds.status import NodeCacheStatus
 from shardwise.crds.plan import ShardPlan
 
 NOT_READY_REQUEUE = 5.0     # seconds between passes while something is on its way
@@ -87,6 +88,7 @@ class Decision:
     recoveries: list[str] = dataclasses.field(default_factory=list)    # causes of the groups torn down now
     plan_seconds: float | None = None
     size: int | None = None                # the replicas the model runs with (a training job: maybe fewer)
+    node_cache: NodeCacheStatus | None = None   # nodes whose cache holds the model's files, for status
 
     def new_pods(self) -> list[CreatePods]:
         return [a for a in self.actions if isinstance(a, CreatePods)]

@@ -30,7 +30,7 @@ from shardwise.crds import names
 from shardwise.crds.models import GroupPhase, ModelFactsStatus, ReplicaGroupStatus
 from shardwise.crds.modelshape import ModelFacts, ModelFactsError
 from shardwise.crds.plan import ShardPlan
-from shardwise.operator.decide import elastic, probe, recovery, rollout
+from shardwise.operator.decide import elastic, nodecache, probe, recovery, rollout
 from shardwise.operator.decide.actions import (NOT_READY_REQUEUE, STEADY_REQUEUE, Action, ApplyShared, CreatePods,
                                                CreateProbe, Decision, DeleteGroup, DeletePods, Event, SaveGroups,
                                                World)
@@ -100,6 +100,11 @@ class _Draft:
         self.recovered: list[float] = []
         self.recoveries: list[str] = []
         self.plan_seconds: float | None = None
+        self.node_cache = nodecache.update(state)   # the planner prefers these nodes among equals
+
+    @property
+    def warm(self) -> list[str]:
+        return self.node_cache.nodes if self.node_cache is not None else []
 
     def act(self, action: Action) -> None:
         self.actions.append(action)
@@ -124,7 +129,7 @@ class _Draft:
     def decision(self) -> Decision:
         return Decision(self.actions, self.groups, self.plan, self.events, self.requeue, self.invalid,
                         self.workload.gang and finished(self.groups.values()), self.facts,
-                        self.recovered, self.recoveries, self.plan_seconds, self.desired)
+                        self.recovered, self.recoveries, self.plan_seconds, self.desired, self.node_cache)
 
 
 # --- 1-3: spec changes, reshaping, scaling down ---------------------------------------------------
@@ -394,7 +399,7 @@ def _call_planner(d: _Draft, facts: ModelFacts) -> ShardPlan:
     started = time.monotonic()
     try:
         new = planning.plan_groups(d.spec, facts, d.state.namespace, d.state.name, d.world.nodes,
-                                   d.world.gpu_pods, d.replan, d.plan, keep, previous)
+                                   d.world.gpu_pods, d.replan, d.plan, keep, previous, warm=d.warm)
     finally:
         d.plan_seconds = time.monotonic() - started
     return new
@@ -430,7 +435,7 @@ def _plan_at(d: _Draft, facts: ModelFacts, n: int) -> ShardPlan:
     replicas = list(range(n))
     previous = {r: [p.node for p in d.stored.stages_of(r)] for r in replicas} if d.stored else {}
     new = planning.plan_groups(elastic.at_size(d.spec, n), facts, d.state.namespace, d.state.name,
-                               d.world.nodes, d.world.gpu_pods, replicas, None, [], previous)
+                               d.world.nodes, d.world.gpu_pods, replicas, None, [], previous, warm=d.warm)
     if planned(new) != set(replicas):
         raise planning.ShortOfCapacity(f"only {len(planned(new))} of the {n} replicas of the training job fit")
     return new

@@ -122,6 +122,7 @@ def build_status(state: ModelState, decision: Decision, job: Mapping[str, Any], 
         "plan": PlanSummary.from_plan(plan).to_api() if plan else None,
         "groups": group_records(decision.groups.values()),
         "modelFacts": decision.facts.to_api() if decision.facts else None,
+        "nodeCache": decision.node_cache.to_api() if decision.node_cache else None,
         **job,
     }
     return out
