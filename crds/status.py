@@ -45,6 +45,7 @@ class ConditionType(str, Enum):
     PODS_SCHEDULED = "PodsScheduled"
     RECOVERING = "Recovering"
     DOWNLOADING = "Downloading"    # a remote model's pods are fetching it (status.download)
+    PRE_PULLING = "PrePulling"     # pre-pull pods warm the planned nodes' caches (spec.model.prePull)
 
 
 class DownloadReason(str, Enum):
@@ -53,6 +54,13 @@ class DownloadReason(str, Enum):
     FETCHING = "Fetching"          # bytes are arriving
     STALLED = "Stalled"            # a pod has had no byte for crds/download.py STALL_SECONDS
     DONE = "Done"                  # every pod reporting has its share in its cache
+
+
+class PrePullReason(str, Enum):
+    """The reason of the PrePulling condition."""
+
+    FETCHING = "Fetching"          # pre-pull pods run; the groups' pods wait for them
+    DONE = "Done"                  # no group waits for a pre-pull
 
 
 # status.download lists at most this many replicas (the first ones still fetching)

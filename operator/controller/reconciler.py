@@ -32,7 +32,7 @@ from shardwise.operator.controller import metrics
 from shardwise.operator.decide import probe
 from shardwise.operator.decide import recovery
 from shardwise.operator.decide import status
-from shardwise.operator.render import renderer, source
+from shardwise.operator.render import prepull, renderer, source
 from shardwise.operator.controller import report
 from shardwise.operator.controller import download
 from shardwise.operator.controller.inferencepool import POOLS
@@ -144,8 +144,9 @@ def refused_message(state: ModelState, refusal: str) -> str:
 
 def _reserve(capacity: Any, state: ModelState, decision: Decision) -> None:
     """The GPUs of the pods about to be created, counted before the next model plans (the watch
-    lags behind our own creates)."""
-    for create in decision.new_pods():
+    lags behind our own creates); and of the groups waiting for their pre-pull, renewed every pass
+    while they wait, so that their planned GPUs are not handed to another model meanwhile."""
+    for create in [*decision.new_pods(), *decision.prepulling]:
         for pod in _pods(state, create):
             stage = int(pod["metadata"]["labels"][names.LABEL_STAGE])
             capacity.reserve(pod, create.plan.placement(create.replica, stage).node)
@@ -198,6 +199,14 @@ def _(action: decisions.CreatePods, applier: Applier, state: ModelState, writer:
     # Gang creation: every pod of the group in one pass (create-or-get, so a repeat is harmless).
     for pod in _pods(state, action):
         applier.create_pod(pod)
+
+
+@_run.register
+def _(action: decisions.CreatePrePull, applier: Applier, state: ModelState, writer: StatusWriter) -> None:
+    assert state.model is not None
+    for node in action.nodes:
+        applier.create_pod(prepull.render(state.model, action.plan, action.replica, action.attempt, node,
+                                          state.default_image))
 
 
 @_run.register

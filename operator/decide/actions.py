@@ -53,11 +53,20 @@ class CreatePods:
 
 
 @dataclasses.dataclass(frozen=True)
+class CreatePrePull:
+    """The pre-pull pods of one replica group's attempt on these nodes of its plan (spec.model.prePull)."""
+    replica: int
+    attempt: int
+    plan: ShardPlan
+    nodes: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class CreateProbe:
     """The short-lived pod that reads the model's shape where the model lives."""
 
 
-Action = Union[DeleteGroup, DeletePods, ApplyShared, SaveGroups, CreatePods, CreateProbe]
+Action = Union[DeleteGroup, DeletePods, ApplyShared, SaveGroups, CreatePods, CreatePrePull, CreateProbe]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +98,10 @@ class Decision:
     plan_seconds: float | None = None
     size: int | None = None                # the replicas the model runs with (a training job: maybe fewer)
     node_cache: NodeCacheStatus | None = None   # nodes whose cache holds the model's files, for status
+    # groups whose pods wait for their nodes' pre-pull (their GPUs are reserved meanwhile), and what
+    # status says of them
+    prepulling: tuple[CreatePods, ...] = ()
+    prepull_note: str = ""
 
     def new_pods(self) -> list[CreatePods]:
         return [a for a in self.actions if isinstance(a, CreatePods)]

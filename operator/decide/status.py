@@ -23,7 +23,7 @@ from typing import Any, Iterable, Mapping
 from shardwise.crds import names
 from shardwise.crds.models import GroupPhase, ModelPhase, PlanSummary, ReplicaGroupStatus
 from shardwise.crds.status import group_records, shortened
-from shardwise.operator.decide import elastic, recovery
+from shardwise.operator.decide import elastic, prepull, recovery
 from shardwise.operator.decide.conditions import condition, set_condition
 from shardwise.operator.decide.actions import Decision, Event
 from shardwise.operator.planning.groups import planned
@@ -125,6 +125,7 @@ def build_status(state: ModelState, decision: Decision, job: Mapping[str, Any], 
         "nodeCache": decision.node_cache.to_api() if decision.node_cache else None,
         **job,
     }
+    prepull.report(out, decision.prepull_note, stamp)
     return out
 
 
