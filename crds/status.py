@@ -214,9 +214,10 @@ NODE_CACHE_MAX_NODES = 64
 class NodeCacheStatus(ApiModel):
     """status.nodeCache: the nodes whose node-local cache the operator saw fill with this model's files
     (a pod of the model Ready there, or a pre-pull pod done). A hint for the planner, which prefers
-    these nodes among otherwise equal placements; dropped when spec.model.uri changes."""
+    these nodes among otherwise equal placements; dropped when spec.model.uri or endpoint changes."""
 
     uri: str = Field(max_length=4096, description="the spec.model.uri the nodes hold files of")
+    endpoint: Optional[str] = Field(None, max_length=2048, description="its spec.model.endpoint (s3://), if any")
     nodes: list[str] = Field(default_factory=list, max_length=NODE_CACHE_MAX_NODES, description=(
         "node names, the most recently seen first"))
 

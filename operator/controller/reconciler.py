@@ -38,7 +38,7 @@ from shardwise.operator.controller import download
 from shardwise.operator.controller.inferencepool import POOLS
 from shardwise.operator.controller.routers import ROUTERS
 from shardwise.operator.controller import progress as training
-from shardwise.operator.controller.apply import Applier, ObjectConflict, PodRefused, StaleStatus
+from shardwise.operator.controller.apply import Applier, ObjectConflict, PodRefused, StaleStatus, any_refusal
 from shardwise.operator.decide.decisions import Decision, Event, World
 from shardwise.operator.controller.observe import observe
 from shardwise.operator.decide.state import ModelState
@@ -204,9 +204,16 @@ def _(action: decisions.CreatePods, applier: Applier, state: ModelState, writer:
 @_run.register
 def _(action: decisions.CreatePrePull, applier: Applier, state: ModelState, writer: StatusWriter) -> None:
     assert state.model is not None
-    for node in action.nodes:
-        applier.create_pod(prepull.render(state.model, action.plan, action.replica, action.attempt, node,
-                                          state.default_image))
+    try:
+        for node in action.nodes:
+            applier.create_pod(prepull.render(state.model, action.plan, action.replica, action.attempt, node,
+                                              state.default_image), refusals=any_refusal)
+    except PodRefused as e:
+        # A pre-pull never blocks serving: any refusal of its pod (a quota, an admission policy the
+        # worker pods meet) starts the group's own pods, which fetch their files themselves.
+        _run(action.group, applier, state, writer)
+        raise PodRefused(f"a pre-pull pod was refused ({e}); replica {action.replica}'s pods were created "
+                         f"without a pre-pull") from None
 
 
 @_run.register

@@ -54,11 +54,13 @@ class CreatePods:
 
 @dataclasses.dataclass(frozen=True)
 class CreatePrePull:
-    """The pre-pull pods of one replica group's attempt on these nodes of its plan (spec.model.prePull)."""
+    """The pre-pull pods of one replica group's attempt on these nodes of its plan (spec.model.prePull);
+    `group`: the group's own pods, created instead when admission refuses a pre-pull pod."""
     replica: int
     attempt: int
     plan: ShardPlan
     nodes: tuple[str, ...]
+    group: CreatePods
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,8 +3,9 @@ status.nodeCache, which the planner reads as a preference (operator/planning/pla
 
 A node is added when a pod of the model's current spec is Ready on it (a pod of an hf://, s3:// or
 oci:// model is Ready only once its share is in the cache) or a pre-pull pod of the model Succeeded
-on it (decide/prepull.py). The list is the model's own: keyed by spec.model.uri (a changed uri, or
-revision in it, is other files: the list starts again), the nodes seen this pass first, at most
+on it (decide/prepull.py). The list is the model's own: keyed by spec.model.uri and endpoint (a
+changed uri, revision in it or store is other files: the list starts again), the nodes seen this
+pass first, at most
 NODE_CACHE_MAX_NODES. A model whose pods cache in their own emptyDir (spec.model.cache pod, or the
 operator's cache off) leaves nothing on a node: no list.
 
@@ -34,13 +35,14 @@ NODE_NAME_MAX = 253
 _NODE_NAME = re.compile(DNS_SUBDOMAIN_PATTERN)
 
 
-def stored(status: Mapping[str, Any], uri: str) -> list[str]:
-    """The nodes status.nodeCache holds for `uri` ([] for another uri, or a list that does not parse)."""
+def stored(status: Mapping[str, Any], uri: str, endpoint: str | None = None) -> list[str]:
+    """The nodes status.nodeCache holds for `uri` at `endpoint` ([] for another source, or a list that
+    does not parse)."""
     try:
         found = NodeCacheStatus.model_validate(status.get("nodeCache") or {"uri": ""})
     except ValidationError:
         return []
-    if found.uri != uri:
+    if (found.uri, found.endpoint) != (uri, endpoint):
         return []
     nodes = [n for n in found.nodes if isinstance(n, str) and len(n) <= NODE_NAME_MAX and _NODE_NAME.match(n)]
     return list(dict.fromkeys(nodes))[:NODE_CACHE_MAX_NODES]
@@ -71,9 +73,9 @@ def update(state: ModelState, prepulled: Iterable[str] = ()) -> NodeCacheStatus 
     listed, in their order), then the others listed before; None when nothing is cached on nodes."""
     if not caches_on_nodes(state):
         return None
-    uri = state.spec.model.uri
-    before = stored(state.status, uri)
+    uri, endpoint = state.spec.model.uri, state.spec.model.endpoint
+    before = stored(state.status, uri, endpoint)
     seen = set(seen_now(state, prepulled))
     ordered = ([n for n in sorted(seen) if n not in before] + [n for n in before if n in seen]
                + [n for n in before if n not in seen])
-    return NodeCacheStatus(uri=uri, nodes=ordered[:NODE_CACHE_MAX_NODES])
+    return NodeCacheStatus(uri=uri, endpoint=endpoint, nodes=ordered[:NODE_CACHE_MAX_NODES])

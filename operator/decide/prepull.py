@@ -118,7 +118,8 @@ def gate(state: ModelState, nodes: Mapping[str, Mapping[str, Any]], actions: Seq
             keep |= {render.pod_name(state.name, group.create.replica, group.create.attempt, n) for n in group.pods}
             missing = tuple(n for n, p in group.pods.items() if p is None)
             if missing:
-                out.append(CreatePrePull(group.create.replica, group.create.attempt, group.create.plan, missing))
+                out.append(CreatePrePull(group.create.replica, group.create.attempt, group.create.plan, missing,
+                                         group.create))
             if len(missing) == len(group.pods):
                 events.append(Event("Normal", "PrePulling", f"replica {group.create.replica}: fetching "
                                     f"{state.spec.model.uri} into the caches of {_nodes(list(group.pods))} "

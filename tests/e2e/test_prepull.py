@@ -80,3 +80,58 @@ def _fetched(kubectl, cluster) -> str | None:
         return fetch_line(kubectl, cluster, uri=URI)
     except (AssertionError, OSError):
         return None
+
+
+def test_a_refused_pre_pull_pod_never_blocks_the_group(cluster, namespace, kubectl, node_factory, tmp_path):
+    """An admission policy of the cluster refuses pre-pull pods in this namespace: the group's pods
+    are created anyway, and the refusal is said in one Warning."""
+    from tests.e2e.test_remote_model import CRD
+    cluster.install_crd(CRD)
+    node_factory(f"{namespace}-g8", gpus=8, labels={"shardwise.dev/test": namespace})   # kwok: pods only pretend
+    policy = f"no-prepull-{namespace}"[:63]
+    kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": [
+        {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy",
+         "metadata": {"name": policy},
+         "spec": {"failurePolicy": "Fail", "matchConstraints": {"resourceRules": [
+             {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods"]}]},
+             "validations": [{"expression": "!has(object.metadata.labels) || "
+                                            "!('shardwise.dev/role' in object.metadata.labels) || "
+                                            "object.metadata.labels['shardwise.dev/role'] != 'model-prepull'",
+                              "message": "pre-pull pods are not allowed here"}]}},
+        {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicyBinding",
+         "metadata": {"name": policy},
+         "spec": {"policyName": policy, "validationActions": ["Deny"], "matchResources": {
+             "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}}}}}]}))
+    try:
+        probe = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "labels": {
+            "shardwise.dev/role": "model-prepull"}}, "spec": {"containers": [{"name": "c", "image": "x"}]}}
+
+        def refused():
+            try:
+                kubectl("create", "--dry-run=server", "-f", "-", input=json.dumps(probe))
+            except AssertionError as e:
+                return "not allowed here" in str(e) or None
+            return None
+        wait(refused, 30, "the admission policy in force")
+        with cluster.operator(namespace, tmp_path / "operator.log"):
+            sm = {"apiVersion": "shardwise.dev/v1alpha1", "kind": "ShardedModel", "metadata": {"name": "pp"},
+                  "spec": {"model": {"uri": URI, "endpoint": "http://127.0.0.1:9", "pathStyle": True,
+                                     "prePull": True, "parameters": 135_000_000, "layers": 30, "heads": 9,
+                                     "kvHeads": 3, "hiddenSize": 576, "vocabSize": 49152},
+                           "parallelism": {"tensor": 1, "pipeline": 1, "replicas": 1},
+                           "placement": {"nodeSelector": {"shardwise.dev/test": namespace}}}}
+            kubectl("apply", "-f", "-", input=json.dumps(sm))
+            wait(lambda: stage0(kubectl, "pp")[0] or _pod_named(kubectl), 90, "the group's pod despite the refusal")
+            events = json.loads(kubectl("get", "events", "--field-selector", "involvedObject.name=pp",
+                                        "-o", "json"))["items"]
+            said = [e["message"] for e in events if e["reason"] == "PodRefused"]
+            assert said and "not allowed here" in said[0] and "created without a pre-pull" in said[0], said
+    finally:
+        kubectl("delete", "validatingadmissionpolicybinding,validatingadmissionpolicy", policy, "--ignore-not-found",
+                check=False)
+
+
+def _pod_named(kubectl) -> str | None:
+    pods = json.loads(kubectl("get", "pods", "-l", "shardwise.dev/model=pp,shardwise.dev/stage=0",
+                              "-o", "json"))["items"]
+    return pods[0]["metadata"]["name"] if pods else None

@@ -72,8 +72,8 @@ def test_warmth_never_splits_a_replica_across_racks_when_one_rack_holds_it():
     assert _plan(remote(pipeline=2, replicas=1), nodes, warm=["d0", "d1"]) == [["d0", "d1"]]
 
 
-def _state(status: dict, pods=(), uri: str = URI, cache: str | None = None):
-    model = {**LLAMA_8B, "uri": uri, **({"cache": cache} if cache else {})}
+def _state(status: dict, pods=(), uri: str = URI, cache: str | None = None, endpoint: str | None = None):
+    model = {**LLAMA_8B, "uri": uri, **({"cache": cache} if cache else {}), **({"endpoint": endpoint} if endpoint else {})}
     body = {"metadata": {"name": "m", "namespace": "ns", "uid": "u-1", "generation": 1},
             "spec": {"model": model, "parallelism": {"tensor": 8}}, "status": status}
     return parse_state(body, list(pods), None, "img:1")
@@ -97,6 +97,9 @@ def test_the_list_is_bounded_most_recent_first_and_starts_again_when_the_source_
     # another uri (or revision) is other files: the list starts again
     moved = nodecache.update(_state({"nodeCache": {"uri": URI, "nodes": full}}, uri=URI + "-v2"))
     assert moved.uri == URI + "-v2" and moved.nodes == []
+    # so is the same uri in another store
+    moved = nodecache.update(_state({"nodeCache": {"uri": URI, "nodes": full}}, endpoint="http://other:9000"))
+    assert moved.endpoint == "http://other:9000" and moved.nodes == []
     # a pod of an older spec (the old uri, still serving during a roll) adds nothing to the new list
     old = _ready_pod(state, "old-node", "m-r0-s0-a1")
     assert nodecache.update(_state({}, [old], uri=URI + "-v2")).nodes == []
