@@ -139,8 +139,9 @@ class Tree:
 
     def _leaf_best(self, leaf: _Domain) -> None:
         k_max = min(leaf.slots, self.want)
-        cold = 0 if leaf.name in self.warm else self.unit   # each stage here fetches its share first
-        leaf.best = [0] + [k * cold + leaf.slots - k for k in range(1, k_max + 1)] + [INF] * (self.want - k_max)
+        # leftover slots, and on a cold node each stage fetching its share first: unit - 1 more a stage
+        step = -1 if leaf.name in self.warm else self.unit - 1
+        leaf.best = [0] + [leaf.slots + k * step for k in range(1, k_max + 1)] + [INF] * (self.want - k_max)
 
     def _inner_best(self, domain: _Domain) -> None:
         cross = self.crossing(domain) * self.weight_cost

@@ -70,7 +70,7 @@ def _run(cluster, kubectl, label, endpoint) -> None:
     line = wait(lambda: _fetched(kubectl, cluster), 120, "the pod's fetch line")
     assert "fetched 0.0 MiB" in line and "from the node's cache" in line, line
     status = json.loads(kubectl("get", "sm", "smol", "-o", "json"))["status"]
-    assert status["nodeCache"] == {"uri": URI, "nodes": [node]}
+    assert (status["nodeCache"]["uri"], status["nodeCache"]["nodes"]) == (URI, [node])
     wait(lambda: not json.loads(kubectl("get", "pods", "-l", "shardwise.dev/role=model-prepull",
                                         "-o", "json"))["items"] or None, 60, "the pre-pull pod deleted")
 
