@@ -169,7 +169,8 @@ def _nodes(found: list[str]) -> str:
 
 def _first(items: Iterable[str]) -> str:
     items = list(items)
-    return "; ".join(items[:MESSAGE_NODES]) + (f"; {len(items) - MESSAGE_NODES} more" if len(items) > MESSAGE_NODES else "")
+    more = f"; {len(items) - MESSAGE_NODES} more" if len(items) > MESSAGE_NODES else ""
+    return "; ".join(items[:MESSAGE_NODES]) + more
 
 
 def report(status: dict, note: str, stamp: str) -> None:

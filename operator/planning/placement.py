@@ -67,8 +67,8 @@ class Tree:
 
     def __init__(self, nodes: Sequence[NodeInfo], keys: Sequence[str], slots: dict[str, int], want: int,
                  pack: bool = False, warm: frozenset[str] = frozenset()):
-        self.keys = list(keys)
-        self.warm = warm                             # nodes whose cache holds the model's files                       # tightest first, as in the spec
+        self.keys = list(keys)                       # tightest first, as in the spec
+        self.warm = warm                             # nodes whose cache holds the model's files
         self.overlap = -1 if pack else 1             # other replicas in a domain: attract, or repel
         self.depth = len(self.keys)                  # levels of domains below the root
         self.want = want

@@ -73,7 +73,8 @@ def test_warmth_never_splits_a_replica_across_racks_when_one_rack_holds_it():
 
 
 def _state(status: dict, pods=(), uri: str = URI, cache: str | None = None, endpoint: str | None = None):
-    model = {**LLAMA_8B, "uri": uri, **({"cache": cache} if cache else {}), **({"endpoint": endpoint} if endpoint else {})}
+    model = {**LLAMA_8B, "uri": uri, **({"cache": cache} if cache else {}),
+             **({"endpoint": endpoint} if endpoint else {})}
     body = {"metadata": {"name": "m", "namespace": "ns", "uid": "u-1", "generation": 1},
             "spec": {"model": model, "parallelism": {"tensor": 8}}, "status": status}
     return parse_state(body, list(pods), None, "img:1")
