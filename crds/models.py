@@ -130,7 +130,7 @@ class ModelSource(sourcespec.FetchSettings):
     def _cross_checks(self) -> "ModelSource":
         if self.format == "gguf" and not self.uri.endswith(".gguf"):
             raise ValueError("model.uri must name a .gguf file when model.format is gguf")
-        source_problem = sourcespec.problem(self.uri, self.format, self.endpoint, self.region, self.path_style, self.fetch_streams)
+        source_problem = sourcespec.source_problem(self)
         if source_problem:
             raise ValueError(source_problem)
         if malformed_pvc(self.uri):

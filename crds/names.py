@@ -127,6 +127,12 @@ def probe_pod_name(model: str, digest: str) -> str:
     return f"{model}-probe-{digest}"
 
 
+def prepull_pod_name(model: str, replica: int, digest: str) -> str:
+    """A pre-pull pod (spec.model.prePull): one per replica group's node; `digest` is 8 hex digits
+    of the node's name and the group's attempt."""
+    return f"{model}-r{replica}-pull-{digest}"
+
+
 def _longest_model_name() -> int:
     """The longest model name whose every derived name stays within its limit: each name pattern
     applied to "" with the largest replica, stage and attempt gives what it adds to the name."""
@@ -140,6 +146,7 @@ def _longest_model_name() -> int:
         (len(pdb_name("")), DNS_SUBDOMAIN_MAX),
         (len(network_policy_name("")), DNS_SUBDOMAIN_MAX),
         (len(probe_pod_name("", "0" * 8)), DNS_SUBDOMAIN_MAX),
+        (len(prepull_pod_name("", last_replica, "0" * 8)), DNS_SUBDOMAIN_MAX),
         (0, DNS_LABEL_MAX),  # the model's label (LABEL_MODEL, LABEL_APP_INSTANCE) carries the name
     ]
     return min(limit - extra for extra, limit in added)

@@ -1,6 +1,7 @@
 """spec.model's fields for a model fetched from where it lives (hf://, s3://, oci://): which uri
 schemes the API accepts, the S3 endpoint, region and addressing, the Secret of credentials, where
-the fetched files are cached, how many reads a pod's fetch keeps in flight (FetchSettings, a base of
+the fetched files are cached, how many reads a pod's fetch keeps in flight and whether the operator
+warms the planned nodes' caches first (FetchSettings, a base of
 crds/models.py ModelSource); and the rules between them, as CEL for the API server and in Python
 for `shardwise plan -f`, with one message each.
 
@@ -42,6 +43,8 @@ HF_GGUF = r"^hf://[^/@]+/[^/@]+(@[^/@]+)?/.+[.]gguf$"   # no backslash: CEL stri
 UNKNOWN_SCHEME = ("model.uri has an unknown scheme: use a path, pvc://, hf://, s3:// or oci://")
 S3_ONLY = "model.endpoint, model.region and model.pathStyle are for s3:// uris only"
 REMOTE_ONLY = "model.fetchStreams is for hf://, s3:// and oci:// uris only"
+PRE_PULL_REMOTE = "model.prePull is for hf://, s3:// and oci:// uris only"
+PRE_PULL_NODE_CACHE = "model.prePull warms the node-local cache: it cannot go with model.cache pod"
 HF_GGUF_FILE = "model.uri must name a .gguf file inside the repository (hf://<org>/<name>/<file>.gguf) when model.format is gguf"
 
 # An S3-compatible endpoint: http(s), a host and an optional port and path; no user:password@ (the
@@ -83,6 +86,12 @@ class FetchSettings(ApiModel):
         f"hf://, s3://, oci://: reads each pod keeps in flight while it fetches (files at once, and "
         f"large files in byte-range parts), 1 to {MAX_FETCH_STREAMS}; 1 fetches one file after another. "
         f"Omitted: {FETCH_STREAMS}. Read when a pod starts: changing it restarts no pod."))
+    pre_pull: Optional[bool] = Field(None, description=(
+        "hf://, s3://, oci://: before a replica group's pods are created, fetch what each of its "
+        "nodes will load into that node's cache with one short-lived pod per node, all nodes at once; "
+        "the group's pods are created when every pre-pull pod is done (or failed or timed out: the pods "
+        "then fetch the rest themselves). Neither pods nor GPUs are held while the files download. "
+        "Needs the node-local cache (model.cache node). Default false; changing it restarts no pod."))
 
 
 def cel_rules() -> list[tuple[str, str, str]]:
@@ -95,13 +104,18 @@ def cel_rules() -> list[tuple[str, str, str]]:
                   "!has(self.pathStyle))", S3_ONLY, ".endpoint"))
     remote = "^(" + "|".join(REMOTE_SCHEMES) + ")://"
     rules.append((f"!has(self.fetchStreams) || self.uri.matches('{remote}')", REMOTE_ONLY, ".fetchStreams"))
+    rules.append((f"!has(self.prePull) || !self.prePull || self.uri.matches('{remote}')", PRE_PULL_REMOTE,
+                  ".prePull"))
+    rules.append(("!has(self.prePull) || !self.prePull || !has(self.cache) || self.cache != 'pod'",
+                  PRE_PULL_NODE_CACHE, ".prePull"))
     rules.append(("self.format != 'gguf' || !self.uri.startsWith('hf://') || "
                   f"self.uri.matches('{HF_GGUF}')", HF_GGUF_FILE, ".uri"))
     return rules
 
 
 def problem(uri: str, fmt: str, endpoint: Optional[str], region: Optional[str],
-            path_style: Optional[bool], fetch_streams: Optional[int] = None) -> str:
+            path_style: Optional[bool], fetch_streams: Optional[int] = None, pre_pull: Optional[bool] = None,
+            cache: Optional[ModelCache] = None) -> str:
     """cel_rules in Python: the first rule the source breaks, "" when none."""
     if re.match(ANY_SCHEME, uri) and not re.match(KNOWN_SCHEME, uri):
         return UNKNOWN_SCHEME
@@ -112,6 +126,10 @@ def problem(uri: str, fmt: str, endpoint: Optional[str], region: Optional[str],
         return S3_ONLY
     if fetch_streams is not None and found not in REMOTE_SCHEMES:
         return REMOTE_ONLY
+    if pre_pull and found not in REMOTE_SCHEMES:
+        return PRE_PULL_REMOTE
+    if pre_pull and cache == ModelCache.POD:
+        return PRE_PULL_NODE_CACHE
     if fmt == "gguf" and found == "hf" and not re.match(HF_GGUF, uri):
         return HF_GGUF_FILE
     if found in REMOTE_SCHEMES:
@@ -120,3 +138,10 @@ def problem(uri: str, fmt: str, endpoint: Optional[str], region: Optional[str],
         except ModelUriError as e:
             return str(e)
     return ""
+
+
+def source_problem(source: "FetchSettings") -> str:
+    """problem() of a whole spec.model (crds/models.py ModelSource)."""
+    m = source
+    return problem(m.uri, m.format, m.endpoint, m.region, m.path_style, m.fetch_streams,  # type: ignore[attr-defined]
+                   m.pre_pull, m.cache)  # type: ignore[attr-defined]

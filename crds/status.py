@@ -45,6 +45,7 @@ class ConditionType(str, Enum):
     PODS_SCHEDULED = "PodsScheduled"
     RECOVERING = "Recovering"
     DOWNLOADING = "Downloading"    # a remote model's pods are fetching it (status.download)
+    PRE_PULLING = "PrePulling"     # pre-pull pods warm the planned nodes' caches (spec.model.prePull)
 
 
 class DownloadReason(str, Enum):
@@ -53,6 +54,13 @@ class DownloadReason(str, Enum):
     FETCHING = "Fetching"          # bytes are arriving
     STALLED = "Stalled"            # a pod has had no byte for crds/download.py STALL_SECONDS
     DONE = "Done"                  # every pod reporting has its share in its cache
+
+
+class PrePullReason(str, Enum):
+    """The reason of the PrePulling condition."""
+
+    FETCHING = "Fetching"          # pre-pull pods run; the groups' pods wait for them
+    DONE = "Done"                  # no group waits for a pre-pull
 
 
 # status.download lists at most this many replicas (the first ones still fetching)
@@ -199,6 +207,21 @@ class ModelFactsStatus(ApiModel):
                                                          "a changed spec reads the model again")
 
 
+# status.nodeCache lists at most this many nodes (the most recently seen first)
+NODE_CACHE_MAX_NODES = 64
+
+
+class NodeCacheStatus(ApiModel):
+    """status.nodeCache: the nodes whose node-local cache the operator saw fill with this model's files
+    (a pod of the model Ready there, or a pre-pull pod done). A hint for the planner, which prefers
+    these nodes among otherwise equal placements; dropped when spec.model.uri or endpoint changes."""
+
+    uri: str = Field(max_length=4096, description="the spec.model.uri the nodes hold files of")
+    endpoint: Optional[str] = Field(None, max_length=2048, description="its spec.model.endpoint (s3://), if any")
+    nodes: list[str] = Field(default_factory=list, max_length=NODE_CACHE_MAX_NODES, description=(
+        "node names, the most recently seen first"))
+
+
 class ShardedModelStatus(ApiModel):
     phase: Optional[str] = Field(None, description="One of " + ", ".join(PHASES) + ".")
     message: Optional[str] = None
@@ -225,4 +248,6 @@ class ShardedModelStatus(ApiModel):
     model_facts: Optional[ModelFactsStatus] = Field(None, description="the model's shape as the operator read it")
     download: list[ReplicaDownload] = Field(default_factory=list, max_length=STATUS_MAX_DOWNLOADS, description=(
         "a remote model (hf://, s3://, oci://): each replica still fetching it, as its pods report"))
+    node_cache: Optional[NodeCacheStatus] = Field(None, description=(
+        "a remote model in the node-local cache: the nodes seen holding its files (a placement hint)"))
     autoscaling: Optional[AutoscalingStatus] = Field(None, description="the autoscaler's last decision (spec.autoscaling)")

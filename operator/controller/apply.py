@@ -87,6 +87,19 @@ def pod_refusal(error: ApiException) -> str:
     return line if len(line) <= POD_MESSAGE_MAX else line[:POD_MESSAGE_MAX - 1] + "…"
 
 
+def any_refusal(error: ApiException) -> str:
+    """The one line of any refusal of a pod (400, 403, 422: Pod Security, a quota, an admission policy,
+    a webhook), "" for any other error."""
+    if error.status not in (400, 403, 422):
+        return ""
+    try:
+        message = str(json.loads(error.body or "{}").get("message") or "")
+    except (ValueError, AttributeError):
+        message = ""
+    line = " ".join((message or str(error.reason or error.status)).split())
+    return line if len(line) <= POD_MESSAGE_MAX else line[:POD_MESSAGE_MAX - 1] + "…"
+
+
 def owned_by(obj: Mapping[str, Any], uid: str) -> bool:
     return any(ref.get("uid") == uid for ref in (obj.get("metadata") or {}).get("ownerReferences") or [])
 
@@ -202,8 +215,9 @@ class Applier:
 
     # --- writes ----------------------------------------------------------------------------------
 
-    def create_pod(self, pod: Mapping[str, Any]) -> bool:
-        """Create-or-get: True when created now, False when it already existed."""
+    def create_pod(self, pod: Mapping[str, Any], refusals: Callable[[ApiException], str] = pod_refusal) -> bool:
+        """Create-or-get: True when created now, False when it already existed; PodRefused when
+        `refusals` reads the error as admission's refusal (by default Pod Security's)."""
         self.fence()
         self._count("create", "Pod")
         try:
@@ -212,7 +226,7 @@ class Applier:
         except ApiException as e:
             if e.status == 409:
                 return False
-            refused = pod_refusal(e)
+            refused = refusals(e)
             if refused:
                 raise PodRefused(refused) from None
             raise

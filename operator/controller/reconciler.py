@@ -32,13 +32,13 @@ from shardwise.operator.controller import metrics
 from shardwise.operator.decide import probe
 from shardwise.operator.decide import recovery
 from shardwise.operator.decide import status
-from shardwise.operator.render import renderer, source
+from shardwise.operator.render import prepull, renderer, source
 from shardwise.operator.controller import report
 from shardwise.operator.controller import download
 from shardwise.operator.controller.inferencepool import POOLS
 from shardwise.operator.controller.routers import ROUTERS
 from shardwise.operator.controller import progress as training
-from shardwise.operator.controller.apply import Applier, ObjectConflict, PodRefused, StaleStatus
+from shardwise.operator.controller.apply import Applier, ObjectConflict, PodRefused, StaleStatus, any_refusal
 from shardwise.operator.decide.decisions import Decision, Event, World
 from shardwise.operator.controller.observe import observe
 from shardwise.operator.decide.state import ModelState
@@ -144,8 +144,9 @@ def refused_message(state: ModelState, refusal: str) -> str:
 
 def _reserve(capacity: Any, state: ModelState, decision: Decision) -> None:
     """The GPUs of the pods about to be created, counted before the next model plans (the watch
-    lags behind our own creates)."""
-    for create in decision.new_pods():
+    lags behind our own creates); and of the groups waiting for their pre-pull, renewed every pass
+    while they wait, so that their planned GPUs are not handed to another model meanwhile."""
+    for create in [*decision.new_pods(), *decision.prepulling]:
         for pod in _pods(state, create):
             stage = int(pod["metadata"]["labels"][names.LABEL_STAGE])
             capacity.reserve(pod, create.plan.placement(create.replica, stage).node)
@@ -198,6 +199,21 @@ def _(action: decisions.CreatePods, applier: Applier, state: ModelState, writer:
     # Gang creation: every pod of the group in one pass (create-or-get, so a repeat is harmless).
     for pod in _pods(state, action):
         applier.create_pod(pod)
+
+
+@_run.register
+def _(action: decisions.CreatePrePull, applier: Applier, state: ModelState, writer: StatusWriter) -> None:
+    assert state.model is not None
+    try:
+        for node in action.nodes:
+            applier.create_pod(prepull.render(state.model, action.plan, action.replica, action.attempt, node,
+                                              state.default_image), refusals=any_refusal)
+    except PodRefused as e:
+        # A pre-pull never blocks serving: any refusal of its pod (a quota, an admission policy the
+        # worker pods meet) starts the group's own pods, which fetch their files themselves.
+        _run(action.group, applier, state, writer)
+        raise PodRefused(f"a pre-pull pod was refused ({e}); replica {action.replica}'s pods were created "
+                         f"without a pre-pull") from None
 
 
 @_run.register

@@ -8,6 +8,7 @@ import dataclasses
 from typing import Any, Mapping, Sequence, Union
 
 from shardwise.crds.models import ModelFactsStatus, ReplicaGroupStatus
+from shardwise.crds.status import NodeCacheStatus
 from shardwise.crds.plan import ShardPlan
 
 NOT_READY_REQUEUE = 5.0     # seconds between passes while something is on its way
@@ -52,11 +53,22 @@ class CreatePods:
 
 
 @dataclasses.dataclass(frozen=True)
+class CreatePrePull:
+    """The pre-pull pods of one replica group's attempt on these nodes of its plan (spec.model.prePull);
+    `group`: the group's own pods, created instead when admission refuses a pre-pull pod."""
+    replica: int
+    attempt: int
+    plan: ShardPlan
+    nodes: tuple[str, ...]
+    group: CreatePods
+
+
+@dataclasses.dataclass(frozen=True)
 class CreateProbe:
     """The short-lived pod that reads the model's shape where the model lives."""
 
 
-Action = Union[DeleteGroup, DeletePods, ApplyShared, SaveGroups, CreatePods, CreateProbe]
+Action = Union[DeleteGroup, DeletePods, ApplyShared, SaveGroups, CreatePods, CreatePrePull, CreateProbe]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +99,11 @@ class Decision:
     recoveries: list[str] = dataclasses.field(default_factory=list)    # causes of the groups torn down now
     plan_seconds: float | None = None
     size: int | None = None                # the replicas the model runs with (a training job: maybe fewer)
+    node_cache: NodeCacheStatus | None = None   # nodes whose cache holds the model's files, for status
+    # groups whose pods wait for their nodes' pre-pull (their GPUs are reserved meanwhile), and what
+    # status says of them
+    prepulling: tuple[CreatePods, ...] = ()
+    prepull_note: str = ""
 
     def new_pods(self) -> list[CreatePods]:
         return [a for a in self.actions if isinstance(a, CreatePods)]

@@ -17,7 +17,8 @@ One pass, in order:
      recognises (pods are named by replica, stage and attempt, and created with create-or-get).
      A training job is planned whole at the largest size that fits (elastic.py), once every pod of
      its previous run is gone (they may be saving a checkpoint);
-  6. pods of an older attempt of a live group (an interrupted teardown) are deleted.
+  6. pods of an older attempt of a live group (an interrupted teardown) are deleted;
+  7. with spec.model.prePull, the creation of a group waits for its nodes' pre-pull (prepull.py).
 """
 from __future__ import annotations
 
@@ -30,10 +31,10 @@ from shardwise.crds import names
 from shardwise.crds.models import GroupPhase, ModelFactsStatus, ReplicaGroupStatus
 from shardwise.crds.modelshape import ModelFacts, ModelFactsError
 from shardwise.crds.plan import ShardPlan
-from shardwise.operator.decide import elastic, probe, recovery, rollout
+from shardwise.operator.decide import elastic, nodecache, prepull, probe, recovery, rollout
 from shardwise.operator.decide.actions import (NOT_READY_REQUEUE, STEADY_REQUEUE, Action, ApplyShared, CreatePods,
-                                               CreateProbe, Decision, DeleteGroup, DeletePods, Event, SaveGroups,
-                                               World)
+                                               CreatePrePull, CreateProbe, Decision, DeleteGroup, DeletePods, Event,
+                                               SaveGroups, World)
 from shardwise.operator.decide.conditions import condition
 from shardwise.operator.decide.recovery import StepAction
 from shardwise.operator.decide.rollout import outdated_pods as _outdated_pods
@@ -43,8 +44,8 @@ from shardwise.operator.planning import groups as planning
 from shardwise.operator.planning.groups import drop_replicas, merge_plan, planned
 from shardwise.operator.render import renderer
 
-__all__ = ["NOT_READY_REQUEUE", "STEADY_REQUEUE", "Action", "ApplyShared", "CreatePods", "CreateProbe", "Decision",
-           "DeleteGroup", "DeletePods", "Event", "SaveGroups", "World", "decide"]
+__all__ = ["NOT_READY_REQUEUE", "STEADY_REQUEUE", "Action", "ApplyShared", "CreatePods", "CreatePrePull", "CreateProbe",
+           "Decision", "DeleteGroup", "DeletePods", "Event", "SaveGroups", "World", "decide"]
 
 # Group phases in which a pass has nothing on its way for the group (no quick requeue).
 SETTLED = (GroupPhase.READY, GroupPhase.FAILED, GroupPhase.SUCCEEDED, GroupPhase.PENDING, GroupPhase.RECOVERING)
@@ -70,6 +71,7 @@ def decide(state: ModelState, world: World, now: datetime) -> Decision:
     if d.extent > d.desired:
         _scale_down(d)      # a roll that ended in this pass removes its surge replicas in it
     _remove_leftovers(d)
+    _gate_on_prepull(d)
     return d.decision()
 
 
@@ -100,6 +102,14 @@ class _Draft:
         self.recovered: list[float] = []
         self.recoveries: list[str] = []
         self.plan_seconds: float | None = None
+        # the planner prefers these nodes among equals
+        self.node_cache = nodecache.update(state, prepull.succeeded_nodes(state))
+        self.prepulling: tuple[CreatePods, ...] = ()
+        self.prepull_note = ""
+
+    @property
+    def warm(self) -> list[str]:
+        return self.node_cache.nodes if self.node_cache is not None else []
 
     def act(self, action: Action) -> None:
         self.actions.append(action)
@@ -124,7 +134,8 @@ class _Draft:
     def decision(self) -> Decision:
         return Decision(self.actions, self.groups, self.plan, self.events, self.requeue, self.invalid,
                         self.workload.gang and finished(self.groups.values()), self.facts,
-                        self.recovered, self.recoveries, self.plan_seconds, self.desired)
+                        self.recovered, self.recoveries, self.plan_seconds, self.desired, self.node_cache,
+                        self.prepulling, self.prepull_note)
 
 
 # --- 1-3: spec changes, reshaping, scaling down ---------------------------------------------------
@@ -396,7 +407,7 @@ def _call_planner(d: _Draft, facts: ModelFacts) -> ShardPlan:
     started = time.monotonic()
     try:
         new = planning.plan_groups(d.spec, facts, d.state.namespace, d.state.name, d.world.nodes,
-                                   d.world.gpu_pods, d.replan, d.plan, keep, previous)
+                                   d.world.gpu_pods, d.replan, d.plan, keep, previous, warm=d.warm)
     finally:
         d.plan_seconds = time.monotonic() - started
     return new
@@ -432,7 +443,7 @@ def _plan_at(d: _Draft, facts: ModelFacts, n: int) -> ShardPlan:
     replicas = list(range(n))
     previous = {r: [p.node for p in d.stored.stages_of(r)] for r in replicas} if d.stored else {}
     new = planning.plan_groups(elastic.at_size(d.spec, n), facts, d.state.namespace, d.state.name,
-                               d.world.nodes, d.world.gpu_pods, replicas, None, [], previous)
+                               d.world.nodes, d.world.gpu_pods, replicas, None, [], previous, warm=d.warm)
     if planned(new) != set(replicas):
         raise planning.ShortOfCapacity(f"only {len(planned(new))} of the {n} replicas of the training job fit")
     return new
@@ -552,6 +563,15 @@ def _remove_leftovers(d: _Draft) -> None:
                           and not p["metadata"].get("deletionTimestamp"))
         if leftovers:
             d.act(DeletePods(leftovers, force=True))
+
+
+def _gate_on_prepull(d: _Draft) -> None:
+    """spec.model.prePull: groups about to be created wait for their nodes' caches (decide/prepull.py)."""
+    gated = prepull.gate(d.state, d.world.nodes, d.actions, d.now)
+    d.actions, d.prepulling, d.prepull_note = gated.actions, gated.held, gated.note
+    d.events += gated.events
+    if gated.held:
+        d.requeue_in(prepull.REQUEUE_SECONDS)
 
 
 # --- helpers ----------------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ def render(model: ShardedModel, default_image: str) -> dict:
     container = {
         "name": "probe", "image": default_image,
         "command": ["shardwise", "inspect", path, "--json", "--output", renderer.TERMINATION_LOG,
-                    *source_options(model)],
+                    *source.store_options(model)],
         "volumeMounts": [mount] if mount else [],
         "terminationMessagePath": renderer.TERMINATION_LOG,
         # a failed read leaves its one-line error (the log's tail) as the message
@@ -71,13 +71,6 @@ def render(model: ShardedModel, default_image: str) -> dict:
     meta = {"name": pod_name(model.name, spec.model.uri), "namespace": model.namespace, "labels": labels,
             "ownerReferences": [renderer.owner_reference(model)]}
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
-
-
-def source_options(model: ShardedModel) -> list[str]:
-    """`shardwise inspect`'s options for an s3:// model's endpoint, region and addressing."""
-    m = model.spec.model
-    return ([f"--endpoint={m.endpoint}"] if m.endpoint else []) + ([f"--region={m.region}"] if m.region else []) + (
-        ["--path-style"] if m.path_style else [])
 
 
 def result(pod: Mapping[str, Any]) -> ModelFacts | str | None:

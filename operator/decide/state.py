@@ -6,7 +6,8 @@ Everything comes from the API server, so a restarted operator sees what the last
     (the per-group records, the cached model facts, the last conditions);
   - the plan: the whole ShardPlan, read back from the plan ConfigMap the pods read it from, so what
     the operator reasons about is exactly what its pods run (status.plan is only a summary for users);
-  - the pods: this model's replica pods by replica, and its model-shape probe pod, if any.
+  - the pods: this model's replica pods by replica, its model-shape probe pod, if any, and its
+    pre-pull pods (spec.model.prePull).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from shardwise.crds.models import (ModelFactsStatus, ReplicaGroupStatus, Sharded
 from shardwise.crds.modelshape import ModelFacts, ModelFactsError, from_hints
 from shardwise.crds.plan import ShardPlan
 from shardwise.operator.decide import probe
-from shardwise.operator.render import localtier, renderer, settings
+from shardwise.operator.render import localtier, prepull, renderer, settings
 from shardwise.operator.decide.recovery import Policy
 from shardwise.operator.decide.workloads import Workload, workload_of
 
@@ -47,6 +48,7 @@ class ModelState:
     groups: Mapping[int, ReplicaGroupStatus] = dataclasses.field(default_factory=dict)
     pods: Mapping[int, list[dict]] = dataclasses.field(default_factory=dict)   # replica -> its pods
     probe_pod: dict | None = None                   # the model-shape probe, while it exists
+    prepull_pods: tuple[dict, ...] = ()             # pre-pull pods (spec.model.prePull), while they exist
     facts: ModelFactsStatus | None = None           # the cached read of the model (a probe's)
     local_facts: ModelFacts | None = None           # the model's shape from hints or the model root
     facts_error: str = ""                           # why those cannot be had (None and "": probe it)
@@ -99,17 +101,20 @@ def parse_state(body: Mapping[str, Any], pods: list[dict], configmap: Mapping[st
     if refused:    # a node directory the operator does not allow: no pod mounts it
         return ModelState(**base, invalid=refused)
     replica_pods: dict[int, list[dict]] = {}
-    probe_pod = None
+    probe_pod, prepulls = None, []
     for pod in _owned(pods, meta.get("uid")):
         if probe.is_probe(pod):
             probe_pod = pod
+            continue
+        if prepull.is_prepull(pod):
+            prepulls.append(pod)
             continue
         replica = int(pod["metadata"]["labels"].get(names.LABEL_REPLICA, -1))
         replica_pods.setdefault(replica, []).append(pod)
     local, error = _local_facts(spec, read_model)
     return ModelState(**base, model=ShardedModel(metadata=dict(meta), spec=spec),
                       plan=renderer.plan_from_configmap(configmap), groups=_groups(status),
-                      pods=replica_pods, probe_pod=probe_pod, facts=_facts(status),
+                      pods=replica_pods, probe_pod=probe_pod, prepull_pods=tuple(prepulls), facts=_facts(status),
                       local_facts=local, facts_error=error)
 
 

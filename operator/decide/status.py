@@ -23,7 +23,7 @@ from typing import Any, Iterable, Mapping
 from shardwise.crds import names
 from shardwise.crds.models import GroupPhase, ModelPhase, PlanSummary, ReplicaGroupStatus
 from shardwise.crds.status import group_records, shortened
-from shardwise.operator.decide import elastic, recovery
+from shardwise.operator.decide import elastic, prepull, recovery
 from shardwise.operator.decide.conditions import condition, set_condition
 from shardwise.operator.decide.actions import Decision, Event
 from shardwise.operator.planning.groups import planned
@@ -122,8 +122,10 @@ def build_status(state: ModelState, decision: Decision, job: Mapping[str, Any], 
         "plan": PlanSummary.from_plan(plan).to_api() if plan else None,
         "groups": group_records(decision.groups.values()),
         "modelFacts": decision.facts.to_api() if decision.facts else None,
+        "nodeCache": decision.node_cache.to_api() if decision.node_cache else None,
         **job,
     }
+    prepull.report(out, decision.prepull_note, stamp)
     return out
 
 

@@ -34,11 +34,12 @@ class ShortOfCapacity(PlanFailure):
 def plan_groups(spec: ShardedModelSpec, facts: ModelFacts, namespace: str, model: str,
                 nodes: Mapping[str, Mapping[str, Any]], pods: Iterable[Mapping[str, Any]], replicas: Sequence[int],
                 current: ShardPlan | None, keep: Iterable[int],
-                previous: Mapping[int, Sequence[str]] | None = None) -> ShardPlan:
+                previous: Mapping[int, Sequence[str]] | None = None, warm: Iterable[str] = ()) -> ShardPlan:
     """A plan holding placements for `replicas` (numbered as asked), other groups in `keep` staying
     where `current` has them; InvalidSpec or ShortOfCapacity when there is none. `pods`: every live
     GPU pod of the cluster (ours included: this model's pods are told apart by label and owner). `previous`:
-    replica -> nodes it ran on (domain preference)."""
+    replica -> nodes it ran on (domain preference). `warm`: nodes whose node-local cache holds the
+    model's files (status.nodeCache), preferred among otherwise equal placements."""
     keep = [r for r in keep if current is not None]
     kept = [p for p in (current.placements if current else []) if p.replica in keep]
     same_layout = current is not None and layout_matches(current, spec)
@@ -51,7 +52,7 @@ def plan_groups(spec: ShardedModelSpec, facts: ModelFacts, namespace: str, model
         labels = p.get("metadata", {}).get("labels") or {}
         return (p.get("metadata", {}).get("namespace") == namespace and labels.get(names.LABEL_MODEL) == model
                 and labels.get(names.LABEL_REPLICA, "") in mine and inventory.made_by_operator(p))
-    pods = list(pods)
+    pods, warm = list(pods), frozenset(warm)
     infos = inventory.build(nodes.values(), pods, spec.gpu.resource_name, ignore_pod=own)
     if kept and not same_layout:
         # Layout change rolling through: the old groups hold their GPUs like any other workload.
@@ -69,7 +70,7 @@ def plan_groups(spec: ShardedModelSpec, facts: ModelFacts, namespace: str, model
         update={"replicas": n_kept + len(replicas)})})
 
     def attempt(candidates: Sequence[inventory.NodeInfo]) -> ShardPlan:
-        return planner.plan(asked, facts, candidates, keep=kept)
+        return planner.plan(asked, facts, candidates, keep=kept, warm=warm)
 
     plan = None
     domain_nodes = _previous_domain(infos, spec, previous, replicas)

@@ -6,8 +6,10 @@ per node change, +1 per level of spec.placement.topologyKeys changed. The cheape
 exactly by a dynamic programme over the topology tree (Tree: per domain, the best objective for
 taking k slots inside it), replica after replica; only the domains a placed replica touched are
 recomputed. Ties break towards domains no other replica uses (training: towards those they use),
-then towards nodes the replica fills, then by name. On small inventories a branch and bound
-(_exact) finds the cheapest plan for all replicas together.
+then towards warm nodes (whose node-local cache holds the model's files: a stage on a cold node
+downloads its share first), then towards nodes the replica fills, then by name. Warmth is a
+tie-break, never a constraint: it only orders placements equal in boundaries and spread. On small
+inventories a branch and bound (_exact) finds the cheapest plan for all replicas together.
 """
 from __future__ import annotations
 
@@ -64,8 +66,9 @@ class Tree:
     """Topology tree: root > loosest key > ... > tightest key > node, built from label values."""
 
     def __init__(self, nodes: Sequence[NodeInfo], keys: Sequence[str], slots: dict[str, int], want: int,
-                 pack: bool = False):
+                 pack: bool = False, warm: frozenset[str] = frozenset()):
         self.keys = list(keys)                       # tightest first, as in the spec
+        self.warm = warm                             # nodes whose cache holds the model's files
         self.overlap = -1 if pack else 1             # other replicas in a domain: attract, or repel
         self.depth = len(self.keys)                  # levels of domains below the root
         self.want = want
@@ -87,7 +90,8 @@ class Tree:
             parent.children.append(leaf)
             self.leaves[node.name] = leaf
         # Objective weights: boundaries first, then overlap with other replicas from the loosest
-        # level down, then leftover slots on the nodes used. Packed into one int: fast to add.
+        # level down (unit**2 and up), then stages on cold nodes (unit**1), then leftover slots on
+        # the nodes used (unit**0). Packed into one int: fast to add.
         self.unit = 1 << 20
         self.weight_cost = self.unit ** (self.depth + 3)
         self.empty = [0] + [INF] * want
@@ -135,7 +139,9 @@ class Tree:
 
     def _leaf_best(self, leaf: _Domain) -> None:
         k_max = min(leaf.slots, self.want)
-        leaf.best = [0] + [leaf.slots - k for k in range(1, k_max + 1)] + [INF] * (self.want - k_max)
+        # leftover slots, and on a cold node each stage fetching its share first: unit - 1 more a stage
+        step = -1 if leaf.name in self.warm else self.unit - 1
+        leaf.best = [0] + [leaf.slots + k * step for k in range(1, k_max + 1)] + [INF] * (self.want - k_max)
 
     def _inner_best(self, domain: _Domain) -> None:
         cross = self.crossing(domain) * self.weight_cost
@@ -211,7 +217,10 @@ class Attempt:
 
 
 def place(layout: Layout, nodes: Sequence[NodeInfo], keys: Sequence[str], used: dict[str, int],
-           keep_users: Iterable[list[str]], count: int, pack: bool = False) -> Attempt:
+          keep_users: Iterable[list[str]], count: int, pack: bool = False,
+          warm: frozenset[str] = frozenset()) -> Attempt:
+    """`count` new replicas of `layout` on `nodes`; `warm`: nodes whose cache holds the model (a
+    tie-break after boundaries and spread)."""
     attempt = Attempt(layout)
     eligible = [n for n in nodes if fits(layout.memory, n) and n.free - used.get(n.name, 0) >= layout.tensor]
     slots = {n.name: (n.free - used.get(n.name, 0)) // layout.tensor for n in eligible}
@@ -220,7 +229,7 @@ def place(layout: Layout, nodes: Sequence[NodeInfo], keys: Sequence[str], used: 
         if count:
             attempt.reason = _no_block_reason(layout, nodes, used)
         return attempt
-    tree = Tree(eligible, keys, slots, layout.pipeline, pack)
+    tree = Tree(eligible, keys, slots, layout.pipeline, pack, warm)
     attempt.tree = tree
     for kept in keep_users:  # kept replicas count as users: new ones spread away from them (or pack)
         tree.mark_used(kept)
@@ -268,8 +277,9 @@ def _exact(tree: Tree, slots: dict[str, int], pipeline: int, count: int, greedy:
         need = Counter(combo)
         if all(n <= slots[leaves[i].name] for i, n in need.items()):
             stages = [leaves[i].node for i in combo]  # leaves are in path order: the cheapest chain
-            groups.append((_chain_cost(tree, stages), tuple(need.items()), stages))
-    groups.sort(key=lambda g: g[0])
+            cold = sum(1 for n in stages if n.name not in tree.warm)
+            groups.append((_chain_cost(tree, stages), cold, tuple(need.items()), stages))
+    groups.sort(key=lambda g: g[:2])    # cheapest first; among equals, the fewest stages on cold nodes
     if not groups or greedy <= count * groups[0][0]:
         return None  # nothing can beat it: every replica already costs the least any could
     free = [slots[leaf.name] for leaf in leaves]
@@ -282,7 +292,7 @@ def _exact(tree: Tree, slots: dict[str, int], pipeline: int, count: int, greedy:
             return
         for i in range(start, len(groups)):  # replicas are alike: take slot sets in list order
             steps += 1
-            cost, need, stages = groups[i]
+            cost, _, need, stages = groups[i]
             if total + cost * left >= best_cost or steps > EXACT_MAX_STEPS:
                 return  # sorted by cost: no later set can do better
             if all(free[j] >= n for j, n in need):

@@ -23,7 +23,8 @@ How it decides
    (per domain: best objective for taking k = 0..PP slots inside it). Ties break towards domains
    no other replica uses (spread for availability) - for training, towards the domains the other
    replicas use (they all-reduce gradients every step: the job packs close together) - then
-   towards nodes the replica fills (best fit, keeping big blocks whole), then by name (determinism). Replicas are placed one after the
+   towards warm nodes (whose node-local cache holds the model's files: `warm`), then towards nodes
+   the replica fills (best fit, keeping big blocks whole), then by name (determinism). Replicas are placed one after the
    other; only the domains a placed replica touched are recomputed, which keeps 1,000 nodes fast.
 4. Layers. Split contiguously so stages hold equal parameters, counting the embedding on the
    first stage and the final norm + LM head on the last (crds/layout.py: the worker splits a
@@ -40,7 +41,7 @@ Q4_1 file's layer matrices kept in its blocks, GGUF_NATIVE_BYTES).
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from shardwise.crds import names
 from shardwise.crds.capacity import MAX_DERIVED_SEQUENCES, typical_tokens
@@ -57,7 +58,8 @@ __all__ = ["GiB", "LayoutError", "PlanError", "asked_shard", "plan", "variants"]
 
 
 def plan(spec: ShardedModelSpec, facts: ModelFacts, nodes: Sequence[NodeInfo],
-         keep: Sequence[StagePlacement] = (), seconds: float | None = PLAN_SECONDS) -> ShardPlan:
+         keep: Sequence[StagePlacement] = (), seconds: float | None = PLAN_SECONDS,
+         warm: Iterable[str] = ()) -> ShardPlan:
     """The plan for `spec`, or PlanError with a one-sentence reason.
 
     `nodes` is the inventory with GPUs of other workloads already subtracted and this model's own
@@ -69,9 +71,11 @@ def plan(spec: ShardedModelSpec, facts: ModelFacts, nodes: Sequence[NodeInfo],
     order, the first plan that places every replica taken, else the one placing most; a plan that
     is not the first variant's says in its first note what it changed and why. A quantization the
     model cannot have (gguf of a model not stored as Q8_0, Q4_0 or Q4_1) is a LayoutError. A search
-    longer than `seconds` (all variants together) is a PlanError saying so.
+    longer than `seconds` (all variants together) is a PlanError saying so. `warm`: nodes whose
+    node-local cache holds the model's files, preferred among otherwise equal placements.
     """
     deadline = Deadline(seconds)
+    warm = frozenset(warm)
     tried: list[tuple[str, bool, ShardPlan | None, str]] = []
     for quantization, offload in variants(spec, facts):
         try:
@@ -79,7 +83,7 @@ def plan(spec: ShardedModelSpec, facts: ModelFacts, nodes: Sequence[NodeInfo],
         except ModelFactsError as e:   # gguf asked of a model not stored in such blocks: name the field
             raise LayoutError(f"serving.{e}") from None
         try:
-            result = _plan(spec, sized, nodes, keep, quantization, offload, deadline)
+            result = _plan(spec, sized, nodes, keep, quantization, offload, deadline, warm)
         except LayoutError:
             raise                  # degrees that do not fit the model: no variant changes that
         except PlanError as e:
@@ -133,7 +137,8 @@ def _variant_note(spec: ShardedModelSpec, facts: ModelFacts, quantization: str, 
 
 
 def _plan(spec: ShardedModelSpec, facts: ModelFacts, nodes: Sequence[NodeInfo],
-          keep: Sequence[StagePlacement], quantization: str, offload: bool, deadline: Deadline) -> ShardPlan:
+          keep: Sequence[StagePlacement], quantization: str, offload: bool, deadline: Deadline,
+          warm: frozenset[str] = frozenset()) -> ShardPlan:
     """The plan with the weights sized as `facts` says, streaming layers when `offload`."""
     if spec.workload != Workload.TRAINING and spec.serving.offload != offload:
         spec = spec.model_copy(update={"serving": spec.serving.model_copy(update={"offload": offload})})
@@ -164,7 +169,8 @@ def _plan(spec: ShardedModelSpec, facts: ModelFacts, nodes: Sequence[NodeInfo],
     chosen: Attempt | None = None
     for layout in layouts:
         deadline.check()
-        attempt = place(layout, pool.nodes, keys, used, keep_nodes, count, pack=spec.workload == Workload.TRAINING)
+        attempt = place(layout, pool.nodes, keys, used, keep_nodes, count, pack=spec.workload == Workload.TRAINING,
+                        warm=warm)
         attempts.append(attempt)
         if len(attempt.replicas) == count:
             chosen = attempt

@@ -102,8 +102,8 @@ def spec_hash(spec: ShardedModelSpec, default_image: str = DEFAULT_IMAGE) -> str
         serving_out.add("decode")
     # spec.model's remote options, when unset, likewise (crds/sourcespec.py); fetchStreams always: it
     # is read when a pod starts, by the pods started after it changed, and re-fetching nothing is no
-    # reason to restart the pods serving
-    model_out = {f for f in REMOTE_OPTIONS if getattr(spec.model, f) is None} | {"fetch_streams"}
+    # reason to restart the pods serving; prePull only says how the next group's pods start
+    model_out = {f for f in REMOTE_OPTIONS if getattr(spec.model, f) is None} | {"fetch_streams", "pre_pull"}
     keep = spec.model_dump(mode="json", by_alias=True,
                            exclude={"recovery": True, "placement": True, "autoscaling": True, "rollout": True,
                                     "parallelism": {"replicas"},

@@ -52,6 +52,13 @@ def contract(model: ShardedModel, settings: Settings) -> SourceContract | None:
                           streams=m.fetch_streams)
 
 
+def store_options(model: ShardedModel) -> list[str]:
+    """`shardwise inspect` and `shardwise fetch` options for an s3:// model's endpoint, region and addressing."""
+    m = model.spec.model
+    return ([f"--endpoint={m.endpoint}"] if m.endpoint else []) + ([f"--region={m.region}"] if m.region else []) + (
+        ["--path-style"] if m.path_style else [])
+
+
 def credentials_env(model: ShardedModel) -> list[dict]:
     """The credential variables of the model's scheme, each from the Secret's key of the same name."""
     m = model.spec.model
@@ -101,6 +108,12 @@ def apply(pod_spec: dict[str, Any], model: ShardedModel, settings: Settings, def
     object store that store's credentials (nothing for any other model)."""
     for container in pod_spec["containers"]:
         container["env"].extend(checkpoint_credentials_env(model))
+    apply_cache(pod_spec, model, settings, default_image)
+
+
+def apply_cache(pod_spec: dict[str, Any], model: ShardedModel, settings: Settings, default_image: str) -> None:
+    """A remote model's credentials and cache, for a pod that fetches it (a worker pod, a pre-pull
+    pod); nothing for a model in a path or a claim."""
     if not model.spec.model.remote_scheme():
         return
     volume, mount = cache_volume(model, settings)

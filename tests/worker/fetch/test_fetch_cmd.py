@@ -74,3 +74,14 @@ def test_a_store_that_never_answers_times_out_in_one_line():
         for c in held:
             c.close()
         listener.close()
+
+
+def test_fetch_command_takes_the_plans_layer_split_of_a_stage(s3_server, s3_model, sharded_model, tmp_path):
+    # a pre-pull pod passes the plan's layers: a stage of one layer fetches fewer files than the even split
+    args = ["s3://models/tiny", "--endpoint", s3_server.endpoint, "--path-style", "--json", "--stage", "0",
+            "--pipeline", "2"]
+    even = json.loads(shardwise(*args, "--cache", str(tmp_path / "a"), env=s3_server.env()).stdout)
+    one = json.loads(shardwise(*args, "--cache", str(tmp_path / "b"), "--layers", "0:1", env=s3_server.env()).stdout)
+    assert one["files"] == even["files"] - 1 and one["fetched_bytes"] < even["fetched_bytes"]
+    out = shardwise(*args, "--cache", str(tmp_path / "c"), "--layers", "3:1", env=s3_server.env())
+    assert out.returncode == 1 and out.stderr.count("\n") == 1 and "--layers must be FIRST:END" in out.stderr
