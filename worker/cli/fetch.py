@@ -1,5 +1,7 @@
 """`shardwise fetch`: fetch a model (or one pipeline stage's share of it) from where it lives into a
-node-local cache folder, with a progress line, and say what was downloaded and what was reused."""
+node-local cache folder, with a progress line, and say what was downloaded and what was reused.
+A stage's share is its files of a safetensors model, or its byte ranges of a GGUF file (the header
+and its tensors, kept in a partial file: worker/fetch/gguf_fill.py); the counts are of those bytes."""
 from __future__ import annotations
 
 import argparse
@@ -23,7 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--region", default=None, help="s3://: the bucket's region (default: us-east-1)")
     parser.add_argument("--path-style", action="store_true",
                         help="s3://: address the bucket in the path (MinIO and most on-premises stores)")
-    parser.add_argument("--stage", type=int, default=0, help="fetch only this pipeline stage's share")
+    parser.add_argument("--stage", type=int, default=0,
+                        help="fetch only this pipeline stage's share (its files; of a GGUF model, its byte ranges)")
     parser.add_argument("--pipeline", type=int, default=1, help="pipeline stages of the layout")
     parser.add_argument("--streams", type=int, default=STREAMS,
                         help=f"reads in flight at once: several files, and a large file in byte-range parts "

@@ -86,8 +86,10 @@ def _fill(entry: Entry, remote: Remote, f: RemoteFile, wants: Wants, progress: P
             header, head_end = fill.header(target, what)
             share = merge([*wants(target, header), (0, head_end)])
             missing = subtract(share, fill.have)
-            tally = Tally(progress, total(share) - total(missing), total(share))
+            # the header's bytes fetched just now count as fetched, not as found in the cache
+            tally = Tally(progress, total(share) - total(missing) - fill.fetched, total(share))
             tally.add(0)
+            tally.add(fill.fetched)
             fill.fetch(missing, tally)
         finally:
             os.close(fd)

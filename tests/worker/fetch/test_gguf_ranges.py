@@ -18,6 +18,7 @@ from shardwise.crds.gguf import read_header
 from shardwise.crds.modelsource import parse_model_uri
 from shardwise.worker.fetch import present
 from shardwise.worker.fetch.cache import CacheConfig, CacheError, ModelCache
+from shardwise.worker.fetch.gguf_fill import HEADER_FIRST_BYTES
 from shardwise.worker.fetch.pull import fetch_stage
 from shardwise.worker.fetch.s3 import S3Store
 from shardwise.worker.fetch.select import StageShare, gguf_share, gguf_stage_ranges
@@ -108,9 +109,10 @@ def test_each_stage_fetches_its_share_and_loads_the_whole_files_tensors(s3_serve
                              progress=lambda d, t: seen.append((d, t)))
         print(f"stage {stage}: fetched {report.fetched_bytes} of {size} bytes")
         # its share: the header and its tensors (plus at most the first header read's 256 KiB)
-        assert share_bytes(gguf_model, stage) <= report.fetched_bytes <= share_bytes(gguf_model, stage) + (256 << 10)
+        assert share_bytes(gguf_model, stage) <= report.fetched_bytes <= share_bytes(gguf_model, stage) + HEADER_FIRST_BYTES
         assert report.fetched_bytes < 0.7 * size and report.reused_bytes == 0
         assert seen[-1] == (report.fetched_bytes, report.fetched_bytes) and all(d <= t for d, t in seen)
+        assert seen[0] == (0, report.fetched_bytes)      # nothing was cached: every byte is to fetch
         # the node's cache counts the bytes present, not the sparse file's size
         [(_, held, _)] = cache(node).usage()
         assert held == report.fetched_bytes
@@ -135,6 +137,9 @@ def test_a_second_stage_on_the_node_fetches_only_what_is_missing_and_completes_t
     # A stage of one (TP=1 PP=1) now finds the whole file.
     whole = fetch_stage(cache(tmp_path), store(s3_server, s3_config), "s3", "ggufs/tiny")
     assert (whole.fetched_bytes, whole.reused_bytes) == (0, size)
+    # and a stage's pod finds its ranges in the whole file
+    again = fetch_stage(cache(tmp_path), store(s3_server, s3_config), "s3", "ggufs/tiny", 0, 2)
+    assert (again.fetched_bytes, again.reused_bytes) == (0, first.fetched_bytes)
 
 
 def test_a_replanned_stage_fetches_only_its_new_layers(s3_server, s3_config, gguf_model, tmp_path):
@@ -210,3 +215,28 @@ def test_a_header_that_does_not_parse_is_refused(s3_server, s3_config, s3_client
 def test_gguf_share_follows_the_plans_split_and_the_tied_head(gguf_model):
     assert gguf_share(gguf_model, 1, 2) == StageShare(1, 2, gguf_share(gguf_model, 1, 2).layers, False)
     assert gguf_share(gguf_model, 1, 2, (4, 6)).layers == (4, 6)
+
+
+def test_a_stage_pods_log_line_counts_its_ranges(s3_server, gguf_model, tmp_path, monkeypatch, capsys):
+    from shardwise.crds.contract import ModelContract, PodContract, ServingContract, SourceContract
+    from shardwise.crds.plan import ShardPlan, StagePlacement
+    from shardwise.worker.cli.pod_fetch import fetch_model
+    from shardwise.worker.serving.rank import free_port
+    for key, value in s3_server.env().items():
+        monkeypatch.setenv(key, value)
+    placements = [StagePlacement(replica=0, stage=s, node=f"n{s}", gpus=1, layer_start=3 * s, layer_end=3 * s + 3,
+                                 embedding=s == 0, head=s == 1) for s in (0, 1)]
+    contract = PodContract(
+        plan=ShardPlan(tensor=1, pipeline=2, replicas=1, num_layers=LAYERS, placements=placements),
+        model=ModelContract(path="s3://ggufs/tiny", format="auto", dtype="auto"), workload="inference",
+        serving=ServingContract(port=free_port(), model_name="tiny"), termination_log=str(tmp_path / "log"),
+        source=SourceContract(uri="s3://ggufs/tiny", scheme="s3", endpoint=s3_server.endpoint, path_style=True,
+                              cache="node", cache_dir=str(tmp_path / "cache"), cache_budget=1 << 30))
+    folder = fetch_model(contract, placements[1], "127.0.0.1")
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    header, size = read_header(gguf_model), gguf_model.stat().st_size
+    ranges = gguf_stage_ranges(header, size, gguf_share(gguf_model, 1, 2, (3, 6)))
+    mib = present.total([*ranges, (0, HEADER_FIRST_BYTES)]) / (1 << 20)   # with the first header read
+    assert f"fetched {mib:.1f} MiB, reused 0.0 MiB from the node's cache (1 file of stage 1)" in line, line
+    assert mib < 0.7 * gguf_model.stat().st_size / (1 << 20)
+    assert_same_tensors(stage_tensors(Path(folder) / "model.gguf", 1), stage_tensors(gguf_model, 1))
