@@ -28,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stage", type=int, default=0,
                         help="fetch only this pipeline stage's share (its files; of a GGUF model, its byte ranges)")
     parser.add_argument("--pipeline", type=int, default=1, help="pipeline stages of the layout")
+    parser.add_argument("--layers", default=None, metavar="FIRST:END",
+                        help="the stage's layers [FIRST, END) as its plan gives them (default: the "
+                        "planner's split of the model into --pipeline stages)")
     parser.add_argument("--streams", type=int, default=STREAMS,
                         help=f"reads in flight at once: several files, and a large file in byte-range parts "
                         f"of at least {MIN_PART_BYTES >> 20} MiB (1 to {MAX_STREAMS}; 1: one file after "
@@ -59,11 +62,12 @@ def _run(args) -> int:
     if args.budget_gib <= 0 or not 1 <= args.pipeline <= 4096 or not 1 <= args.streams <= MAX_STREAMS:
         raise WorkerError(f"--budget-gib must be positive, --pipeline between 1 and 4096 and --streams "
                           f"between 1 and {MAX_STREAMS}")
+    layers = _layers(args.layers)
     remote = open_remote(parsed, SourceOptions(args.endpoint, args.region, args.path_style))
     cache = ModelCache(CacheConfig(Path(args.cache), int(args.budget_gib * GIB), streams=args.streams))
     start = time.monotonic()
     report = fetch_stage(cache, remote, parsed.scheme.value, parsed.location, args.stage, args.pipeline,
-                         progress=_progress_line())
+                         layers, progress=_progress_line())
     took = time.monotonic() - start
     print(file=sys.stderr)
     result = {"uri": str(parsed), "files_dir": str(report.files_dir), "files": len(report.files),
@@ -76,6 +80,17 @@ def _run(args) -> int:
               f"{report.fetched_bytes / 2**20:.1f} MiB, reused {report.reused_bytes / 2**20:.1f} MiB "
               f"in {took:.1f}s")
     return 0
+
+
+def _layers(value: str | None) -> tuple[int, int] | None:
+    """--layers FIRST:END as a range; WorkerError (one line) when it is not one."""
+    from shardwise.worker.errors import WorkerError
+    if value is None:
+        return None
+    first, _, end = value.partition(":")
+    if not (first.isdigit() and end.isdigit() and int(first) < int(end) <= 1_000_000):
+        raise WorkerError(f"--layers must be FIRST:END with FIRST < END (such as 0:40), not {value[:40]!r}")
+    return int(first), int(end)
 
 
 def _progress_line():

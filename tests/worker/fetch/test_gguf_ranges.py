@@ -240,3 +240,19 @@ def test_a_stage_pods_log_line_counts_its_ranges(s3_server, gguf_model, tmp_path
     assert f"fetched {mib:.1f} MiB, reused 0.0 MiB from the node's cache (1 file of stage 1)" in line, line
     assert mib < 0.7 * gguf_model.stat().st_size / (1 << 20)
     assert_same_tensors(stage_tensors(Path(folder) / "model.gguf", 1), stage_tensors(gguf_model, 1))
+
+
+def test_the_fetch_command_takes_the_plans_layers(s3_server, gguf_model, tmp_path):
+    def fetch(*extra):
+        return subprocess.run([sys.executable, "-m", "shardwise", "fetch", "s3://ggufs/tiny", "--cache", str(tmp_path),
+                               "--endpoint", s3_server.endpoint, "--path-style", "--stage", "1", "--pipeline", "2",
+                               "--json", *extra], capture_output=True, text=True, timeout=60,
+                              env={**os.environ, **s3_server.env()})
+    done = fetch("--layers", "5:6")
+    assert done.returncode == 0, done.stderr
+    header, size = read_header(gguf_model), gguf_model.stat().st_size
+    ranges = gguf_stage_ranges(header, size, StageShare(1, 2, (5, 6)))
+    assert json.loads(done.stdout)["fetched_bytes"] == present.total([*ranges, (0, HEADER_FIRST_BYTES)])
+    bad = fetch("--layers", "6:5")
+    assert bad.returncode == 1 and bad.stderr.strip().splitlines() == [
+        "shardwise fetch: error: --layers must be FIRST:END with FIRST < END (such as 0:40), not '6:5'"]
