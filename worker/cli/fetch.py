@@ -1,5 +1,7 @@
 """`shardwise fetch`: fetch a model (or one pipeline stage's share of it) from where it lives into a
-node-local cache folder, with a progress line, and say what was downloaded and what was reused."""
+node-local cache folder, with a progress line, and say what was downloaded and what was reused.
+A stage's share is its files of a safetensors model, or its byte ranges of a GGUF file (the header
+and its tensors, kept in a partial file: worker/fetch/gguf_fill.py); the counts are of those bytes."""
 from __future__ import annotations
 
 import argparse
@@ -23,11 +25,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--region", default=None, help="s3://: the bucket's region (default: us-east-1)")
     parser.add_argument("--path-style", action="store_true",
                         help="s3://: address the bucket in the path (MinIO and most on-premises stores)")
-    parser.add_argument("--stage", type=int, default=0, help="fetch only this pipeline stage's share")
+    parser.add_argument("--stage", type=int, default=0,
+                        help="fetch only this pipeline stage's share (its files; of a GGUF model, its byte ranges)")
     parser.add_argument("--pipeline", type=int, default=1, help="pipeline stages of the layout")
     parser.add_argument("--layers", default=None, metavar="FIRST:END",
-                        help="the stage's decoder layers, first to one past the last, as a plan split them "
-                        "(default: the even split of the model's config)")
+                        help="the stage's layers [FIRST, END) as its plan gives them (default: the "
+                        "planner's split of the model into --pipeline stages)")
     parser.add_argument("--streams", type=int, default=STREAMS,
                         help=f"reads in flight at once: several files, and a large file in byte-range parts "
                         f"of at least {MIN_PART_BYTES >> 20} MiB (1 to {MAX_STREAMS}; 1: one file after "
@@ -79,14 +82,14 @@ def _run(args) -> int:
     return 0
 
 
-def _layers(text: str | None) -> tuple[int, int] | None:
-    """--layers FIRST:END as a pair, or None; WorkerError (one line) for anything else."""
+def _layers(value: str | None) -> tuple[int, int] | None:
+    """--layers FIRST:END as a range; WorkerError (one line) when it is not one."""
     from shardwise.worker.errors import WorkerError
-    if text is None:
+    if value is None:
         return None
-    first, _, end = text.partition(":")
-    if not (first.isdigit() and end.isdigit()) or not int(first) < int(end) <= 1 << 20:
-        raise WorkerError(f"--layers must be FIRST:END with FIRST < END, not {text[:40]!r}")
+    first, _, end = value.partition(":")
+    if not (first.isdigit() and end.isdigit() and int(first) < int(end) <= 1_000_000):
+        raise WorkerError(f"--layers must be FIRST:END with FIRST < END (such as 0:40), not {value[:40]!r}")
     return int(first), int(end)
 
 

@@ -1,6 +1,6 @@
 """A remote model's files for one pod: before any rank loads, `shardwise worker` fetches what its
 stage loads (config, tokenizer, and the weight files holding its layers: worker/fetch/select.py by the
-plan's layer split) into the contract's cache folder (the node's cache under its byte budget, or the
+plan's layer split; of a GGUF model, the byte ranges of its header and its tensors) into the contract's cache folder (the node's cache under its byte budget, or the
 pod's own emptyDir), serving the download's progress at DOWNLOAD_PROGRESS_PATH on the pod's port
 meanwhile. The entry stays in use (never evicted) for the pod's life, and the ranks load its folder
 exactly as a model in a path.

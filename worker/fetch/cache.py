@@ -3,14 +3,21 @@
     <root>/entries/<key>/files/<name>    a model's files, as the store names them
     <root>/entries/<key>/entry.json      which (scheme, location, revision) the key stands for
     <root>/entries/<key>/.in-use         shared flock while a process fills or reads the entry
-    <root>/entries/<key>/.locks/<hash>   exclusive flock while one process downloads one file
+    <root>/entries/<key>/.locks/<hash>   exclusive flock while one process downloads one file (or
+                                         ranges of it)
+    <root>/entries/<key>/.ranges/<hash>  the byte ranges present of a partial file (present.py)
 
 An entry is keyed by (scheme, location, revision), so a moved tag or rewritten prefix is a new entry
 and an old one is never served for it. A file is written under a temporary name in its own folder
 and renamed only after its size and checksum match what the store listed: a reader never sees a
 partial or corrupt file, and a mismatch deletes it. Two processes filling one entry take the file's
 lock in turn; the second finds the first's file in place and does not download it again. Entries are
-evicted least recently used under a byte budget; one in use (its shared lock held) never is.
+evicted least recently used under a byte budget, counting the bytes present (a partial file's
+ranges, not its sparse size); one in use (its shared lock held) never is.
+
+A GGUF model's pipeline stage fetches only the header and its tensors' byte ranges into a partial
+file (gguf_fill.py; the record of what is present: present.py); that file is whole, and verified by
+the store's checksum, once every range is in. A file with a record is never taken as whole here.
 """
 from __future__ import annotations
 
@@ -30,7 +37,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from shardwise.worker.errors import WorkerError
-from shardwise.worker.fetch import checksums
+from shardwise.worker.fetch import checksums, present
 from shardwise.worker.fetch.remote import (MAX_NAME_BYTES, NotFound, Remote, RemoteError,
                                            RemoteFile, Unauthorized)
 from shardwise.worker.fetch.streams import MIN_PART_BYTES, STREAMS, Cancelled, Streams, Tally, plan_parts
@@ -135,7 +142,8 @@ class ModelCache:
                 used = (folder / "entry.json").stat().st_mtime
             except FileNotFoundError:
                 used = 0.0
-            out.append((folder, _tree_bytes(folder / "files"), used))
+            held = max(0, _tree_bytes(folder / "files") - present.missing_bytes(folder))
+            out.append((folder, held, used))
         return out
 
     def make_room(self, need: int, keep: Path) -> None:
@@ -169,7 +177,7 @@ class Entry:
         """Fetch the files not yet in place, several at once and large ones in parts (streams.py)."""
         report = FetchReport(self.files_dir, files=[safe_name(f.name) for f in files])
         total = sum(f.size for f in files)
-        missing = [f for f in files if not self._present(f)]
+        missing = [f for f in files if not self.whole(f)]
         need = sum(f.size for f in missing)
         if need:
             self.cache.make_room(need, keep=self.folder)
@@ -184,18 +192,27 @@ class Entry:
             progress(total, total)
         return report
 
-    def _present(self, f: RemoteFile) -> bool:
+    def whole(self, f: RemoteFile) -> bool:
+        """Whether `f` is in place whole (a partial file, which has a ranges record, is not)."""
         try:
-            return (self.files_dir / safe_name(f.name)).stat().st_size == f.size
+            if (self.files_dir / safe_name(f.name)).stat().st_size != f.size:
+                return False
         except FileNotFoundError:
             return False
+        return not present.record_path(self.folder, f.name).exists()
+
+    @contextmanager
+    def file_lock(self, name: str) -> Iterator[None]:
+        """The exclusive lock under which one process writes the file `name` (whole or ranges)."""
+        lock = self.folder / ".locks" / hashlib.sha256(name.encode()).hexdigest()[:32]
+        with open(lock, "a") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)      # a second filler waits here for the first's file
+            yield
 
     def _fill_one(self, remote: Remote, f: RemoteFile, tally: Tally, streams: Streams) -> int:
         """Bytes downloaded for one file: 0 when another process put it in place first."""
-        lock = self.folder / ".locks" / hashlib.sha256(f.name.encode()).hexdigest()[:32]
-        with open(lock, "a") as held:
-            fcntl.flock(held, fcntl.LOCK_EX)      # a second filler waits here for the first's file
-            if self._present(f):
+        with self.file_lock(f.name):
+            if self.whole(f):
                 return 0
             target = self.files_dir / f.name
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -204,6 +221,8 @@ class Entry:
             for stale in target.parent.glob(f".{glob.escape(target.name)}.part-*"):
                 stale.unlink(missing_ok=True)
             self._download(remote, f, target, tally, streams)
+            # a partial copy of it (ranges of a GGUF stage) was replaced whole: no longer partial
+            present.record_path(self.folder, f.name).unlink(missing_ok=True)
             return f.size
 
     def _download(self, remote: Remote, f: RemoteFile, target: Path, tally: Tally, streams: Streams) -> None:
@@ -219,19 +238,19 @@ class Entry:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 os.ftruncate(fd, f.size)
-                streams.parts([functools.partial(self._fetch_part, remote, f, fd, span, tally, digest,
+                streams.parts([functools.partial(self.fetch_part, remote, f, fd, span, tally, digest,
                                                  streams.cancel) for span in parts])
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            _check(remote, f, tmp, digest, what)
+            verify_checksum(remote, f, tmp, digest, what)
             os.replace(tmp, target)
         except RemoteError as e:
             raise CacheError(str(e)) from None
         finally:
             tmp.unlink(missing_ok=True)
 
-    def _fetch_part(self, remote: Remote, f: RemoteFile, fd: int, span: tuple[int, int], tally: Tally,
+    def fetch_part(self, remote: Remote, f: RemoteFile, fd: int, span: tuple[int, int], tally: Tally,
                     digest, cancel: threading.Event) -> None:
         """Bytes [start, end) of the file written at their offset; a failed read is retried from
         where it stopped, after a backoff, up to the config's attempts."""
@@ -273,7 +292,7 @@ def _write_at(fd: int, data: bytes, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def _check(remote: Remote, f: RemoteFile, path: Path, digest, what: str) -> None:
+def verify_checksum(remote: Remote, f: RemoteFile, path: Path, digest, what: str) -> None:
     got = checksums.computed(remote, f, path, digest)
     if got is not None and got != f.checksum.value:   # type: ignore[union-attr]
         raise CacheError(f"{what}: {f.checksum.kind.value} checksum does not match the store's "  # type: ignore[union-attr]

@@ -1,6 +1,8 @@
-"""Fetch what one pipeline stage loads of a remote model into the node cache, in two steps inside one
-held entry: the metadata (config, tokenizer, index: a few KiB to MiB), then the weight files the
-index says hold the stage's tensors (select.py)."""
+"""Fetch what one pipeline stage loads of a remote model into the node cache, inside one held entry:
+the metadata (config, tokenizer, index: a few KiB to MiB), then the weight files the index says hold
+the stage's tensors (select.py); or, for a GGUF model, the byte ranges of the file's header and the
+stage's tensors (gguf_fill.py). A GGUF model of one stage is fetched whole, as a single download
+verified by its checksum, unless the node already holds ranges of it (then only the rest)."""
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -8,7 +10,9 @@ from typing import Iterator
 
 from shardwise.worker.fetch.cache import Entry, FetchReport, ModelCache, Progress
 from shardwise.worker.fetch.remote import Remote
-from shardwise.worker.fetch.select import metadata_files, stage_share, weight_files, whole_gguf
+from shardwise.worker.fetch.gguf_fill import fill_gguf_ranges, partial
+from shardwise.worker.fetch.select import (gguf_share, gguf_stage_ranges, metadata_files, stage_share,
+                                           weight_files, whole_gguf)
 
 
 @contextmanager
@@ -21,8 +25,13 @@ def hold_stage(cache: ModelCache, remote: Remote, scheme: str, location: str, st
     listing = remote.list_files()
     gguf = whole_gguf(listing)
     with cache.open(scheme, location, remote.revision()) as entry:
-        if gguf is not None:       # a GGUF model: one file, whole (see select.py)
-            yield entry, entry.fill(remote, [gguf], progress)
+        if gguf is not None and pipeline == 1 and not partial(entry, gguf):
+            yield entry, entry.fill(remote, [gguf], progress)      # the whole file: one verified download
+            return
+        if gguf is not None:       # a stage's ranges of the file
+            def wants(path, header):
+                return gguf_stage_ranges(header, gguf.size, gguf_share(path, stage, pipeline, layers))
+            yield entry, fill_gguf_ranges(entry, remote, gguf, wants, progress)
             return
         first = entry.fill(remote, metadata_files(listing), metadata_progress)
         share = stage_share(entry.files_dir, stage, pipeline, layers)

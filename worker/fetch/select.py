@@ -7,9 +7,9 @@ the planner and the worker use (crds/layout.py). Every rank of a stage's pod loa
 
 A sharded safetensors model says by `model.safetensors.index.json` which file holds each tensor: a
 stage fetches config, tokenizer and generation config, then only the files that hold a tensor it
-loads. A single `model.safetensors`, or a `.gguf` file, is fetched whole; for GGUF the byte ranges a
-stage reads are computed here (`gguf_stage_ranges`) for a store that serves ranges, but the cache
-keeps whole files today.
+loads. A single `model.safetensors` is fetched whole. A `.gguf` file is the model's config too: a
+stage's share comes from its header (`gguf_share`), and the byte ranges it reads from the header's
+tensor table (`gguf_stage_ranges`), which the cache fetches into a partial file (gguf_fill.py).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from shardwise.crds.gguf import Header
 from shardwise.crds.layout import split_layers
-from shardwise.crds.modelshape import ModelFactsError, from_hf_config
+from shardwise.crds.modelshape import ModelFacts, ModelFactsError, from_gguf, from_hf_config
 from shardwise.worker.errors import WorkerError
 from shardwise.worker.fetch.remote import RemoteFile
 
@@ -86,6 +86,19 @@ def stage_share(files_dir: Path, stage: int, pipeline: int,
         facts = from_hf_config(config)
     except (OSError, ValueError, ModelFactsError) as e:
         raise WorkerError(f"config.json: {str(e).splitlines()[0][:200]}") from None
+    return _share(facts, stage, pipeline, layers)
+
+
+def gguf_share(path: Path, stage: int, pipeline: int, layers: tuple[int, int] | None = None) -> StageShare:
+    """The stage's share by a GGUF file's header (in place at `path`, the tensors' data need not be)."""
+    try:
+        facts = from_gguf(path)
+    except ModelFactsError as e:
+        raise WorkerError(str(e).splitlines()[0][:300]) from None
+    return _share(facts, stage, pipeline, layers)
+
+
+def _share(facts: ModelFacts, stage: int, pipeline: int, layers: tuple[int, int] | None) -> StageShare:
     if not 0 <= stage < pipeline:
         raise WorkerError(f"stage {stage} is outside 0..{pipeline - 1}")
     if layers is None:
@@ -97,8 +110,8 @@ def stage_share(files_dir: Path, stage: int, pipeline: int,
 
 
 def whole_gguf(listing: list[RemoteFile]) -> RemoteFile | None:
-    """The one .gguf file of a store that holds no config.json (a GGUF model: fetched whole, its
-    header is its config), else None."""
+    """The one .gguf file of a store that holds no config.json (a GGUF model: its header is its
+    config), else None."""
     ggufs = [f for f in listing if f.name.endswith(".gguf") and "/" not in f.name]
     if len(ggufs) == 1 and not any(f.name == "config.json" for f in listing):
         return ggufs[0]

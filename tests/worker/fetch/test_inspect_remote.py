@@ -57,5 +57,7 @@ def test_inspect_reads_a_gguf_header_by_byte_ranges(s3_server, s3_client, s3_mod
                               str(tmp_path / "cache"), "--endpoint", s3_server.endpoint, "--path-style",
                               "--stage", "1", "--pipeline", "2", "--json"], capture_output=True, text=True,
                              timeout=120, env={**os.environ, **s3_server.env()})
-    assert fetched.returncode == 0, fetched.stderr       # a GGUF model: its one file, whole, for any stage
-    assert json.loads(fetched.stdout)["fetched_bytes"] == SMOL_GGUF.stat().st_size
+    assert fetched.returncode == 0, fetched.stderr       # a GGUF model: the stage's byte ranges of its file
+    size = SMOL_GGUF.stat().st_size
+    print(f"SmolLM2 Q4_1, stage 1 of 2: fetched {json.loads(fetched.stdout)['fetched_bytes']} of {size} bytes")
+    assert 0.6 * size < json.loads(fetched.stdout)["fetched_bytes"] < 0.7 * size   # its tied head: the embedding too

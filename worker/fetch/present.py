@@ -1,0 +1,116 @@
+"""Which byte ranges of a partly fetched file the node cache holds, and the arithmetic of ranges.
+
+A pipeline stage of a GGUF model needs the file's header and its own tensors' bytes, not the whole
+file (select.gguf_stage_ranges). The cache keeps such a file as a *partial* file:
+
+    <entry>/files/<name>                   a sparse file of the file's full size: the store's bytes
+                                           inside the recorded ranges, holes elsewhere
+    <entry>/.ranges/<hash of the name>     {"name", "size", "ranges": [[start, end], ...]}
+
+The record is what makes a file partial, and the order of writes keeps it true:
+- it is created (with no ranges) before the sparse file, so a file without a record is never a
+  half-written one: a file in place at its listed size and without a record is whole and verified;
+- it is rewritten atomically (temporary file, fsync, rename) only after the bytes of its new ranges
+  are fsynced, so a range in the record is always on disk (a range being written is not in it);
+- it is removed once the whole file's checksum matched (the file is then whole), and a file that
+  fails is deleted before its record.
+Every change happens under the file's exclusive lock in the entry (cache.Entry.file_lock), the lock
+whole files are downloaded under, so a reader that checked the record under that lock never reads
+a range before it is written.
+
+Nothing in a record is trusted further than it can be checked: a record that does not parse, or
+names ranges outside the file, counts as no ranges (they are fetched again).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+Span = tuple[int, int]             # [start, end) in bytes
+
+# A record longer than this is damaged (a stage's ranges are a few per layer).
+MAX_RECORD_BYTES = 16 << 20
+RECORDS = ".ranges"
+
+
+def merge(spans: list[Span]) -> list[Span]:
+    """The spans sorted, empty ones dropped, overlapping and adjacent ones joined."""
+    out: list[Span] = []
+    for start, end in sorted(s for s in spans if s[1] > s[0]):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(end, out[-1][1]))
+        else:
+            out.append((start, end))
+    return out
+
+
+def subtract(want: list[Span], have: list[Span]) -> list[Span]:
+    """The parts of `want` not in `have`."""
+    out: list[Span] = []
+    have = merge(have)
+    for start, end in merge(want):
+        pos = start
+        for h0, h1 in have:
+            if h1 <= pos or h0 >= end:
+                continue
+            if h0 > pos:
+                out.append((pos, h0))
+            pos = max(pos, h1)
+        if pos < end:
+            out.append((pos, end))
+    return out
+
+
+def total(spans: list[Span]) -> int:
+    return sum(end - start for start, end in merge(spans))
+
+
+def record_path(entry: Path, name: str) -> Path:
+    return entry / RECORDS / hashlib.sha256(name.encode()).hexdigest()[:32]
+
+
+def read_record(path: Path, size: int) -> list[Span] | None:
+    """The ranges a record says are present (merged), None without a record; [] for a damaged one."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_RECORD_BYTES + 1)
+    except FileNotFoundError:
+        return None
+    try:
+        doc = json.loads(raw) if len(raw) <= MAX_RECORD_BYTES else None
+        spans = [(int(s), int(e)) for s, e in doc["ranges"]] if doc and doc.get("size") == size else []
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return []
+    if any(not 0 <= s < e <= size for s, e in spans):
+        return []
+    return merge(spans)
+
+
+def write_record(path: Path, name: str, size: int, spans: list[Span]) -> None:
+    """Replace the record atomically (the ranges' bytes must already be fsynced)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump({"name": name, "size": size, "ranges": [list(s) for s in merge(spans)]}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def missing_bytes(entry: Path) -> int:
+    """Bytes the entry's partial files lack (their holes): what its files' sizes overstate."""
+    out = 0
+    folder = entry / RECORDS
+    if not folder.is_dir():
+        return 0
+    for path in folder.iterdir():
+        if path.name.startswith("."):
+            continue
+        try:
+            doc = json.loads(path.read_bytes()[:MAX_RECORD_BYTES])
+            out += max(0, int(doc["size"]) - total([(int(s), int(e)) for s, e in doc["ranges"]]))
+        except (OSError, ValueError, TypeError, KeyError, AttributeError):
+            continue
+    return out
