@@ -51,7 +51,9 @@ MODEL_NS = "default"
 CLUSTER = "shardwise-e2e"
 README = ROOT / "README.md"
 PSA = "pod-security.kubernetes.io/enforce"
-SOURCES_NS = "remote-models"
+# A name of its own each run: the node caches (<hostPath>/<namespace>) outlive the namespace, and
+# the test starts from cold ones.
+SOURCES_NS = f"remote-models-{os.urandom(3).hex()}"
 RACK = "topology.shardwise.dev/rack"
 
 
