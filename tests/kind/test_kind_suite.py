@@ -9,8 +9,19 @@ SmolLM2 demo ShardedModel run by the worker image:
   answers again, with the same greedy text;
 - a training ShardedModel on a shared claim survives `docker stop` of a node: the job restarts on
   the nodes left, resumes from its last checkpoint and ends Succeeded;
+- a ShardedModel whose only source is `uri: s3://models/smollm2` (endpoint, path style, a Secret of
+  credentials; no shape hints) on MinIO running inside the cluster (e2e/kind/objectstore.py: its
+  own namespace under Pod Security `restricted`, the GGUF uploaded through a port-forward) is
+  probed, planned, fetched into the node caches of one rack's two nodes and answers the demo's
+  greedy text; scaled to one replica and that replica's node stopped, it is re-planned onto the
+  rack's other node and starts from that node's cache, its log saying 0 bytes fetched;
 - `helm upgrade` of the chart keeps the ShardedModel and its pods.
-The operator and every worker pod run in namespaces that enforce Pod Security `restricted`.
+The operator and every worker pod run in namespaces that enforce Pod Security `restricted`, but the
+s3:// model's: its node cache is a hostPath volume, which `restricted` refuses. An `oci://` model is
+not run here: the suite's registry speaks plain HTTP on kind's network and a pod pulls a model over
+plain HTTP only from its own loopback (tests/e2e/test_oci_model.py runs one on local nodes).
+Every node-stop test starts the node again and advertises its fake GPUs before it ends, so the next
+test has all four workers.
 
 Needs Docker (`shardwise kind docker`); without it the suite is skipped, unless SHARDWISE_REQUIRE_KIND
 is set (CI), when it fails instead.
