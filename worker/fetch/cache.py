@@ -16,7 +16,8 @@ partial or corrupt file, and a mismatch deletes it. The partial copy keeps a ran
 killed, the node rebooted) resumes with the parts it has: the next fill of the file fetches only the
 missing ranges, unless the record was started for another size or checksum (then it starts over).
 A resumed file is verified exactly like a fresh one; one that fails is deleted and fetched whole
-once more. Two processes filling one entry take the file's
+once more. A partial copy counts toward the budget by its bytes present, and one that has not
+grown for PARTIAL_MAX_AGE_S with no process filling it is deleted when the cache needs room. Two processes filling one entry take the file's
 lock in turn; the second finds the first's file in place and does not download it again. Entries are
 evicted least recently used under a byte budget, counting the bytes present (a partial file's
 ranges, not its sparse size); one in use (its shared lock held) never is.
@@ -59,6 +60,9 @@ DISK_RESERVE_BYTES = 1 << 30
 STALL_TIMEOUT_S = 120.0
 ATTEMPTS = 4                               # tries of one file (the first and three retries)
 BACKOFF_S = (1.0, 4.0, 15.0)               # waits between them
+# A download's partial copy that has not grown for this long, and that no process is filling, is
+# deleted when the cache needs room (a file of an old layout nobody resumes).
+PARTIAL_MAX_AGE_S = 24 * 3600.0
 _CANCEL_POLL_S = 1.0                       # a read waiting for bytes looks this often whether to stop
 
 
@@ -85,6 +89,7 @@ class CacheConfig:
     backoff_s: tuple[float, ...] = BACKOFF_S
     streams: int = STREAMS                 # reads in flight at once (files and parts of a file)
     min_part_bytes: int = MIN_PART_BYTES   # a file is split into parts no smaller than this
+    partial_max_age_s: float = PARTIAL_MAX_AGE_S
 
 
 def entry_key(scheme: str, location: str, revision: str) -> str:
@@ -157,6 +162,8 @@ class ModelCache:
         """Evict least recently used entries not in use until `need` more bytes fit the budget and
         the disk; CacheError (one line) when they cannot."""
         cfg = self.config
+        for folder in list(self.entries.iterdir()):
+            Entry(self, folder).reclaim_stale_copies(cfg.partial_max_age_s)
         entries = sorted(self.usage(), key=lambda e: e[2])
         total = sum(size for _, size, _ in entries)
         for folder, size, _ in entries:
@@ -229,12 +236,43 @@ class Entry:
             return 0
 
     @contextmanager
-    def file_lock(self, name: str) -> Iterator[None]:
-        """The exclusive lock under which one process writes the file `name` (whole or ranges)."""
+    def file_lock(self, name: str, wait: bool = True) -> Iterator[bool]:
+        """The exclusive lock under which one process writes the file `name` (whole or ranges);
+        with `wait=False`, yields False at once when another process holds it."""
         lock = self.folder / ".locks" / hashlib.sha256(name.encode()).hexdigest()[:32]
         with open(lock, "a") as held:
-            fcntl.flock(held, fcntl.LOCK_EX)      # a second filler waits here for the first's file
-            yield
+            try:      # a second filler waits here for the first's file
+                fcntl.flock(held, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield False
+                return
+            yield True
+
+    def reclaim_stale_copies(self, max_age_s: float) -> None:
+        """Delete the partial copies of whole-file downloads whose record has not changed for
+        `max_age_s` and whose file no process is filling (its lock free); an entry being evicted
+        meanwhile is left to the evictor."""
+        try:
+            records = list((self.folder / present.RECORDS).iterdir())
+        except FileNotFoundError:
+            return
+        for record in records:
+            try:
+                name = json.loads(record.read_bytes()[:present.MAX_RECORD_BYTES])["name"]
+                stale = time.time() - record.stat().st_mtime > max_age_s
+            except (OSError, ValueError, TypeError, KeyError):
+                continue
+            folder, _, base = str(name).rpartition("/")
+            if not (stale and base.startswith(".") and base.endswith(".partial")):
+                continue            # a GGUF stage's partial file is kept: its ranges are its share
+            original = f"{folder}/{base[1:-len('.partial')]}".lstrip("/")
+            try:
+                with self.file_lock(original, wait=False) as mine:
+                    if mine and present.record_path(self.folder, name) == record:
+                        (self.files_dir / safe_name(name)).unlink(missing_ok=True)
+                        record.unlink(missing_ok=True)
+            except (OSError, CacheError):
+                continue
 
     def _fill_one(self, remote: Remote, f: RemoteFile, tally: Tally, streams: Streams) -> tuple[int, int]:
         """(bytes downloaded, bytes resumed) for one file: (0, 0) when another process put it in

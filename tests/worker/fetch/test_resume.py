@@ -22,6 +22,7 @@ import pytest
 
 from shardwise.e2e.slowlink import SlowLink
 from shardwise.worker.fetch import present
+from shardwise.worker.fetch.cache import CacheConfig, Entry, ModelCache
 
 MIB = 1 << 20
 SIZE = 8 * MIB                 # a GGUF model of one stage, fetched whole: two parts of 4 MiB (--streams 2, --min-part-mib 1), recorded every MiB
@@ -170,3 +171,28 @@ def test_a_corrupted_resumed_part_fails_the_checksum_and_the_file_is_fetched_who
     assert "md5 checksum does not match" in out.stderr and "fetching it whole again" in out.stderr, (out.stdout, out.stderr)
     assert report["fetched"] == SIZE and "MiB resumed" not in out.stdout, out.stdout
     whole_in_place(tmp_path, body)
+
+
+def test_a_stale_partial_copy_nobody_fills_is_reclaimed_when_the_cache_needs_room(s3_server, body, tmp_path):
+    have = killed_fetch(s3_server, tmp_path)
+    cache = ModelCache(CacheConfig(tmp_path, 1 << 34, disk_reserve_bytes=0))
+    [(entry, held, _)] = cache.usage()
+    assert held == have                     # the budget counts the bytes the copy holds
+    cache.make_room(1, keep=entry)
+    assert record_of(tmp_path) is not None  # a copy a day old or younger is kept for its next fetch
+    old = time.time() - 2 * 24 * 3600
+    os.utime(record_of(tmp_path), (old, old))
+    with Entry(cache, entry).file_lock("model.gguf"):     # being filled by another process: kept
+        subprocess.run([sys.executable, "-c", RECLAIM, str(tmp_path)], check=True, timeout=60)
+    assert record_of(tmp_path) is not None
+    cache.make_room(1, keep=entry)
+    assert record_of(tmp_path) is None and not list(entry.glob("files/.*.partial"))
+    assert cache.usage()[0][1] == 0
+
+
+RECLAIM = """
+import sys
+from pathlib import Path
+from shardwise.worker.fetch.cache import CacheConfig, ModelCache
+ModelCache(CacheConfig(Path(sys.argv[1]), 1 << 34, disk_reserve_bytes=0)).make_room(1, keep=None)
+"""
