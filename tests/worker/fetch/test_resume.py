@@ -22,7 +22,11 @@ import pytest
 
 from shardwise.e2e.slowlink import SlowLink
 from shardwise.worker.fetch import present
-from shardwise.worker.fetch.cache import CacheConfig, Entry, ModelCache
+from shardwise.crds.modelsource import parse_model_uri
+from shardwise.worker.fetch.cache import CacheConfig, Entry, ModelCache, reused_words
+from shardwise.worker.fetch.progress import DownloadTracker
+from shardwise.worker.fetch.pull import fetch_stage
+from shardwise.worker.fetch.s3 import S3Config, S3Store
 
 MIB = 1 << 20
 SIZE = 8 * MIB                 # a GGUF model of one stage, fetched whole: two parts of 4 MiB (--streams 2, --min-part-mib 1), recorded every MiB
@@ -196,3 +200,15 @@ from pathlib import Path
 from shardwise.worker.fetch.cache import CacheConfig, ModelCache
 ModelCache(CacheConfig(Path(sys.argv[1]), 1 << 34, disk_reserve_bytes=0)).make_room(1, keep=None)
 """
+
+
+def test_a_pods_progress_counts_resumed_bytes_as_cached_not_fetched(s3_server, body, tmp_path):
+    have = killed_fetch(s3_server, tmp_path)
+    tracker = DownloadTracker()
+    remote = S3Store(parse_model_uri(URI), S3Config(endpoint=s3_server.endpoint, path_style=True), s3_server.env())
+    cache = ModelCache(CacheConfig(tmp_path, 1 << 34, disk_reserve_bytes=0, streams=2, min_part_bytes=MIB))
+    report = fetch_stage(cache, remote, "s3", "resume/m", progress=tracker.phase())
+    status = tracker.report()          # what the operator shows in status.download
+    assert (status.bytes_cached, status.bytes_fetched, status.bytes_total) == (have, SIZE - have, SIZE - have)
+    assert (report.fetched_bytes, report.reused_bytes, report.resumed_bytes) == (SIZE - have, have, have)
+    assert "(4.0 MiB resumed from a download cut short)" in reused_words(report)
