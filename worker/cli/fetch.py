@@ -72,7 +72,7 @@ def _run(args) -> int:
     remote = open_remote(parsed, SourceOptions(args.endpoint, args.region, args.path_style))
     cache = ModelCache(CacheConfig(Path(args.cache), int(args.budget_gib * GIB), streams=args.streams,
                                    min_part_bytes=int(args.min_part_mib * 2**20)),
-                       on_retry=lambda reason: print(f"\nshardwise fetch: retrying: {reason}", file=sys.stderr))
+                       on_retry=lambda why: print(f"\nshardwise fetch: retrying: {why}", file=sys.stderr))
     start = time.monotonic()
     report = fetch_stage(cache, remote, parsed.scheme.value, parsed.location, args.stage, args.pipeline,
                          layers, progress=_progress_line())

@@ -16,11 +16,11 @@ partial or corrupt file, and a mismatch deletes it. The partial copy keeps a ran
 killed, the node rebooted) resumes with the parts it has: the next fill of the file fetches only the
 missing ranges, unless the record was started for another size or checksum (then it starts over).
 A resumed file is verified exactly like a fresh one; one that fails is deleted and fetched whole
-once more. A partial copy counts toward the budget by its bytes present, and one that has not
-grown for PARTIAL_MAX_AGE_S with no process filling it is deleted when the cache needs room. Two processes filling one entry take the file's
-lock in turn; the second finds the first's file in place and does not download it again. Entries are
-evicted least recently used under a byte budget, counting the bytes present (a partial file's
-ranges, not its sparse size); one in use (its shared lock held) never is.
+once more. A partial copy that has not grown for PARTIAL_MAX_AGE_S, with no process filling it, is
+deleted when the cache needs room. Two processes filling one entry take the file's lock in turn;
+the second finds the first's file in place (or the first's partial copy, which it resumes). Entries
+are evicted least recently used under a byte budget, counting the bytes present (a partial file's
+or copy's recorded ranges, not its sparse size); one in use (its shared lock held) never is.
 
 A GGUF model's pipeline stage fetches only the header and its tensors' byte ranges into a partial
 file (gguf_fill.py; the record of what is present: present.py); that file is whole, and verified by
@@ -313,7 +313,8 @@ class Entry:
         tag = present.checksum_tag(f.checksum)
         have = _open_copy(f, copy, self._copy_name(copy), record, tag)
         missing = present.subtract([(0, f.size)], have)
-        parts = [(s + a, s + b) for s, e in missing for a, b in plan_parts(e - s, cfg.streams, cfg.min_part_bytes)]
+        parts = [(s + a, s + b) for s, e in missing
+                 for a, b in plan_parts(e - s, cfg.streams, cfg.min_part_bytes)]
         # One stream writing the file in order: its digest follows the bytes; otherwise read back.
         digest = checksums.hasher(f) if parts == [(0, f.size)] else None
         fd = os.open(copy, os.O_WRONLY)
@@ -335,7 +336,8 @@ class Entry:
         return present.total(have)
 
     def fetch_part(self, remote: Remote, f: RemoteFile, fd: int, span: tuple[int, int], tally: Tally,
-                   digest, cancel: threading.Event, record: Callable[[tuple[int, int]], None] | None = None) -> None:
+                   digest, cancel: threading.Event,
+                   record: Callable[[tuple[int, int]], None] | None = None) -> None:
         """Bytes [start, end) of the file written at their offset; a failed read is retried from
         where it stopped, after a backoff, up to the config's attempts. `record` is given the bytes
         written so far every `min_part_bytes` of them and once all are in (it fsyncs and records)."""

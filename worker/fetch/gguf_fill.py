@@ -12,8 +12,8 @@ A GGUF model is one file; a stage reads its header and its own tensors' data (se
 3. The stage's ranges (the header, its tensors) minus those present are fetched, several reads at
    once and large ranges in parts (streams.py), written at their offsets; each part (and each
    `min_part_bytes` of a long one) is added to the record once fsynced, so a stage killed mid-fill
-   keeps what it had written for the next fill. A later stage on the node, or a re-planned stage with another share, fetches only
-   the ranges still missing; two stages filling at once take the lock in turn, the second finding
+   keeps what it had written for the next fill. A later stage on the node, or a re-planned stage
+   with another share, fetches only the ranges still missing; two stages filling at once take the lock in turn, the second finding
    the first's ranges in place, so neither reads a range before it is written.
 4. Once the ranges cover the whole file, the store's whole-file checksum is computed over it: a
    match makes it a whole file (the record removed), a mismatch deletes file and record, in one line.
@@ -114,10 +114,10 @@ class _Ranges:
         cfg, entry = self.entry.cache.config, self.entry
         entry.cache.make_room(total(spans), keep=entry.folder)
         parts = [(s + a, s + b) for s, e in spans for a, b in plan_parts(e - s, cfg.streams, cfg.min_part_bytes)]
-        recorder = present.Recorder(self.record, self.f.name, self.f.size, present.checksum_tag(self.f.checksum),
-                                    self.fd, self.have)
-        self.streams.parts([functools.partial(entry.fetch_part, self.remote, self.f, self.fd, part, tally,
-                                              None, self.streams.cancel, recorder.add) for part in parts])
+        recorder = present.Recorder(self.record, self.f.name, self.f.size,
+                                    present.checksum_tag(self.f.checksum), self.fd, self.have)
+        self.streams.parts([functools.partial(entry.fetch_part, self.remote, self.f, self.fd, part, tally, None,
+                                              self.streams.cancel, recorder.add) for part in parts])
         self.have = recorder.have
         self.fetched += total(spans)
 

@@ -17,8 +17,8 @@ The record is what makes a file partial, and the order of writes keeps it true:
   half-written one: a file in place at its listed size and without a record is whole and verified;
 - it is rewritten atomically (temporary file, fsync, rename) only after the bytes of its new ranges
   are fsynced, so a range in the record is always on disk (a range being written is not in it); it
-  is rewritten as each range (or each `every` bytes of one) is in, not once a fill ends, so a kill
-  loses at most the bytes in flight since (Recorder);
+  is rewritten as each part of a fill (and each `min_part_bytes` of a long one) is in, not once the
+  fill ends, so a kill loses at most the bytes in flight since (Recorder);
 - it is removed once the whole file's checksum matched (the file is then whole), and a file that
   fails is deleted before its record.
 Every change happens under the file's exclusive lock in the entry (cache.Entry.file_lock), the lock

@@ -29,7 +29,8 @@ from shardwise.worker.fetch.pull import fetch_stage
 from shardwise.worker.fetch.s3 import S3Config, S3Store
 
 MIB = 1 << 20
-SIZE = 8 * MIB                 # a GGUF model of one stage, fetched whole: two parts of 4 MiB (--streams 2, --min-part-mib 1), recorded every MiB
+# a GGUF model of one stage, fetched whole: two parts of 4 MiB (--streams 2, --min-part-mib 1)
+SIZE = 8 * MIB
 URI = "s3://resume/m"
 
 
@@ -104,7 +105,8 @@ def killed_fetch(s3_server, cache: Path) -> int:
     u = urlparse(s3_server.endpoint)
     link = SkewedLink((u.hostname, u.port), rate=MIB)
     at_least = SIZE // 2
-    proc = subprocess.Popen(command(f"http://127.0.0.1:{link.port}", cache), env={**os.environ, **s3_server.env()},
+    proc = subprocess.Popen(command(f"http://127.0.0.1:{link.port}", cache),
+                            env={**os.environ, **s3_server.env()},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 20
@@ -172,7 +174,8 @@ def test_a_corrupted_resumed_part_fails_the_checksum_and_the_file_is_fetched_who
         f.seek(at)
         f.write(bytes([byte[0] ^ 0xFF]))
     out, report = run_again(s3_server, tmp_path)
-    assert "md5 checksum does not match" in out.stderr and "fetching it whole again" in out.stderr, (out.stdout, out.stderr)
+    assert "md5 checksum does not match" in out.stderr, out.stderr
+    assert "fetching it whole again" in out.stderr, out.stderr
     assert report["fetched"] == SIZE and "MiB resumed" not in out.stdout, out.stdout
     whole_in_place(tmp_path, body)
 
@@ -205,7 +208,8 @@ ModelCache(CacheConfig(Path(sys.argv[1]), 1 << 34, disk_reserve_bytes=0)).make_r
 def test_a_pods_progress_counts_resumed_bytes_as_cached_not_fetched(s3_server, body, tmp_path):
     have = killed_fetch(s3_server, tmp_path)
     tracker = DownloadTracker()
-    remote = S3Store(parse_model_uri(URI), S3Config(endpoint=s3_server.endpoint, path_style=True), s3_server.env())
+    config = S3Config(endpoint=s3_server.endpoint, path_style=True)
+    remote = S3Store(parse_model_uri(URI), config, s3_server.env())
     cache = ModelCache(CacheConfig(tmp_path, 1 << 34, disk_reserve_bytes=0, streams=2, min_part_bytes=MIB))
     report = fetch_stage(cache, remote, "s3", "resume/m", progress=tracker.phase())
     status = tracker.report()          # what the operator shows in status.download
