@@ -35,6 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"reads in flight at once: several files, and a large file in byte-range parts "
                         f"of at least {MIN_PART_BYTES >> 20} MiB (1 to {MAX_STREAMS}; 1: one file after "
                         f"another, one stream each)")
+    parser.add_argument("--min-part-mib", type=float, default=MIN_PART_BYTES / 2**20,
+                        help="split a file into byte-range parts of at least this many MiB; a download "
+                        "cut short keeps its parts (recorded as each is written) and the next run "
+                        "resumes from them")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
 
@@ -54,7 +58,7 @@ def _run(args) -> int:
 
     from shardwise.crds.modelsource import parse_model_uri
     from shardwise.worker.errors import WorkerError
-    from shardwise.worker.fetch.cache import CacheConfig, ModelCache
+    from shardwise.worker.fetch.cache import CacheConfig, ModelCache, reused_words
     from shardwise.worker.fetch.pull import fetch_stage
     from shardwise.worker.fetch.stores import SourceOptions, open_remote
 
@@ -62,9 +66,13 @@ def _run(args) -> int:
     if args.budget_gib <= 0 or not 1 <= args.pipeline <= 4096 or not 1 <= args.streams <= MAX_STREAMS:
         raise WorkerError(f"--budget-gib must be positive, --pipeline between 1 and 4096 and --streams "
                           f"between 1 and {MAX_STREAMS}")
+    if not 1 / 16 <= args.min_part_mib <= 1 << 20:
+        raise WorkerError("--min-part-mib must be between 0.0625 and 1048576")
     layers = _layers(args.layers)
     remote = open_remote(parsed, SourceOptions(args.endpoint, args.region, args.path_style))
-    cache = ModelCache(CacheConfig(Path(args.cache), int(args.budget_gib * GIB), streams=args.streams))
+    cache = ModelCache(CacheConfig(Path(args.cache), int(args.budget_gib * GIB), streams=args.streams,
+                                   min_part_bytes=int(args.min_part_mib * 2**20)),
+                       on_retry=lambda why: print(f"\nshardwise fetch: retrying: {why}", file=sys.stderr))
     start = time.monotonic()
     report = fetch_stage(cache, remote, parsed.scheme.value, parsed.location, args.stage, args.pipeline,
                          layers, progress=_progress_line())
@@ -72,13 +80,13 @@ def _run(args) -> int:
     print(file=sys.stderr)
     result = {"uri": str(parsed), "files_dir": str(report.files_dir), "files": len(report.files),
               "fetched_bytes": report.fetched_bytes, "reused_bytes": report.reused_bytes,
+              "resumed_bytes": report.resumed_bytes,
               "seconds": round(took, 3)}
     if args.json:
         print(json.dumps(result))
     else:
         print(f"{parsed}: {len(report.files)} files in {report.files_dir}: fetched "
-              f"{report.fetched_bytes / 2**20:.1f} MiB, reused {report.reused_bytes / 2**20:.1f} MiB "
-              f"in {took:.1f}s")
+              f"{report.fetched_bytes / 2**20:.1f} MiB, {reused_words(report)} in {took:.1f}s")
     return 0
 
 

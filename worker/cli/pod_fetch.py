@@ -24,7 +24,7 @@ _HELD: list[ExitStack] = []
 def fetch_model(contract, placement, host: str) -> str:
     """The folder of the pod's stage files, fetched or found in the cache; one line says which."""
     from shardwise.crds.modelsource import parse_model_uri
-    from shardwise.worker.fetch.cache import ModelCache
+    from shardwise.worker.fetch.cache import ModelCache, reused_words
     from shardwise.worker.fetch.progress import DownloadTracker, ProgressServer
     from shardwise.worker.fetch.pull import hold_stage
     from shardwise.worker.fetch.stores import open_remote, options_of
@@ -52,8 +52,8 @@ def fetch_model(contract, placement, host: str) -> str:
     _HELD.append(held)
     mib = 1 << 20
     where = "the node's cache" if source.cache is SourceCache.NODE else "the pod's cache"
-    print(f"shardwise worker: {parsed}: fetched {report.fetched_bytes / mib:.1f} MiB, reused "
-          f"{report.reused_bytes / mib:.1f} MiB from {where} ({_files(len(report.files))} of stage "
+    print(f"shardwise worker: {parsed}: fetched {report.fetched_bytes / mib:.1f} MiB, "
+          f"{reused_words(report)} from {where} ({_files(len(report.files))} of stage "
           f"{placement.stage}) in {time.monotonic() - began:.1f}s over {cache.config.streams} streams",
           file=sys.stderr, flush=True)
     return str(report.files_dir)

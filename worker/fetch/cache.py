@@ -6,14 +6,21 @@
     <root>/entries/<key>/.locks/<hash>   exclusive flock while one process downloads one file (or
                                          ranges of it)
     <root>/entries/<key>/.ranges/<hash>  the byte ranges present of a partial file (present.py)
+    <root>/entries/<key>/files/.<name>.partial   a whole-file download under way (or cut short)
 
 An entry is keyed by (scheme, location, revision), so a moved tag or rewritten prefix is a new entry
-and an old one is never served for it. A file is written under a temporary name in its own folder
+and an old one is never served for it. A file is written as `.<name>.partial` in its own folder
 and renamed only after its size and checksum match what the store listed: a reader never sees a
-partial or corrupt file, and a mismatch deletes it. Two processes filling one entry take the file's
-lock in turn; the second finds the first's file in place and does not download it again. Entries are
-evicted least recently used under a byte budget, counting the bytes present (a partial file's
-ranges, not its sparse size); one in use (its shared lock held) never is.
+partial or corrupt file, and a mismatch deletes it. The partial copy keeps a ranges record
+(present.py) rewritten as each part's bytes are fsynced, so a download cut short (the process
+killed, the node rebooted) resumes with the parts it has: the next fill of the file fetches only the
+missing ranges, unless the record was started for another size or checksum (then it starts over).
+A resumed file is verified exactly like a fresh one; one that fails is deleted and fetched whole
+once more. A partial copy that has not grown for PARTIAL_MAX_AGE_S, with no process filling it, is
+deleted when the cache needs room. Two processes filling one entry take the file's lock in turn;
+the second finds the first's file in place (or the first's partial copy, which it resumes). Entries
+are evicted least recently used under a byte budget, counting the bytes present (a partial file's
+or copy's recorded ranges, not its sparse size); one in use (its shared lock held) never is.
 
 A GGUF model's pipeline stage fetches only the header and its tensors' byte ranges into a partial
 file (gguf_fill.py; the record of what is present: present.py); that file is whole, and verified by
@@ -53,6 +60,9 @@ DISK_RESERVE_BYTES = 1 << 30
 STALL_TIMEOUT_S = 120.0
 ATTEMPTS = 4                               # tries of one file (the first and three retries)
 BACKOFF_S = (1.0, 4.0, 15.0)               # waits between them
+# A download's partial copy that has not grown for this long, and that no process is filling, is
+# deleted when the cache needs room (a file of an old layout nobody resumes).
+PARTIAL_MAX_AGE_S = 24 * 3600.0
 _CANCEL_POLL_S = 1.0                       # a read waiting for bytes looks this often whether to stop
 
 
@@ -65,6 +75,7 @@ class FetchReport:
     files_dir: Path                        # where the model's files are, by their store names
     fetched_bytes: int = 0                 # downloaded by this call
     reused_bytes: int = 0                  # already in the cache (or filled by another process)
+    resumed_bytes: int = 0                 # of reused_bytes: in partial copies of downloads cut short
     files: list[str] = field(default_factory=list)
 
 
@@ -78,6 +89,7 @@ class CacheConfig:
     backoff_s: tuple[float, ...] = BACKOFF_S
     streams: int = STREAMS                 # reads in flight at once (files and parts of a file)
     min_part_bytes: int = MIN_PART_BYTES   # a file is split into parts no smaller than this
+    partial_max_age_s: float = PARTIAL_MAX_AGE_S
 
 
 def entry_key(scheme: str, location: str, revision: str) -> str:
@@ -150,6 +162,8 @@ class ModelCache:
         """Evict least recently used entries not in use until `need` more bytes fit the budget and
         the disk; CacheError (one line) when they cannot."""
         cfg = self.config
+        for folder in list(self.entries.iterdir()):
+            Entry(self, folder).reclaim_stale_copies(cfg.partial_max_age_s)
         entries = sorted(self.usage(), key=lambda e: e[2])
         total = sum(size for _, size, _ in entries)
         for folder, size, _ in entries:
@@ -179,15 +193,16 @@ class Entry:
         total = sum(f.size for f in files)
         missing = [f for f in files if not self.whole(f)]
         need = sum(f.size for f in missing)
-        if need:
-            self.cache.make_room(need, keep=self.folder)
-        report.reused_bytes = total - need
-        tally = Tally(progress, total - need, total)
+        resumable = sum(self.resumable(f) for f in missing)    # already counted in the cache's usage
+        if need > resumable:
+            self.cache.make_room(need - resumable, keep=self.folder)
+        tally = Tally(progress, total - need + resumable, total)
         tally.add(0)
         with Streams(self.cache.config.streams) as streams:
-            fetched = streams.each_file(missing, lambda f: self._fill_one(remote, f, tally, streams))
-        report.fetched_bytes = sum(fetched)
-        report.reused_bytes += need - report.fetched_bytes
+            done = streams.each_file(missing, lambda f: self._fill_one(remote, f, tally, streams))
+        report.fetched_bytes = sum(fetched for fetched, _ in done)
+        report.resumed_bytes = sum(resumed for _, resumed in done)
+        report.reused_bytes = total - report.fetched_bytes
         if progress:
             progress(total, total)
         return report
@@ -201,61 +216,134 @@ class Entry:
             return False
         return not present.record_path(self.folder, f.name).exists()
 
+    def partial_path(self, name: str) -> tuple[Path, Path]:
+        """(the partial copy of a whole-file download of `name`, its ranges record)."""
+        target = self.files_dir / name
+        copy = target.with_name(f".{target.name}.partial")
+        return copy, present.record_path(self.folder, self._copy_name(copy))
+
+    def _copy_name(self, copy: Path) -> str:
+        """A partial copy's name in its record: its path under the files folder."""
+        return copy.relative_to(self.files_dir).as_posix()
+
+    def resumable(self, f: RemoteFile) -> int:
+        """Bytes of `f` a download cut short left in its partial copy, as a fill would resume them."""
+        copy, record = self.partial_path(safe_name(f.name))
+        have = present.read_record(record, f.size, present.checksum_tag(f.checksum))
+        try:
+            return present.total(have or []) if copy.stat().st_size == f.size else 0
+        except FileNotFoundError:
+            return 0
+
     @contextmanager
-    def file_lock(self, name: str) -> Iterator[None]:
-        """The exclusive lock under which one process writes the file `name` (whole or ranges)."""
+    def file_lock(self, name: str, wait: bool = True) -> Iterator[bool]:
+        """The exclusive lock under which one process writes the file `name` (whole or ranges);
+        with `wait=False`, yields False at once when another process holds it."""
         lock = self.folder / ".locks" / hashlib.sha256(name.encode()).hexdigest()[:32]
         with open(lock, "a") as held:
-            fcntl.flock(held, fcntl.LOCK_EX)      # a second filler waits here for the first's file
-            yield
+            try:      # a second filler waits here for the first's file
+                fcntl.flock(held, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield False
+                return
+            yield True
 
-    def _fill_one(self, remote: Remote, f: RemoteFile, tally: Tally, streams: Streams) -> int:
-        """Bytes downloaded for one file: 0 when another process put it in place first."""
+    def reclaim_stale_copies(self, max_age_s: float) -> None:
+        """Delete the partial copies of whole-file downloads whose record has not changed for
+        `max_age_s` and whose file no process is filling (its lock free); an entry being evicted
+        meanwhile is left to the evictor."""
+        try:
+            records = list((self.folder / present.RECORDS).iterdir())
+        except FileNotFoundError:
+            return
+        for record in records:
+            try:
+                name = json.loads(record.read_bytes()[:present.MAX_RECORD_BYTES])["name"]
+                stale = time.time() - record.stat().st_mtime > max_age_s
+            except (OSError, ValueError, TypeError, KeyError):
+                continue
+            folder, _, base = str(name).rpartition("/")
+            if not (stale and base.startswith(".") and base.endswith(".partial")):
+                continue            # a GGUF stage's partial file is kept: its ranges are its share
+            original = f"{folder}/{base[1:-len('.partial')]}".lstrip("/")
+            try:
+                with self.file_lock(original, wait=False) as mine:
+                    if mine and present.record_path(self.folder, name) == record:
+                        (self.files_dir / safe_name(name)).unlink(missing_ok=True)
+                        record.unlink(missing_ok=True)
+            except (OSError, CacheError):
+                continue
+
+    def _fill_one(self, remote: Remote, f: RemoteFile, tally: Tally, streams: Streams) -> tuple[int, int]:
+        """(bytes downloaded, bytes resumed) for one file: (0, 0) when another process put it in
+        place first."""
         with self.file_lock(f.name):
+            copy, record = self.partial_path(f.name)
             if self.whole(f):
-                return 0
+                record.unlink(missing_ok=True)    # a record left by a kill just after the rename
+                return 0, 0
             target = self.files_dir / f.name
             target.parent.mkdir(parents=True, exist_ok=True)
-            # A partial copy left by a process killed mid-download (we hold the file's lock, so no
-            # live process writes one): its bytes are not trusted, the file is fetched from its start.
+            # per-process copies written by earlier versions of the cache: never resumed
             for stale in target.parent.glob(f".{glob.escape(target.name)}.part-*"):
                 stale.unlink(missing_ok=True)
-            self._download(remote, f, target, tally, streams)
-            # a partial copy of it (ranges of a GGUF stage) was replaced whole: no longer partial
-            present.record_path(self.folder, f.name).unlink(missing_ok=True)
-            return f.size
-
-    def _download(self, remote: Remote, f: RemoteFile, target: Path, tally: Tally, streams: Streams) -> None:
-        """The file written at its parts' offsets into a partial copy (its full size from the start),
-        checked whole, then renamed into place; the partial copy is deleted whatever happens."""
-        cfg = self.cache.config
-        tmp = target.with_name(f".{target.name}.part-{os.getpid()}-{threading.get_ident()}")
-        what = f"{remote.describe()}/{f.name}"
-        parts = plan_parts(f.size, cfg.streams, cfg.min_part_bytes)
-        # One stream writes in order: its digest follows the bytes; parts are read back once all in.
-        digest = checksums.hasher(f) if len(parts) == 1 else None
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                os.ftruncate(fd, f.size)
-                streams.parts([functools.partial(self.fetch_part, remote, f, fd, span, tally, digest,
-                                                 streams.cancel) for span in parts])
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            verify_checksum(remote, f, tmp, digest, what)
-            os.replace(tmp, target)
-        except RemoteError as e:
-            raise CacheError(str(e)) from None
+                try:
+                    resumed = self._download(remote, f, tally, streams)
+                except _ResumedMismatch as e:
+                    # the bytes kept from before did not make the listed file: it is fetched whole
+                    if self.cache.on_retry:
+                        self.cache.on_retry(f"{e}; fetching it whole again")
+                    resumed = self._download(remote, f, tally, streams)
+            except RemoteError as e:
+                raise CacheError(str(e)) from None
+            os.replace(copy, target)
+            # the record of the partial copy, and of a partial file it replaced (ranges of a GGUF stage)
+            record.unlink(missing_ok=True)
+            present.record_path(self.folder, f.name).unlink(missing_ok=True)
+            return f.size - resumed, resumed
+
+    def _download(self, remote: Remote, f: RemoteFile, tally: Tally, streams: Streams) -> int:
+        """The file's missing ranges written at their offsets into its partial copy (its full size
+        from the start), each part recorded once fsynced, then the whole copy checked; the bytes it
+        resumed. A copy that fails the check is deleted (with its record)."""
+        cfg = self.cache.config
+        copy, record = self.partial_path(f.name)
+        what = f"{remote.describe()}/{f.name}"
+        tag = present.checksum_tag(f.checksum)
+        have = _open_copy(f, copy, self._copy_name(copy), record, tag)
+        missing = present.subtract([(0, f.size)], have)
+        parts = [(s + a, s + b) for s, e in missing
+                 for a, b in plan_parts(e - s, cfg.streams, cfg.min_part_bytes)]
+        # One stream writing the file in order: its digest follows the bytes; otherwise read back.
+        digest = checksums.hasher(f) if parts == [(0, f.size)] else None
+        fd = os.open(copy, os.O_WRONLY)
+        try:
+            recorder = present.Recorder(record, self._copy_name(copy), f.size, tag, fd, have)
+            streams.parts([functools.partial(self.fetch_part, remote, f, fd, span, tally, digest,
+                                             streams.cancel, recorder.add) for span in parts])
+            os.fsync(fd)
         finally:
-            tmp.unlink(missing_ok=True)
+            os.close(fd)
+        try:
+            verify_checksum(remote, f, copy, digest, what)
+        except CacheError as e:
+            copy.unlink(missing_ok=True)
+            record.unlink(missing_ok=True)
+            if have:
+                raise _ResumedMismatch(str(e)) from None
+            raise
+        return present.total(have)
 
     def fetch_part(self, remote: Remote, f: RemoteFile, fd: int, span: tuple[int, int], tally: Tally,
-                    digest, cancel: threading.Event) -> None:
+                   digest, cancel: threading.Event,
+                   record: Callable[[tuple[int, int]], None] | None = None) -> None:
         """Bytes [start, end) of the file written at their offset; a failed read is retried from
-        where it stopped, after a backoff, up to the config's attempts."""
+        where it stopped, after a backoff, up to the config's attempts. `record` is given the bytes
+        written so far every `min_part_bytes` of them and once all are in (it fsyncs and records)."""
         cfg, (start, end) = self.cache.config, span
         what, pos = f"{remote.describe()}/{f.name}", start
+        every, recorded = max(1, cfg.min_part_bytes), start
         for attempt in range(cfg.attempts):
             try:
                 chunks = remote.read(f.name, pos, None if end == f.size else end)
@@ -269,6 +357,9 @@ class Entry:
                         digest.update(chunk)
                     pos += len(chunk)
                     tally.add(len(chunk))
+                    if record and pos - recorded >= every:
+                        record((start, pos))
+                        recorded = pos
                 break
             except (NotFound, Unauthorized):
                 raise
@@ -283,6 +374,41 @@ class Entry:
         if pos != end:
             raise CacheError(f"{what}: received {pos - start} bytes of [{start}, {end}), the store "
                              f"listed {f.size} in all; not kept")
+        if record:
+            record((start, end))
+
+
+class _ResumedMismatch(CacheError):
+    """A download that resumed a partial copy failed the whole file's checksum (the copy is gone)."""
+
+
+def _open_copy(f: RemoteFile, copy: Path, name: str, record: Path, tag: str | None) -> list[tuple[int, int]]:
+    """The ranges present in the file's partial copy, to resume; where there is none, or it was
+    started for another size or checksum, a new one: its record first, then an empty sparse file of
+    the listed size (a copy is never taken for more than its record says)."""
+    have = present.read_record(record, f.size, tag)
+    try:
+        if have is not None and copy.stat().st_size == f.size:
+            return have
+    except FileNotFoundError:
+        pass
+    present.write_record(record, name, f.size, [], tag)
+    fd = os.open(copy, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.ftruncate(fd, f.size)
+    finally:
+        os.close(fd)
+    return []
+
+
+def reused_words(report: FetchReport) -> str:
+    """'reused X MiB' of a report, with how much of it a download cut short had left
+    ('X MiB resumed'), so a resumed download reads differently from a fresh one."""
+    mib = 1 << 20
+    words = f"reused {report.reused_bytes / mib:.1f} MiB"
+    if report.resumed_bytes:
+        words += f" ({report.resumed_bytes / mib:.1f} MiB resumed from a download cut short)"
+    return words
 
 
 def _write_at(fd: int, data: bytes, offset: int) -> None:

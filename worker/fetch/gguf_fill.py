@@ -10,9 +10,10 @@ A GGUF model is one file; a stage reads its header and its own tensors' data (se
    until it parses; it must place every tensor inside the listed size and its last tensor must end
    within one alignment of it, so a store that lies about the size is refused at once.
 3. The stage's ranges (the header, its tensors) minus those present are fetched, several reads at
-   once and large ranges in parts (streams.py), written at their offsets and fsynced, then added to
-   the record. A later stage on the node, or a re-planned stage with another share, fetches only
-   the ranges still missing; two stages filling at once take the lock in turn, the second finding
+   once and large ranges in parts (streams.py), written at their offsets; each part (and each
+   `min_part_bytes` of a long one) is added to the record once fsynced, so a stage killed mid-fill
+   keeps what it had written for the next fill. A later stage on the node, or a re-planned stage
+   with another share, fetches only the ranges still missing; two stages filling at once take the lock in turn, the second finding
    the first's ranges in place, so neither reads a range before it is written.
 4. Once the ranges cover the whole file, the store's whole-file checksum is computed over it: a
    match makes it a whole file (the record removed), a mismatch deletes file and record, in one line.
@@ -107,17 +108,17 @@ class _Ranges:
         self.have, self.streams, self.fetched = have, streams, 0
 
     def fetch(self, spans: list[Span], tally: Tally) -> None:
-        """`spans` (none of them present) fetched, fsynced, then recorded."""
+        """`spans` (none of them present) fetched, each part recorded once fsynced."""
         if not spans:
             return
         cfg, entry = self.entry.cache.config, self.entry
         entry.cache.make_room(total(spans), keep=entry.folder)
         parts = [(s + a, s + b) for s, e in spans for a, b in plan_parts(e - s, cfg.streams, cfg.min_part_bytes)]
-        self.streams.parts([functools.partial(entry.fetch_part, self.remote, self.f, self.fd, part, tally,
-                                              None, self.streams.cancel) for part in parts])
-        os.fsync(self.fd)
-        self.have = merge(self.have + spans)
-        present.write_record(self.record, self.f.name, self.f.size, self.have)
+        recorder = present.Recorder(self.record, self.f.name, self.f.size,
+                                    present.checksum_tag(self.f.checksum), self.fd, self.have)
+        self.streams.parts([functools.partial(entry.fetch_part, self.remote, self.f, self.fd, part, tally, None,
+                                              self.streams.cancel, recorder.add) for part in parts])
+        self.have = recorder.have
         self.fetched += total(spans)
 
     def header(self, target: Path, what: str) -> tuple[Header, int]:
@@ -151,13 +152,14 @@ def _short(e: GGUFError) -> bool:
 def _open_partial(f: RemoteFile, target: Path, record: Path) -> list[Span]:
     """The ranges present of the partial file; a new one (its record first, then an empty sparse
     file of the listed size) where there is none or the one there is not of that size."""
-    have = present.read_record(record, f.size)
+    tag = present.checksum_tag(f.checksum)
+    have = present.read_record(record, f.size, tag)
     try:
         if have is not None and target.stat().st_size == f.size:
             return have
     except FileNotFoundError:
         pass
-    present.write_record(record, f.name, f.size, [])
+    present.write_record(record, f.name, f.size, [], tag)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:

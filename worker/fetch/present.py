@@ -5,13 +5,20 @@ file (select.gguf_stage_ranges). The cache keeps such a file as a *partial* file
 
     <entry>/files/<name>                   a sparse file of the file's full size: the store's bytes
                                            inside the recorded ranges, holes elsewhere
-    <entry>/.ranges/<hash of the name>     {"name", "size", "ranges": [[start, end], ...]}
+    <entry>/.ranges/<hash of the name>     {"name", "size", "checksum", "ranges": [[start, end], ...]}
+
+A whole-file download keeps the same record for its partial copy (`.<name>.partial` beside the
+file, renamed into place once verified: cache.py), so a download cut short (the pod killed, the node
+rebooted) resumes with the ranges it has. The record names the size and checksum the file was
+listed with when it was started: a record started for another size or checksum is not resumed.
 
 The record is what makes a file partial, and the order of writes keeps it true:
 - it is created (with no ranges) before the sparse file, so a file without a record is never a
   half-written one: a file in place at its listed size and without a record is whole and verified;
 - it is rewritten atomically (temporary file, fsync, rename) only after the bytes of its new ranges
-  are fsynced, so a range in the record is always on disk (a range being written is not in it);
+  are fsynced, so a range in the record is always on disk (a range being written is not in it); it
+  is rewritten as each part of a fill (and each `min_part_bytes` of a long one) is in, not once the
+  fill ends, so a kill loses at most the bytes in flight since (Recorder);
 - it is removed once the whole file's checksum matched (the file is then whole), and a file that
   fails is deleted before its record.
 Every change happens under the file's exclusive lock in the entry (cache.Entry.file_lock), the lock
@@ -26,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from pathlib import Path
 
 Span = tuple[int, int]             # [start, end) in bytes
@@ -71,8 +79,9 @@ def record_path(entry: Path, name: str) -> Path:
     return entry / RECORDS / hashlib.sha256(name.encode()).hexdigest()[:32]
 
 
-def read_record(path: Path, size: int) -> list[Span] | None:
-    """The ranges a record says are present (merged), None without a record; [] for a damaged one."""
+def read_record(path: Path, size: int, checksum: str | None = None) -> list[Span] | None:
+    """The ranges a record says are present (merged); None without a record or with one started for
+    another size or (where given) checksum; [] for a damaged one."""
     try:
         with open(path, "rb") as f:
             raw = f.read(MAX_RECORD_BYTES + 1)
@@ -80,7 +89,9 @@ def read_record(path: Path, size: int) -> list[Span] | None:
         return None
     try:
         doc = json.loads(raw) if len(raw) <= MAX_RECORD_BYTES else None
-        spans = [(int(s), int(e)) for s, e in doc["ranges"]] if doc and doc.get("size") == size else []
+        if doc and (doc.get("size") != size or (checksum is not None and doc.get("checksum") != checksum)):
+            return None
+        spans = [(int(s), int(e)) for s, e in doc["ranges"]] if doc else []
     except (ValueError, TypeError, KeyError, AttributeError):
         return []
     if any(not 0 <= s < e <= size for s, e in spans):
@@ -88,15 +99,40 @@ def read_record(path: Path, size: int) -> list[Span] | None:
     return merge(spans)
 
 
-def write_record(path: Path, name: str, size: int, spans: list[Span]) -> None:
+def write_record(path: Path, name: str, size: int, spans: list[Span], checksum: str | None = None) -> None:
     """Replace the record atomically (the ranges' bytes must already be fsynced)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
     with open(tmp, "w") as f:
-        json.dump({"name": name, "size": size, "ranges": [list(s) for s in merge(spans)]}, f)
+        json.dump({"name": name, "size": size, "checksum": checksum,
+                   "ranges": [list(s) for s in merge(spans)]}, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+class Recorder:
+    """The record of one partial file kept as its ranges arrive, from the several part reads of a
+    fill at once: `add` fsyncs the file, then rewrites the record with the new range (one at a
+    time). The file's lock must be held (cache.Entry.file_lock)."""
+
+    def __init__(self, path: Path, name: str, size: int, checksum: str | None, fd: int, have: list[Span]):
+        self.path, self.name, self.size, self.checksum, self.fd = path, name, size, checksum, fd
+        self.have = merge(have)
+        self._lock = threading.Lock()
+
+    def add(self, span: Span) -> None:
+        with self._lock:
+            if not subtract([span], self.have):
+                return
+            os.fsync(self.fd)
+            self.have = merge(self.have + [span])
+            write_record(self.path, self.name, self.size, self.have, self.checksum)
+
+
+def checksum_tag(checksum) -> str | None:
+    """A listed checksum (remote.Checksum) as a record keeps it: 'kind:value'."""
+    return None if checksum is None else f"{checksum.kind.value}:{checksum.value}"
 
 
 def missing_bytes(entry: Path) -> int:

@@ -38,6 +38,7 @@ def hold_stage(cache: ModelCache, remote: Remote, scheme: str, location: str, st
         weights = entry.fill(remote, weight_files(listing, entry.files_dir, share), progress)
         weights.fetched_bytes += first.fetched_bytes
         weights.reused_bytes += first.reused_bytes
+        weights.resumed_bytes += first.resumed_bytes
         weights.files = first.files + weights.files
         yield entry, weights
 

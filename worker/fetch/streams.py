@@ -63,7 +63,8 @@ class Tally:
 
     def add(self, n: int) -> None:
         with self._lock:
-            self.done += n
+            # a resumed copy that fails its checksum is fetched again whole: never past the total
+            self.done = min(self.done + n, max(self.total, self.done))
             if self.progress:
                 self.progress(self.done, self.total)
 

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from shardwise.worker.fetch import present
 from shardwise.worker.fetch.cache import CacheConfig, CacheError, ModelCache
 from shardwise.worker.fetch.gguf_fill import HEADER_FIRST_BYTES
 from shardwise.worker.fetch.pull import fetch_stage
+from shardwise.worker.fetch.remote import RemoteError
 from shardwise.worker.fetch.s3 import S3Store
 from shardwise.worker.fetch.select import StageShare, gguf_share, gguf_stage_ranges
 from shardwise.worker.weights.gguf_index import write_requantized
@@ -256,3 +258,36 @@ def test_the_fetch_command_takes_the_plans_layers(s3_server, gguf_model, tmp_pat
     bad = fetch("--layers", "6:5")
     assert bad.returncode == 1 and bad.stderr.strip().splitlines() == [
         "shardwise fetch: error: --layers must be FIRST:END with FIRST < END (such as 0:40), not '6:5'"]
+
+
+class _FailingLastPart(S3Store):
+    """The real store, but the read of the part ending at byte `last_end` fails after `delay_s` (the
+    other parts of the fill are in by then): a stage's fill cut short mid-way."""
+
+    def __init__(self, *args, last_end: int, delay_s: float = 2.0):
+        super().__init__(*args)
+        self.last_end, self.delay_s = last_end, delay_s
+
+    def read(self, name, start=0, end=None):
+        if end == self.last_end:
+            time.sleep(self.delay_s)
+            raise RemoteError(f"{name}: connection reset (the part ending at {end})")
+        return super().read(name, start, end)
+
+
+def test_a_stage_fill_cut_short_keeps_the_parts_that_landed(s3_server, s3_config, gguf_model, tmp_path):
+    share = gguf_stage_ranges(read_header(gguf_model), gguf_model.stat().st_size, gguf_share(gguf_model, 0, 2))
+    last_end = max(e for _, e in share)
+    config = CacheConfig(tmp_path, 10 * GIB, disk_reserve_bytes=0, attempts=1, streams=4, min_part_bytes=64 << 10)
+    failing = _FailingLastPart(parse_model_uri("s3://ggufs/tiny"), s3_config, s3_server.env(), last_end=last_end)
+    with pytest.raises(CacheError):
+        fetch_stage(ModelCache(config), failing, "s3", "ggufs/tiny", 0, 2)
+    # every part but the failed one is recorded (before, only the header was, until all were in)
+    [record] = (tmp_path / "entries").glob("*/.ranges/*")
+    have = present.read_record(record, gguf_model.stat().st_size, json.loads(record.read_text())["checksum"])
+    lost = present.subtract(present.merge(share + [(0, HEADER_FIRST_BYTES)]), have)
+    assert len(lost) == 1 and lost[0][1] == last_end, (lost, have)
+    assert present.total(lost) <= (last_end - HEADER_FIRST_BYTES) // 3      # one of 4 parts
+    again = fetch_stage(ModelCache(config), store(s3_server, s3_config), "s3", "ggufs/tiny", 0, 2)
+    assert again.fetched_bytes == present.total(lost)          # only the part that did not land
+    assert_same_tensors(stage_tensors(again.files_dir / "model.gguf", 0), stage_tensors(gguf_model, 0))
