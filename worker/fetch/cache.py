@@ -311,7 +311,7 @@ class Entry:
         copy, record = self.partial_path(f.name)
         what = f"{remote.describe()}/{f.name}"
         tag = present.checksum_tag(f.checksum)
-        have = _open_copy(f, copy, self._copy_name(copy), record, tag)
+        have = present.open_sparse(copy, record, self._copy_name(copy), f.size, tag)
         missing = present.subtract([(0, f.size)], have)
         parts = [(s + a, s + b) for s, e in missing
                  for a, b in plan_parts(e - s, cfg.streams, cfg.min_part_bytes)]
@@ -380,25 +380,6 @@ class Entry:
 
 class _ResumedMismatch(CacheError):
     """A download that resumed a partial copy failed the whole file's checksum (the copy is gone)."""
-
-
-def _open_copy(f: RemoteFile, copy: Path, name: str, record: Path, tag: str | None) -> list[tuple[int, int]]:
-    """The ranges present in the file's partial copy, to resume; where there is none, or it was
-    started for another size or checksum, a new one: its record first, then an empty sparse file of
-    the listed size (a copy is never taken for more than its record says)."""
-    have = present.read_record(record, f.size, tag)
-    try:
-        if have is not None and copy.stat().st_size == f.size:
-            return have
-    except FileNotFoundError:
-        pass
-    present.write_record(record, name, f.size, [], tag)
-    fd = os.open(copy, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.ftruncate(fd, f.size)
-    finally:
-        os.close(fd)
-    return []
 
 
 def reused_words(report: FetchReport) -> str:

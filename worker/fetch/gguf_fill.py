@@ -79,7 +79,7 @@ def _fill(entry: Entry, remote: Remote, f: RemoteFile, wants: Wants, progress: P
     """(bytes fetched, bytes reused) of the stage's ranges; the file's lock is held."""
     target = entry.files_dir / f.name
     record = present.record_path(entry.folder, f.name)
-    have = _open_partial(f, target, record)
+    have = present.open_sparse(target, record, f.name, f.size, present.checksum_tag(f.checksum))
     with Streams(entry.cache.config.streams) as streams:
         fd = os.open(target, os.O_RDWR)
         try:
@@ -147,26 +147,6 @@ def _short(e: GGUFError) -> bool:
     """Whether the header reader stopped at the bytes read so far (crds/gguf.py's words for a header
     longer than its limit), rather than at something wrong in them."""
     return "ends early" in str(e) or "more than the file holds" in str(e)
-
-
-def _open_partial(f: RemoteFile, target: Path, record: Path) -> list[Span]:
-    """The ranges present of the partial file; a new one (its record first, then an empty sparse
-    file of the listed size) where there is none or the one there is not of that size."""
-    tag = present.checksum_tag(f.checksum)
-    have = present.read_record(record, f.size, tag)
-    try:
-        if have is not None and target.stat().st_size == f.size:
-            return have
-    except FileNotFoundError:
-        pass
-    present.write_record(record, f.name, f.size, [], tag)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.ftruncate(fd, f.size)
-    finally:
-        os.close(fd)
-    return []
 
 
 def _header(path: Path, what: str) -> Header:

@@ -130,6 +130,26 @@ class Recorder:
             write_record(self.path, self.name, self.size, self.have, self.checksum)
 
 
+def open_sparse(path: Path, record: Path, name: str, size: int, checksum: str | None) -> list[Span]:
+    """The ranges present of the partial file at `path`, to resume; where there is none, or it was
+    started for another size or checksum, a new one: its record first, then an empty sparse file of
+    `size` bytes (a file is never taken for more than its record says)."""
+    have = read_record(record, size, checksum)
+    try:
+        if have is not None and path.stat().st_size == size:
+            return have
+    except FileNotFoundError:
+        pass
+    write_record(record, name, size, [], checksum)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+    return []
+
+
 def checksum_tag(checksum) -> str | None:
     """A listed checksum (remote.Checksum) as a record keeps it: 'kind:value'."""
     return None if checksum is None else f"{checksum.kind.value}:{checksum.value}"
