@@ -74,13 +74,18 @@ class SourceContract(_Contract):
         "bytes the node's cache may hold (least recently used entries out); None for a pod's own cache"))
     streams: Optional[int] = Field(None, ge=1, le=MAX_FETCH_STREAMS, description=(
         "spec.model.fetchStreams: reads in flight at once while the pod fetches; None: the fetcher's default"))
+    plain_http: Optional[bool] = Field(None, description=(
+        "oci://: speak plain HTTP to the registry, which the operator's --plain-http-registry lists; "
+        "None: HTTPS (plain HTTP to a loopback registry only)"))
 
     @model_serializer(mode="wrap")
-    def _no_unset_streams(self, handler):
-        # Unset, it is left out of the file, so that a worker image older than it still reads the contract.
+    def _no_unset_additions(self, handler):
+        # Unset, they are left out of the file, so that a worker image older than them still reads the
+        # contract, and a model whose pods were made before them keeps its pods.
         out = handler(self)
-        if isinstance(out, dict) and out.get("streams", 0) is None:
-            del out["streams"]
+        for key in ("streams", "plain_http"):
+            if isinstance(out, dict) and key in out and out[key] is None:
+                del out[key]
         return out
 
 

@@ -203,12 +203,22 @@ def parse_s3_uri(uri: str, field: str) -> S3Uri:
     return _s3(uri, uri[len("s3://"):], field)
 
 
+def is_registry(host: str) -> bool:
+    """Whether `host` is an OCI registry's host[:port] (a DNS name or IPv4 address, a port 1-65535)."""
+    rm = _REGISTRY.match(host) if isinstance(host, str) else None
+    return bool(rm) and len(host) <= 255 and not (rm.group(1) and not 0 < int(rm.group(1)) < 65536)
+
+
+def registry_key(host: str) -> str:
+    """The form two spellings of one registry's host[:port] share: host names are case-insensitive."""
+    return host.lower()
+
+
 def _oci(uri: str, rest: str) -> OciUri:
     registry, slash, ref = rest.partition("/")
     if not slash or not ref:
         raise ModelUriError(f"model.uri {uri!r} must look like oci://<registry>/<repository>:<tag>")
-    rm = _REGISTRY.match(registry)
-    if not rm or len(registry) > 255 or (rm.group(1) and not 0 < int(rm.group(1)) < 65536):
+    if not is_registry(registry):
         raise ModelUriError(f"model.uri registry {registry!r} is not a host[:port]")
     tag = digest = None
     if "@" in ref:

@@ -41,7 +41,7 @@ def _free_port() -> int:
 BCRYPT_ROUNDS = 16
 
 
-def _bcrypt(password: str) -> str:
+def bcrypt_hash(password: str) -> str:
     """A bcrypt hash (the only kind the registry's htpasswd accepts) from the C library's crypt(3),
     through the standard library's `crypt` (deprecated, still there up to Python 3.12)."""
     with warnings.catch_warnings():
@@ -69,7 +69,7 @@ class LocalRegistry:
         elif self.users:
             htpasswd = self.root / "htpasswd"
             htpasswd.write_text("".join(
-                f"{u}:{_bcrypt(p)}\n" for u, p in self.users.items()))
+                f"{u}:{bcrypt_hash(p)}\n" for u, p in self.users.items()))
             auth = f"auth:\n  htpasswd: {{realm: shardwise-test, path: {htpasswd}}}\n"
         return (f"version: 0.1\nlog: {{level: error}}\n"
                 f"storage:\n  filesystem: {{rootdirectory: {self.storage}}}\n  delete: {{enabled: true}}\n"

@@ -28,11 +28,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "bfloat16 for a quantized GGUF or when unknown)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (the model facts)")
     parser.add_argument("--output", metavar="FILE", help="also write that JSON object to FILE")
-    # an s3:// model's options (spec.model.endpoint, region, pathStyle); credentials only from the
-    # environment (crds/names.py CREDENTIAL_ENV), never as arguments (visible in the pod's spec)
-    parser.add_argument("--endpoint", metavar="URL", help="s3://: the S3-compatible endpoint")
-    parser.add_argument("--region", help="s3://: the bucket's region")
-    parser.add_argument("--path-style", action="store_true", help="s3://: path-style addressing")
+    add_store_arguments(parser)
+
+
+def add_store_arguments(parser: argparse.ArgumentParser) -> None:
+    """A remote model's store options, as `shardwise inspect` and `shardwise fetch` take them (the
+    operator passes them to its probe and pre-pull pods, operator/render/source.py store_options):
+    an s3:// model's spec.model.endpoint, region and pathStyle, and plain HTTP to an oci:// registry.
+    Credentials only from the environment (crds/names.py CREDENTIAL_ENV), never as arguments
+    (visible in the pod's spec)."""
+    parser.add_argument("--endpoint", metavar="URL", help="s3://: the S3-compatible endpoint (default: AWS)")
+    parser.add_argument("--region", help="s3://: the bucket's region (default: us-east-1)")
+    parser.add_argument("--path-style", action="store_true",
+                        help="s3://: address the bucket in the path (MinIO and most on-premises stores)")
+    parser.add_argument("--plain-http", action="store_true",
+                        help="oci://: speak HTTP, not HTTPS, to the registry (always so to one on this "
+                             "machine); its credentials then cross the network in clear")
 
 
 def run(args: argparse.Namespace) -> int:

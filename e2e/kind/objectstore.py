@@ -1,11 +1,8 @@
 """A real S3 server inside the kind cluster: MinIO, the binary `shardwise dev build-s3` builds from its
 Go module (shardwise.e2e.s3server), packed into an image here and pulled by the nodes from the local
-registry, run as a Deployment and a Service in a namespace of its own that enforces Pod Security
-`restricted`.
-
-The server keeps its objects in an emptyDir and runs on the control-plane node (tolerating its
-taint), so that a test stopping a worker node never stops the store its models are fetched from.
-Its credentials are random, made once per deployment, and given to it through a Secret.
+registry, run as e2e/kind/servers.py runs a server in the cluster: a Deployment and a Service in a
+namespace of its own that enforces Pod Security `restricted`, on the control-plane node, its objects
+in an emptyDir. Its credentials are random, made once per deployment, and given to it through a Secret.
 
     image = objectstore.push_image()                       # built once, then pushed (cheap when unchanged)
     store = objectstore.deploy(cluster, image)             # waits for the server to be Ready
@@ -13,7 +10,6 @@ Its credentials are random, made once per deployment, and given to it through a 
 """
 from __future__ import annotations
 
-import json
 import secrets
 import shutil
 import tempfile
@@ -21,16 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardwise.e2e import s3server
-from shardwise.e2e.kind import registry
+from shardwise.e2e.kind import registry, servers
 from shardwise.e2e.kind.docker import image_exists
 from shardwise.e2e.kind.images import docker_build
 
 NAMESPACE = "object-store"
 NAME = "minio"
 PORT = 9000
-# The worker image's user: any non-root uid passes `restricted`; this one is the project's.
-UID = 10001
-READY_TIMEOUT_S = 300
+UID = servers.UID
 
 
 def image_name() -> str:
@@ -72,51 +66,23 @@ class Store:
 
 def manifests(image: str, access_key: str, secret_key: str) -> list[dict]:
     """The namespace (Pod Security `restricted`), the credentials Secret, the Deployment and Service."""
-    labels = {"app.kubernetes.io/name": NAME}
     container = {
-        "name": NAME, "image": image,
         "args": ["server", "--quiet", "--address", f":{PORT}", "--console-address", ":9001", "/data/store"],
         "env": [{"name": "HOME", "value": "/data"}, {"name": "TMPDIR", "value": "/data"}, {"name": "MINIO_BROWSER", "value": "off"},
                 {"name": "MINIO_UPDATE", "value": "off"}, {"name": "CI", "value": "true"},
                 *({"name": key, "valueFrom": {"secretKeyRef": {"name": NAME, "key": key}}}
                   for key in ("MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD"))],
-        "ports": [{"containerPort": PORT, "name": "s3"}],
-        "readinessProbe": {"httpGet": {"path": "/minio/health/ready", "port": PORT}, "periodSeconds": 2},
-        "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"memory": "1Gi"}},
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
-        "volumeMounts": [{"name": "data", "mountPath": "/data"}]}
-    pod = {
-        "securityContext": {"runAsNonRoot": True, "runAsUser": UID, "runAsGroup": UID, "fsGroup": UID,
-                            "seccompProfile": {"type": "RuntimeDefault"}},
-        "automountServiceAccountToken": False,
-        # the control plane: never a worker node a test stops
-        "nodeSelector": {"node-role.kubernetes.io/control-plane": ""},
-        "tolerations": [{"key": "node-role.kubernetes.io/control-plane", "operator": "Exists",
-                         "effect": "NoSchedule"}],
-        "containers": [container],
-        "volumes": [{"name": "data", "emptyDir": {"sizeLimit": "2Gi"}}]}
-    meta = {"name": NAME, "namespace": NAMESPACE, "labels": labels}
-    return [
-        {"apiVersion": "v1", "kind": "Namespace",
-         "metadata": {"name": NAMESPACE, "labels": {"pod-security.kubernetes.io/enforce": "restricted"}}},
-        {"apiVersion": "v1", "kind": "Secret", "metadata": meta,
-         "stringData": {"MINIO_ROOT_USER": access_key, "MINIO_ROOT_PASSWORD": secret_key}},
-        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
-         "spec": {"replicas": 1, "selector": {"matchLabels": labels}, "strategy": {"type": "Recreate"},
-                  "template": {"metadata": {"labels": labels}, "spec": pod}}},
-        {"apiVersion": "v1", "kind": "Service", "metadata": meta,
-         "spec": {"selector": labels, "ports": [{"port": PORT, "targetPort": PORT, "name": "s3"}]}}]
+        "readinessProbe": {"httpGet": {"path": "/minio/health/ready", "port": PORT}, "periodSeconds": 2}}
+    return servers.manifests(NAMESPACE, NAME, image, PORT, container, "/data",
+                             {"MINIO_ROOT_USER": access_key, "MINIO_ROOT_PASSWORD": secret_key})
 
 
 def deploy(cluster, image: str) -> Store:
     """Apply the manifests with fresh credentials and wait until the server is Ready."""
     access_key, secret_key = "sw" + secrets.token_hex(8), secrets.token_urlsafe(24)
-    items = manifests(image, access_key, secret_key)
-    cluster.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": items}))
-    cluster.kubectl("rollout", "status", f"deployment/{NAME}", "-n", NAMESPACE,
-                    f"--timeout={READY_TIMEOUT_S}s", timeout=READY_TIMEOUT_S + 30)
+    servers.deploy(cluster, manifests(image, access_key, secret_key), NAMESPACE, NAME)
     return Store(f"http://{NAME}.{NAMESPACE}.svc.cluster.local:{PORT}", access_key, secret_key)
 
 
 def remove(cluster) -> None:
-    cluster.kubectl("delete", "namespace", NAMESPACE, "--ignore-not-found", "--wait=false")
+    servers.remove(cluster, NAMESPACE)

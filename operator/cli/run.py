@@ -65,6 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--prepare-model-cache", action=argparse.BooleanOptionalAction, default=True,
                      help="give a namespace's new cache directory to the worker's group with a root init "
                           "container (--no-prepare-model-cache: the nodes' directories are prepared beforehand)")
+    run.add_argument("--plain-http-registry", action="append", default=[], metavar="HOST[:PORT]",
+                     help="an OCI registry the pods and the probe of oci:// models may speak plain HTTP to "
+                          "(repeatable; registry credentials then cross the network in clear): a registry "
+                          "inside the cluster without TLS. Others: HTTPS only, but a loopback one")
     run.add_argument("--no-leader-election", action="store_true",
                      help="run without a Lease (only when exactly one operator runs)")
 
@@ -147,6 +151,7 @@ def _check_arguments(args: argparse.Namespace) -> None:
 
 def _render_settings(args: argparse.Namespace):
     """What shapes the objects rendered (operator/render/settings.py), checked: one line if wrong."""
+    from shardwise.crds.modelsource import is_registry, registry_key
     from shardwise.operator.render import localtier, settings
 
     labels = {}
@@ -177,7 +182,12 @@ def _render_settings(args: argparse.Namespace):
         budget = parse_quantity(args.model_cache_budget)
     except ValueError as e:
         raise _Refused(f"--model-cache-budget: {e}") from None
+    plain = args.plain_http_registry or []
+    for host in plain:
+        if not is_registry(host):
+            raise _Refused(f"--plain-http-registry {host[:200]!r} is not a registry's HOST[:PORT]")
     return settings.Settings(network_policy=args.network_policy,
+                             plain_http_registries=tuple(dict.fromkeys(map(registry_key, plain))),
                              model_cache_host_path=localtier.normalised(cache) if cache else "",
                              model_cache_budget=budget, prepare_model_cache=args.prepare_model_cache,
                              operator_namespace=os.environ.get("POD_NAMESPACE", ""), operator_labels=labels,

@@ -25,6 +25,7 @@ from shardwise.crds.models import MODEL_FACT_LIMITS, ShardedModel
 from shardwise.crds.modelshape import ModelFacts, ModelFactsError
 from shardwise.operator.decide import recovery
 from shardwise.operator.render import renderer, source
+from shardwise.operator.render.settings import Settings, current
 
 ROLE = "model-probe"
 DEADLINE_SECONDS = 300      # a probe that hangs (a stuck volume) fails instead of waiting forever
@@ -40,13 +41,13 @@ def pod_name(model: str, uri: str) -> str:
     return names.probe_pod_name(model, hashlib.sha256(uri.encode()).hexdigest()[:8])
 
 
-def render(model: ShardedModel, default_image: str) -> dict:
+def render(model: ShardedModel, default_image: str, settings: Settings | None = None) -> dict:
     spec = model.spec
     path, volume, mount = renderer.model_volume(spec.model.uri)
     container = {
         "name": "probe", "image": default_image,
         "command": ["shardwise", "inspect", path, "--json", "--output", renderer.TERMINATION_LOG,
-                    *source.store_options(model)],
+                    *source.store_options(model, settings or current())],
         "volumeMounts": [mount] if mount else [],
         "terminationMessagePath": renderer.TERMINATION_LOG,
         # a failed read leaves its one-line error (the log's tail) as the message

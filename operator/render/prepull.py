@@ -48,7 +48,7 @@ def _fetch(model: ShardedModel, plan: ShardPlan, placement: StagePlacement, sett
     budget = settings.model_cache_budget / GIB       # exact: the budget is a whole number of bytes
     return (["shardwise", "fetch", m.uri, "--cache", names.MODEL_CACHE_MOUNT, "--budget-gib", repr(budget),
              "--stage", str(placement.stage), "--pipeline", str(plan.pipeline),
-             "--layers", f"{placement.layer_start}:{placement.layer_end}", *source.store_options(model)]
+             "--layers", f"{placement.layer_start}:{placement.layer_end}", *source.store_options(model, settings)]
             + (["--streams", str(m.fetch_streams)] if m.fetch_streams is not None else []))
 
 

@@ -30,6 +30,10 @@ class Settings:
     model_cache_host_path: str = names.MODEL_CACHE_ROOT
     model_cache_budget: int = names.MODEL_CACHE_BUDGET
     prepare_model_cache: bool = True
+    # The OCI registries (host[:port], crds/modelsource.py registry_key) that oci:// models' pods and
+    # probes speak plain HTTP to (render/source.py plain_http): a cluster admin's choice, as
+    # containerd's own list of insecure registries is, never a tenant's. Others: HTTPS.
+    plain_http_registries: tuple[str, ...] = ()
     # The image of a model's router pods (render/router.py): the operator's own (the chart passes
     # its image); the worker image lacks the router's HTTP stack.
     router_image: str = DEFAULT_ROUTER_IMAGE

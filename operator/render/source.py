@@ -21,6 +21,7 @@ from typing import Any
 from shardwise.crds import names
 from shardwise.crds.contract import SourceContract
 from shardwise.crds.models import ModelCache, ShardedModel
+from shardwise.crds.modelsource import ModelUriError, OciUri, parse_model_uri, registry_key
 from shardwise.operator.render.localtier import normalised
 from shardwise.operator.render.settings import Settings
 
@@ -39,6 +40,20 @@ def node_directory(model: ShardedModel, settings: Settings) -> str:
     return posixpath.join(normalised(settings.model_cache_host_path), model.namespace)
 
 
+def plain_http(model: ShardedModel, settings: Settings) -> bool:
+    """Whether the model's pods and probe speak plain HTTP to its oci:// registry: only to one the
+    operator's --plain-http-registry lists (the spec cannot ask for it: a tenant must not be able to
+    send another tenant's registry credentials in clear). A loopback registry needs no listing (the
+    worker's own rule, worker/fetch/stores.py)."""
+    if model.spec.model.remote_scheme() != "oci" or not settings.plain_http_registries:
+        return False
+    try:
+        parsed = parse_model_uri(model.spec.model.uri)
+    except ModelUriError:      # refused where the spec is checked; never plain HTTP
+        return False
+    return isinstance(parsed, OciUri) and registry_key(parsed.registry) in settings.plain_http_registries
+
+
 def contract(model: ShardedModel, settings: Settings) -> SourceContract | None:
     """The contract's `source` block; None for a model in a path or a claim."""
     m = model.spec.model
@@ -49,14 +64,15 @@ def contract(model: ShardedModel, settings: Settings) -> SourceContract | None:
     return SourceContract(uri=m.uri, scheme=scheme, endpoint=m.endpoint, region=m.region, path_style=m.path_style,
                           cache=mode, cache_dir=names.MODEL_CACHE_MOUNT,
                           cache_budget=settings.model_cache_budget if mode == ModelCache.NODE else None,
-                          streams=m.fetch_streams)
+                          streams=m.fetch_streams, plain_http=plain_http(model, settings) or None)
 
 
-def store_options(model: ShardedModel) -> list[str]:
-    """`shardwise inspect` and `shardwise fetch` options for an s3:// model's endpoint, region and addressing."""
+def store_options(model: ShardedModel, settings: Settings) -> list[str]:
+    """`shardwise inspect` and `shardwise fetch` options for an s3:// model's endpoint, region and
+    addressing, and an oci:// model's plain HTTP."""
     m = model.spec.model
     return ([f"--endpoint={m.endpoint}"] if m.endpoint else []) + ([f"--region={m.region}"] if m.region else []) + (
-        ["--path-style"] if m.path_style else [])
+        ["--path-style"] if m.path_style else []) + (["--plain-http"] if plain_http(model, settings) else [])
 
 
 def credentials_env(model: ShardedModel) -> list[dict]:

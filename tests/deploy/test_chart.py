@@ -243,6 +243,16 @@ def test_the_model_cache_values_reach_the_operator(tmp_path):
     assert settings.model_cache_host_path == ""
 
 
+def test_plain_http_registries_reach_the_operator(tmp_path):
+    """None by default: every registry off the node is spoken to in HTTPS
+    (tests/operator/test_remote_source_pods.py: what a listed one's pods get)."""
+    _, settings = _operator_settings(render())
+    assert settings.plain_http_registries == ()
+    values = {"operator": {"plainHttpRegistries": ["Models.Registry.svc:5000", "10.0.0.7"]}}
+    _, settings = _operator_settings(render(values=values, tmp_path=tmp_path))
+    assert settings.plain_http_registries == ("models.registry.svc:5000", "10.0.0.7")
+
+
 # ------------------------------------------------------------------------------------ values schema
 
 @pytest.mark.parametrize("setting, named", [
@@ -262,6 +272,7 @@ def test_the_model_cache_values_reach_the_operator(tmp_path):
     ("operator.networkPolicy=maybe", "networkPolicy"),
     ("operator.modelCache.hostPath=var/cache", "hostPath"),
     ("operator.modelCache.budget=lots", "budget"),
+    ("operator.plainHttpRegistries[0]=http://registry:5000", "plainHttpRegistries"),
 ])
 def test_schema_rejects_bad_values_naming_the_key(setting, named):
     proc = helm("template", "sw", str(CHART), "--kube-version", KUBE_VERSION, "--set", setting, check=False)

@@ -15,11 +15,13 @@ SmolLM2 demo ShardedModel run by the worker image:
   probed, planned, fetched into the node caches of one rack's two nodes and answers the demo's
   greedy text; scaled to one replica and that replica's node stopped, it is re-planned onto the
   rack's other node and starts from that node's cache, its log saying 0 bytes fetched;
+- a ShardedModel whose only source is `uri: oci://registry.model-registry.svc.cluster.local:5000/...`
+  (a registry inside the cluster with users of its own, plain HTTP: e2e/kind/modelregistry.py) and a
+  Secret of its credentials, in a `restricted` namespace (`cache: pod`), once `helm upgrade` lists
+  the registry in operator.plainHttpRegistries, is probed, fetched and answers the demo's text;
 - `helm upgrade` of the chart keeps the ShardedModel and its pods.
 The operator and every worker pod run in namespaces that enforce Pod Security `restricted`, but the
-s3:// model's: its node cache is a hostPath volume, which `restricted` refuses. An `oci://` model is
-not run here: the suite's registry speaks plain HTTP on kind's network and a pod pulls a model over
-plain HTTP only from its own loopback (tests/e2e/test_oci_model.py runs one on local nodes).
+s3:// model's: its node cache is a hostPath volume, which `restricted` refuses.
 Every node-stop test starts the node again and advertises its fake GPUs before it ends, so the next
 test has all four workers.
 
@@ -416,7 +418,7 @@ def _fetched(cluster: KindCluster, namespace: str, pod: str, uri: str) -> tuple[
     log = cluster.kubectl("logs", "-n", namespace, pod)
     lines = [x for x in log.splitlines() if f"{uri}: fetched" in x]
     assert lines, log[-2000:]
-    found = re.search(r"fetched ([0-9.]+) MiB, reused ([0-9.]+) MiB from the node's cache", lines[-1])
+    found = re.search(r"fetched ([0-9.]+) MiB, reused ([0-9.]+) MiB from the (node|pod)'s cache", lines[-1])
     assert found, lines[-1]
     return float(found.group(1)), lines[-1]
 
@@ -504,6 +506,73 @@ def test_a_model_from_s3_inside_the_cluster_answers_and_a_node_stop_restarts_it_
         cluster.kubectl("delete", "sm", name, "-n", SOURCES_NS, "--ignore-not-found", "--wait=false")
         cluster.kubectl("delete", "namespace", SOURCES_NS, "--ignore-not-found", "--wait=false")
         objectstore.remove(cluster)
+
+
+def test_a_model_from_a_plain_http_registry_inside_the_cluster_answers_once_the_chart_lists_it(
+        kind_cluster, tmp_path):
+    """A registry inside the cluster (htpasswd users, plain HTTP); the SmolLM2 GGUF pushed to it as an
+    OCI artifact with `shardwise push`'s client; the chart's operator.plainHttpRegistries lists it
+    (`helm upgrade --reuse-values`); a ShardedModel with only the oci:// uri and a Secret of the
+    registry's credentials, in a namespace enforcing `restricted` (so `cache: pod`), is probed from the
+    registry (no hints), fetched and answers the demo's greedy text."""
+    import shutil
+
+    from shardwise.e2e.kind import modelregistry
+    from shardwise.worker.fetch.oci_push import push_folder
+    from shardwise.worker.fetch.registry import Registry
+    from shardwise.worker.fetch.remote import RemoteError
+
+    cluster, name, namespace = kind_cluster, "smol-oci", f"oci-models-{os.urandom(3).hex()}"
+    folder = tmp_path / "smollm2"
+    folder.mkdir()
+    shutil.copy2(_smollm2_gguf(), folder)
+    wait_until(lambda: phase(cluster) == "Ready", 900, f"{MODEL} Ready", interval=5, retry_on=(DockerError,))
+    expected = complete(cluster)    # the demo model's greedy text: the same GGUF
+    try:
+        start = time.monotonic()
+        reg = modelregistry.deploy(cluster, modelregistry.push_image(say))
+        with modelregistry.port_forward(cluster) as host:
+            # the forward needs a moment to listen
+            pushed = wait_until(lambda: push_folder(Registry(host, "models/smollm2", True, *reg.credentials),
+                                                    folder, "v1"), 60, "the GGUF pushed", interval=1,
+                                retry_on=(RemoteError,))
+        uri = f"oci://{reg.host}/models/smollm2:v1"
+        say(f"the registry in the cluster with {pushed.files} file pushed in {time.monotonic() - start:.0f}s")
+        cluster.helm("upgrade", "shardwise", str(CHART), "--namespace", OPERATOR_NS, "--reuse-values",
+                     "--set", f"operator.plainHttpRegistries={{{reg.host}}}", "--wait", "--timeout", "300s")
+        cluster.kubectl("apply", "-f", "-", input=json.dumps({
+            "apiVersion": "v1", "kind": "Namespace",
+            "metadata": {"name": namespace, "labels": {PSA: "restricted"}}}))
+        cluster.kubectl("create", "secret", "generic", "registry-pull", "-n", namespace,
+                        *(f"--from-literal={k}={v}" for k, v in reg.env().items()))
+        sm = {"apiVersion": "shardwise.dev/v1alpha1", "kind": "ShardedModel",
+              "metadata": {"name": name, "namespace": namespace},
+              "spec": {"model": {"uri": uri, "credentialsRef": {"name": "registry-pull"}, "cache": "pod"},
+                       "parallelism": {"tensor": 1, "pipeline": 1, "replicas": 1},
+                       "serving": {"maxModelLength": 1024},
+                       "recovery": {"backoffSeconds": 1, "maxRestarts": 5}}}
+        cluster.kubectl("apply", "-f", "-", input=json.dumps(sm))
+        selector = f"shardwise.dev/model={name},shardwise.dev/stage=0"
+
+        def serving() -> list[dict]:
+            cluster.check_pulls(namespace)
+            status = cluster.get("sm", name, namespace).get("status") or {}
+            return cluster.ready_pods(namespace, selector) if status.get("phase") == "Ready" else []
+
+        applied = time.monotonic()
+        pod = wait_until(serving, 600, f"{name} Ready from {uri}", interval=3, retry_on=(DockerError,))[0]
+        say(f"{name}: applied -> Ready (probed, planned, fetched, loaded) in {time.monotonic() - applied:.0f}s")
+        status = cluster.get("sm", name, namespace)["status"]
+        # no hints in the spec: the plan's 30 layers were read from the registry by the probe pod
+        assert {p["layers"] for p in status["plan"]["placements"]} == {"0-29"}, status["plan"]
+        mib, line = _fetched(cluster, namespace, pod["metadata"]["name"], uri)
+        say(line)
+        assert mib > 90, line
+        assert cluster.complete(namespace, name, "The capital of France is") == expected
+    finally:
+        cluster.kubectl("delete", "sm", name, "-n", namespace, "--ignore-not-found", "--wait=false")
+        cluster.kubectl("delete", "namespace", namespace, "--ignore-not-found", "--wait=false")
+        modelregistry.remove(cluster)
 
 
 def test_helm_upgrade_keeps_every_sharded_model(kind_cluster):

@@ -142,6 +142,44 @@ def test_the_probe_of_a_remote_model_reads_the_store_itself_with_the_models_cred
     assert container["image"] == "op/worker:1"   # the operator's code, never spec.image
 
 
+def test_only_a_registry_the_operator_lists_gets_plain_http_in_the_pods_contract_probe_and_pre_pull():
+    """The cluster admin's --plain-http-registry list (compared case-insensitively, port included) is
+    the one way to plain HTTP: the spec has no field for it, and no other registry's pods get it."""
+    from dataclasses import replace
+
+    from shardwise.operator.render import prepull
+    listed = replace(SETTINGS, plain_http_registries=("models.registry.svc:5000",))
+    model = _model(uri="oci://Models.Registry.svc:5000/llama:v1", prePull=True)
+    other_port = _model(uri="oci://models.registry.svc:5001/llama:v1", prePull=True)
+
+    def probe_command(m, settings):
+        return probe.render(m, "op/worker:1", settings)["spec"]["containers"][0]["command"]
+
+    def prepull_command(m, settings):
+        return prepull.render(m, _plan(), 0, 0, "n0", "op/worker:1", settings)["spec"]["containers"][0]["command"]
+
+    assert _contract(model, listed).source.plain_http is True
+    assert "--plain-http" in probe_command(model, listed) and "--plain-http" in prepull_command(model, listed)
+    for m, settings in ((other_port, listed), (model, SETTINGS)):
+        assert _contract(m, settings).source.plain_http is None
+        assert "--plain-http" not in probe_command(m, settings) + prepull_command(m, settings)
+    text = json.loads(renderer.configmap_contract(renderer.render_configmap(model, _plan(), SETTINGS)))
+    assert "plain_http" not in text["source"], "an older worker image must still read the contract"
+
+
+@pytest.mark.parametrize("argv", [["--plain-http-registry=http://registry:5000"],
+                                  ["--plain-http-registry=registry:99999"]])
+def test_the_operator_refuses_a_plain_http_registry_that_is_not_a_host_and_port_in_one_line(argv):
+    import argparse
+
+    from shardwise.operator.cli import run
+    parser = argparse.ArgumentParser()
+    run.add_arguments(parser)
+    with pytest.raises(run._Refused, match="is not a registry's HOST") as e:
+        run._render_settings(parser.parse_args(["run", *argv]))
+    assert "\n" not in str(e.value)
+
+
 def test_the_operator_never_reads_a_remote_uri_itself_even_under_its_model_root(tmp_path):
     from shardwise.operator.controller import modelroot
     (tmp_path / "hf:").mkdir()   # a folder the uri would name if it were taken for a path

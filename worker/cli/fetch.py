@@ -9,6 +9,7 @@ import json
 import sys
 import time
 
+from shardwise.crds.cli.inspect import add_store_arguments
 from shardwise.worker.fetch.remote import MAX_STREAMS
 from shardwise.worker.fetch.streams import MIN_PART_BYTES, STREAMS
 
@@ -21,10 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache", required=True, help="the cache's root folder (created if missing)")
     parser.add_argument("--budget-gib", type=float, default=500.0,
                         help="bytes all cached models may hold together; least recently used go first")
-    parser.add_argument("--endpoint", default=None, help="s3://: an S3-compatible endpoint URL (default: AWS)")
-    parser.add_argument("--region", default=None, help="s3://: the bucket's region (default: us-east-1)")
-    parser.add_argument("--path-style", action="store_true",
-                        help="s3://: address the bucket in the path (MinIO and most on-premises stores)")
+    add_store_arguments(parser)
     parser.add_argument("--stage", type=int, default=0,
                         help="fetch only this pipeline stage's share (its files; of a GGUF model, its byte ranges)")
     parser.add_argument("--pipeline", type=int, default=1, help="pipeline stages of the layout")
@@ -60,7 +58,7 @@ def _run(args) -> int:
     from shardwise.worker.errors import WorkerError
     from shardwise.worker.fetch.cache import CacheConfig, ModelCache, reused_words
     from shardwise.worker.fetch.pull import fetch_stage
-    from shardwise.worker.fetch.stores import SourceOptions, open_remote
+    from shardwise.worker.fetch.stores import open_remote, options_from_args
 
     parsed = parse_model_uri(args.uri)
     if args.budget_gib <= 0 or not 1 <= args.pipeline <= 4096 or not 1 <= args.streams <= MAX_STREAMS:
@@ -69,7 +67,7 @@ def _run(args) -> int:
     if not 1 / 16 <= args.min_part_mib <= 1 << 20:
         raise WorkerError("--min-part-mib must be between 0.0625 and 1048576")
     layers = _layers(args.layers)
-    remote = open_remote(parsed, SourceOptions(args.endpoint, args.region, args.path_style))
+    remote = open_remote(parsed, options_from_args(args))
     cache = ModelCache(CacheConfig(Path(args.cache), int(args.budget_gib * GIB), streams=args.streams,
                                    min_part_bytes=int(args.min_part_mib * 2**20)),
                        on_retry=lambda why: print(f"\nshardwise fetch: retrying: {why}", file=sys.stderr))

@@ -37,8 +37,9 @@ def run(args: argparse.Namespace) -> int:
     from shardwise.crds.modelsource import ModelUriError
     from shardwise.worker.errors import WorkerError
     from shardwise.worker.fetch.remote import RemoteError
+    from shardwise.worker.fetch.stores import options_from_args
     try:
-        facts = remote_facts(args.model, args.dtype, args.endpoint, args.region, args.path_style)
+        facts = remote_facts(args.model, args.dtype, options_from_args(args))
         document = json.dumps(facts.to_dict())
         if args.output:
             write_output(args.output, document)
@@ -49,14 +50,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def remote_facts(uri: str, dtype: str = "auto", endpoint: str | None = None, region: str | None = None,
-                 path_style: bool = False):
+def remote_facts(uri: str, dtype: str = "auto", options=None):
     """The ModelFacts of a remote model, from its config.json or its GGUF header."""
     from shardwise.crds.modelsource import parse_model_uri
     from shardwise.worker.fetch.stores import SourceOptions, open_remote
 
     parsed = parse_model_uri(uri)
-    remote = open_remote(parsed, SourceOptions(endpoint, region, path_style))
+    remote = open_remote(parsed, options or SourceOptions())
     listing = {f.name: f for f in remote.list_files()}
     ggufs = [f for name, f in listing.items() if name.endswith(".gguf")]
     with tempfile.TemporaryDirectory(prefix="shardwise-inspect-") as tmp:

@@ -7,8 +7,10 @@ uploads and manifest puts. Authentication follows the registry's `WWW-Authentica
 this repository (with the username and password when given, anonymously otherwise, as Docker Hub,
 GHCR, Harbor and the distribution registry's token auth expect), and retries once with it.
 
-Plain HTTP is allowed only to a loopback registry, so a password or token never crosses a network
-in clear. Neither credentials nor tokens are logged or put in a message.
+HTTPS unless the caller asks for plain HTTP: the stores do for a loopback registry, and for one the
+operator's --plain-http-registry lists (a cluster admin's choice, worker/fetch/stores.py); `shardwise
+push --plain-http` when its user says so. A token service is asked over plain HTTP only where the
+registry itself is. Neither credentials nor tokens are logged or put in a message.
 """
 from __future__ import annotations
 
@@ -61,10 +63,7 @@ class Registry:
     def __init__(self, host: str, repository: str, plain_http: bool = False,
                  username: str | None = None, password: str | None = None,
                  timeout_s: float = REQUEST_TIMEOUT_S):
-        if plain_http and not is_loopback(host):
-            raise RemoteError(f"oci://{host}/{repository}: plain HTTP is allowed only to a loopback "
-                              "registry; use HTTPS")
-        self.host, self.repository = host, repository
+        self.host, self.repository, self.plain_http = host, repository, plain_http
         self.base = f"{'http' if plain_http else 'https'}://{host}/v2/{repository}"
         self._basic = (username, password or "") if username else None
         self._auth: str | None = None          # the Authorization header value once negotiated
@@ -156,7 +155,8 @@ class Registry:
             return True
         if scheme.lower() == "bearer":
             realm = httpx2.URL(params.get("realm", ""))
-            if not (realm.scheme == "https" or (realm.scheme == "http" and is_loopback(realm.host))):
+            plain_ok = is_loopback(realm.host) or (self.plain_http and realm.host.lower() == httpx2.URL(self.base).host)
+            if not (realm.scheme == "https" or (realm.scheme == "http" and plain_ok)):
                 raise RemoteError(f"{self.where()}: the registry's token service is not an https "
                                   "URL; credentials are not sent to it")
             self._auth = "Bearer " + self._token(params)

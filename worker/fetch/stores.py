@@ -18,15 +18,22 @@ from shardwise.worker.fetch.remote import Remote
 
 @dataclass(frozen=True)
 class SourceOptions:
-    """spec.model's options for a store (s3:// only today; None: the store's default)."""
+    """spec.model's options for a store (None: the store's default): an s3:// endpoint, region and
+    addressing; whether an oci:// registry is spoken to in plain HTTP."""
     endpoint: Optional[str] = None
     region: Optional[str] = None
     path_style: bool = False
+    plain_http: bool = False
 
 
 def options_of(source) -> SourceOptions:
     """The options of a pod contract's `source` (crds/contract.py SourceContract)."""
-    return SourceOptions(source.endpoint, source.region, bool(source.path_style))
+    return SourceOptions(source.endpoint, source.region, bool(source.path_style), bool(source.plain_http))
+
+
+def options_from_args(args) -> SourceOptions:
+    """The options of `shardwise inspect` and `shardwise fetch` (crds/cli/inspect.py add_store_arguments)."""
+    return SourceOptions(args.endpoint, args.region, bool(args.path_style), bool(args.plain_http))
 
 
 def credentials(scheme: SourceScheme, env: Mapping[str, str]) -> dict[str, str]:
@@ -51,9 +58,10 @@ def open_remote(uri: ParsedUri, options: SourceOptions = SourceOptions(),
     if isinstance(uri, OciUri):
         from shardwise.worker.fetch.oci import OciRemote
         # A registry on this machine (a sidecar, a local test registry) speaks plain HTTP, as
-        # docker's rule for localhost registries is; any other only HTTPS.
+        # docker's rule for localhost registries is; any other HTTPS, unless asked otherwise (a pod:
+        # the operator's --plain-http-registry list; a command: its --plain-http).
         return OciRemote(uri.registry, uri.repository, uri.digest or uri.tag or "latest",
-                         plain_http=is_loopback(uri.registry),
+                         plain_http=options.plain_http or is_loopback(uri.registry),
                          username=given.get(names.ENV_OCI_USERNAME) or "",
                          password=given.get(names.ENV_OCI_PASSWORD))
     raise WorkerError(f"{uri.scheme.value} models are read where they are, not fetched from a store")

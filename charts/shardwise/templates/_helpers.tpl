@@ -100,6 +100,9 @@ app.kubernetes.io/part-of: shardwise
 {{- if not .Values.operator.modelCache.prepareAsRoot }}
 - --no-prepare-model-cache
 {{- end }}
+{{- range .Values.operator.plainHttpRegistries }}
+- --plain-http-registry={{ . }}
+{{- end }}
 # One Lease per release, so that two releases in one namespace never share a leader.
 - --lease-namespace={{ .Release.Namespace }}
 - --lease-name={{ include "shardwise.fullname" . }}

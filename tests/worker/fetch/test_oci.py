@@ -165,9 +165,25 @@ def test_an_artifact_that_is_not_a_model_is_refused_in_one_line(registry, model)
     assert "\n" not in str(e.value)
 
 
-def test_plain_http_is_only_for_a_loopback_registry():
-    with pytest.raises(RemoteError, match="only to a loopback registry"):
-        OciRemote("registry.example.com:5000", "models/tiny", "v1", plain_http=True)
+def test_a_registry_off_this_machine_is_spoken_to_in_https_unless_the_pod_is_told_otherwise():
+    """A pod's store speaks HTTPS to any registry but a loopback one, and plain HTTP to another only
+    when its contract says so (the operator's --plain-http-registry list, nothing the spec sets)."""
+    from shardwise.crds.contract import SourceContract
+    from shardwise.crds.modelsource import parse_model_uri
+    from shardwise.worker.fetch.stores import SourceOptions, open_remote, options_of
+
+    def base(uri, options=SourceOptions()):
+        return open_remote(parse_model_uri(uri), options, env={})._registry.base
+
+    assert base("oci://registry.example.com:5000/models/tiny:v1").startswith("https://registry.example.com:5000/")
+    assert base("oci://127.0.0.1:5000/models/tiny:v1").startswith("http://127.0.0.1:5000/")
+    contract = dict(scheme="oci", cache="pod", cache_dir="/cache")
+    told = SourceContract(uri="oci://registry.models.svc:5000/m:v1", plain_http=True, **contract)
+    untold = SourceContract(uri="oci://registry.models.svc:5000/m:v1", **contract)
+    assert base(told.uri, options_of(told)).startswith("http://registry.models.svc:5000/")
+    assert base(untold.uri, options_of(untold)).startswith("https://")
+    # left out of the file when unset: a worker image older than the field reads the contract
+    assert "plain_http" not in untold.model_dump() and told.model_dump()["plain_http"] is True
 
 
 def _cli(*args, env_extra=None, stdin=""):
