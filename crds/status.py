@@ -169,6 +169,9 @@ class ReplicaGroupStatus(ApiModel):
     failed_at: Optional[str] = Field(None, json_schema_extra={"format": "date-time"})
     retry_at: Optional[str] = Field(None, json_schema_extra={"format": "date-time"})
     ready_since: Optional[str] = Field(None, json_schema_extra={"format": "date-time"})
+    downloaded: Optional[int] = Field(None, ge=0, description=(
+        "a remote model: the attempt whose Downloaded Event was posted (its pods are no longer asked "
+        "for their download)"))
 
     # Assignments are validated too, so the record holds the cut text from the moment it is set:
     # a pass compares it with what status holds (and posts an Event only when it changed).

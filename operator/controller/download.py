@@ -1,12 +1,16 @@
 """A remote model's download as the operator reads it from the pods fetching it.
 
 A pod of an hf://, s3:// or oci:// model serves its DownloadReport (crds/download.py) on its http
-port at names.DOWNLOAD_PROGRESS_PATH while it fetches, before it is Ready. Each pass asks the
-current pods that run and are not Ready yet, whole replicas, at most MAX_PODS_PER_PASS pods, each
-read under progress.py's deadline and size cap. A replica counts as read only when every one of its
-fetching pods answered; one that was not (left for a later pass, or a pod that did not answer)
-keeps its last entry in status.download. What the pods report becomes status.download and the
-Downloading condition (operator/decide/download.py).
+port at names.DOWNLOAD_PROGRESS_PATH while it fetches, and the fetch's final report once done, for
+as long as it runs. Each pass asks the current pods that run of the replicas whose attempt has not
+had its Downloaded Event yet (operator/decide/download.py pods_to_ask: Ready ones too, for a while),
+whole replicas, at most MAX_PODS_PER_PASS pods, each read under progress.py's deadline and size cap.
+A replica counts as read only when every one of its pods asked answered; one that was not (left for
+a later pass, or a pod that did not answer) keeps its last entry in status.download while a pod of
+it is not Ready. What the pods report becomes status.download and the Downloading condition; a
+replica read whole and done gets its Event, and its group record (status.groups[].downloaded) says
+so, which ends the asking. The Event is posted once the status holding that record is written
+(controller/reconciler.py), so a pass whose write fails posts nothing and the next one reads again.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ from typing import Any, Callable, Mapping
 from pydantic import ValidationError
 
 from shardwise.crds import names
-from shardwise.crds.status import ReplicaDownload
+from shardwise.crds.status import ReplicaDownload, group_records
 from shardwise.crds.download import REPORT_MAX_BYTES, DownloadReport, parse_report, replica_download
 from shardwise.operator.controller import podhttp, progress
 from shardwise.operator.decide import download, recovery
@@ -47,37 +51,21 @@ def fetch_download(pod: Mapping[str, Any]) -> DownloadReport | None:
     return parse_report(body)
 
 
-def _fetching(pod: Mapping[str, Any]) -> bool:
-    return (pod.get("status") or {}).get("phase") == "Running" and not recovery.pod_ready(pod)
-
-
-def _candidates(state: ModelState, decision: Decision) -> list[tuple[int, list[Mapping[str, Any]]]]:
-    """(replica, its current pods still fetching) for every replica that has some."""
-    out = []
-    for replica in sorted(decision.groups):
-        attempt = str(decision.groups[replica].attempt)
-        pods = [p for p in state.pods.get(replica, [])
-                if (p["metadata"].get("labels") or {}).get(names.LABEL_ATTEMPT) == attempt and _fetching(p)]
-        if pods:
-            out.append((replica, pods))
-    return out
-
-
 def reports(state: ModelState, decision: Decision, fetch: Fetch,
             now: datetime) -> tuple[dict[int, list[DownloadReport]], set[int], set[int]]:
-    """(replica -> the reports read, the replicas every fetching pod of which answered, the replicas
-    with pods fetching). Whole replicas are asked, at most MAX_PODS_PER_PASS pods in all (one replica
-    larger than that: its first MAX_PODS_PER_PASS), starting at a replica that moves on every poll
-    period, so every replica has its turn however many fetch at once."""
-    candidates = _candidates(state, decision)
+    """(replica -> the reports read, the replicas every pod asked of which answered, the replicas
+    with a pod not Ready yet among those to ask). Whole replicas are asked, at most MAX_PODS_PER_PASS
+    pods in all (one replica larger than that: its first MAX_PODS_PER_PASS), starting at a replica
+    that moves on every poll period, so every replica has its turn however many fetch at once."""
+    candidates = download.pods_to_ask(decision.groups, state.pods, now)
     if not candidates:
         return {}, set(), set()
-    step = max(1, MAX_PODS_PER_PASS // max(len(pods) for _, pods in candidates))   # replicas a pass reads
+    step = max(1, MAX_PODS_PER_PASS // max(len(c.pods) for c in candidates))   # replicas a pass reads
     first = int(now.timestamp() // progress.POLL_SECONDS) * step % len(candidates)
     found: dict[int, list[DownloadReport]] = {}
     complete: set[int] = set()
     asked = 0
-    for replica, pods in candidates[first:] + candidates[:first]:
+    for replica, pods, _ in candidates[first:] + candidates[:first]:
         if asked and asked + len(pods) > MAX_PODS_PER_PASS:
             break
         taken = pods[:MAX_PODS_PER_PASS]
@@ -87,7 +75,7 @@ def reports(state: ModelState, decision: Decision, fetch: Fetch,
             found[replica] = answers
         if len(answers) == len(pods):
             complete.add(replica)
-    return found, complete, {replica for replica, _ in candidates}
+    return found, complete, {c.replica for c in candidates if c.starting}
 
 
 def _kept(state: ModelState, found: Mapping[int, list[DownloadReport]], partial: set[int]) -> list[dict]:
@@ -109,14 +97,19 @@ def _kept(state: ModelState, found: Mapping[int, list[DownloadReport]], partial:
 
 def apply(new: dict, state: ModelState, decision: Decision, fetch: Fetch, now: datetime) -> list[Event]:
     """Set status.download and the Downloading condition of `new` (the pass's status) for a remote
-    model; the Events to post. Nothing for any other model."""
+    model, and the group records of the replicas whose Downloaded Event this pass posts; the Events
+    to post once `new` is written. Nothing for any other model."""
     if state.model is None or not state.spec.model.remote_scheme():
         return []
-    found, complete, fetching = reports(state, decision, fetch, now)
+    found, complete, starting = reports(state, decision, fetch, now)
     whole = {r: found[r] for r in complete if r in found}
-    listed, conditions, events = download.decide(state.status, new.get("conditions") or [], whole,
-                                                 state.spec.model.uri, recovery.iso(now),
-                                                 kept=_kept(state, found, fetching - complete))
-    new["download"] = listed or None
-    new["conditions"] = conditions
-    return events
+    out = download.decide(new.get("conditions") or [], whole, state.spec.model.uri, recovery.iso(now),
+                          kept=_kept(state, found, starting - complete))
+    new["download"] = out.listed or None
+    new["conditions"] = out.conditions
+    if out.downloaded:
+        for replica in out.downloaded:
+            group = decision.groups[replica]
+            group.downloaded = group.attempt
+        new["groups"] = group_records(decision.groups.values())
+    return out.events

@@ -235,13 +235,14 @@ def _report(writer: StatusWriter, state: ModelState, decision: Decision,
     new = status.build_status(state, decision, job, now)
     downloaded = download.apply(new, state, decision, fetch[1], now)   # a remote model's fetch
     event = status.phase_event(state, new)
-    out.events = decision.events + ([event] if event else []) + downloaded
+    out.events = decision.events + ([event] if event else [])
     out.phase = new["phase"]
     out.requeue_after = decision.requeue_after
     if new["phase"] == ModelPhase.RUNNING or new.get("download"):
         out.requeue_after = min(out.requeue_after, training.POLL_SECONDS)
     if status.changed(state.status, new):
         writer.patch(new)
+    out.events += downloaded    # once status.groups says they are posted: a failed write posts none
     report.record_metrics(state, decision, new, now)
 
 

@@ -21,7 +21,7 @@ import pytest
 
 from shardwise.e2e import localregistry
 from .test_operator_worker import CRD, complete, serving_ip, wait
-from .test_remote_model import fetch_line
+from .test_remote_model import downloaded_events, fetch_line
 from ..worker.texts import PANGRAMS
 
 pytestmark = [pytest.mark.controlplane, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -98,10 +98,8 @@ def _run(cluster, kubectl, label, uri: str, folder) -> None:
     downloading = [c for c in status()["conditions"] if c["type"] == "Downloading"]
     assert [(c["status"], c["reason"]) for c in downloading] == [("False", "Done")], downloading
     assert uri in downloading[0]["message"] and not status().get("download")
-    events = json.loads(kubectl("get", "events", "--field-selector", "involvedObject.name=tiny-oci",
-                                "-o", "json"))["items"]
-    downloaded = [e["message"] for e in events if e["reason"] == "Downloaded"]
-    assert downloaded and f"replica 0 has {uri} in its caches: fetched" in downloaded[0], downloaded
+    downloaded = wait(lambda: downloaded_events(kubectl, "tiny-oci"), 30, "a Downloaded Event")
+    assert f"replica 0 has {uri} in its caches: fetched" in downloaded[0], downloaded
     line = fetch_line(kubectl, cluster, "tiny-oci", uri)
     assert "from the node's cache" in line and "fetched 0.0 MiB" not in line, line
     print(f"{downloaded[0]}; {line}")

@@ -3,7 +3,7 @@ endpoint, path-style addressing and a Secret of credentials) on a real S3 server
 on loopback, reached through a paced link so its download can be watched) is probed from the store,
 planned, downloaded (a Downloaded Event) and Ready, answering the greedy text the same model gives
 from its file; after node losses the group is re-planned, and on a node whose cache holds the files
-its pod fetches 0 bytes.
+its pod fetches 0 bytes, which its own Downloaded Event says (a start over before any read).
 
 Each local node has its own disk (<state>/nodes/<node>/hostpath/...), so the node caches are
 separate: the first re-planned group lands on a node whose cache is empty and fetches the model;
@@ -113,9 +113,9 @@ def _run(cluster, kubectl, label, endpoint, gguf, nodes) -> None:
     # no hints in the spec: the plan's 30 layers were read from the store by the probe pod
     assert model()["status"]["plan"]["placements"][0]["layers"] == "0-29"
     assert seen and all(0 <= d["percent"] <= 100 for d in seen), seen
-    events = kubectl("get", "events", "--field-selector", "involvedObject.name=smol", "-o", "json")
-    downloaded = [e["message"] for e in json.loads(events)["items"] if e["reason"] == "Downloaded"]
-    assert downloaded and "has s3://models/smollm2 in its caches" in downloaded[0], downloaded
+    # posted once the status recording it is written: in the pass that saw the pod Ready at the latest
+    downloaded = wait(lambda: downloaded_events(kubectl), 30, "a Downloaded Event")
+    assert "has s3://models/smollm2 in its caches" in downloaded[0], downloaded
     first = complete(ip)
     reference = subprocess.run([sys.executable, "-m", "shardwise", "generate", "--model", str(gguf),
                                 "--prompt", PROMPT, "--max-new-tokens", "8", "--json"],
@@ -144,7 +144,17 @@ def _run(cluster, kubectl, label, endpoint, gguf, nodes) -> None:
     line = fetch_line(kubectl, cluster)
     print(f"node down -> Ready on the node whose cache holds the model in {time.monotonic() - t0:.1f}s; {line}")
     assert "fetched 0.0 MiB" in line and "from the node's cache" in line, line
+    # that start, over before any read, has its Downloaded Event too, saying it fetched nothing
+    cached = wait(lambda: [m for m in downloaded_events(kubectl) if "fetched 0 B" in m], 30,
+                  "the cached start's Downloaded Event")
+    assert "MiB already cached" in cached[0], cached
     assert complete(ip) == first
+
+
+def downloaded_events(kubectl, model: str = "smol") -> list[str]:
+    """The messages of the model's Downloaded Events."""
+    events = kubectl("get", "events", "--field-selector", f"involvedObject.name={model}", "-o", "json")
+    return [e["message"] for e in json.loads(events)["items"] if e["reason"] == "Downloaded"]
 
 
 def stage0(kubectl, model: str = "smol"):

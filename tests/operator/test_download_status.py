@@ -1,10 +1,12 @@
-"""A remote model's download as a user sees it: status.download, the Downloading condition and the
-Event when a replica has the model; the reports read from a real HTTP server on 127.0.0.1."""
+"""A remote model's download as a user sees it: status.download, the Downloading condition and one
+Downloaded Event per replica attempt, however short its download (a pod Ready before any pass read
+it, a start from a warm cache); the reports read from a real HTTP server on 127.0.0.1."""
 from __future__ import annotations
 
 import http.server
 import json
 import time
+from datetime import datetime, timezone
 
 import pytest
 
@@ -19,6 +21,7 @@ from shardwise.operator.decide import download
 
 URI = "s3://models/smollm2"
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z"
+NOW = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
 
 def fetching(fetched, total, rate=0.0, **more):
@@ -26,7 +29,7 @@ def fetching(fetched, total, rate=0.0, **more):
 
 
 def test_a_replica_fetching_is_listed_and_downloading_says_how_far():
-    listed, conds, events = download.decide({}, [], {0: [fetching(1 << 30, 4 << 30, 100 << 20)]}, URI, T0)
+    listed, conds, events, _ = download.decide([], {0: [fetching(1 << 30, 4 << 30, 100 << 20)]}, URI, T0)
     assert listed == [{"replica": 0, "bytesFetched": 1 << 30, "bytesTotal": 4 << 30, "percent": 25,
                        "rate": 100 << 20}]
     ShardedModelStatus.model_validate({"download": listed})   # what the CRD's schema accepts
@@ -38,7 +41,7 @@ def test_a_replica_fetching_is_listed_and_downloading_says_how_far():
 
 def test_a_stalled_download_says_so_in_one_line_with_the_pods_last_error():
     stuck = fetching(5, 10, stalled_seconds=STALL_SECONDS + 35, retries=3, error="connection reset by peer")
-    _, conds, _ = download.decide({}, [], {1: [fetching(1, 10, 9.0), stuck]}, URI, T0)
+    _, conds, _, _ = download.decide([], {1: [fetching(1, 10, 9.0), stuck]}, URI, T0)
     (cond,) = conds
     assert cond["reason"] == "Stalled"
     assert cond["message"] == (f"replica 1: no byte for {STALL_SECONDS + 35} s from {URI} "
@@ -47,11 +50,10 @@ def test_a_stalled_download_says_so_in_one_line_with_the_pods_last_error():
 
 
 def test_a_replica_done_leaves_status_with_an_event_and_downloading_turns_false():
-    before = {"download": [{"replica": 0, "bytesFetched": 5, "bytesTotal": 10, "percent": 50, "rate": 1}]}
-    _, conds, _ = download.decide({}, [], {0: [fetching(5, 10)]}, URI, T0)
-    listed, conds, events = download.decide(before, conds, {0: [fetching(10, 10, done=True, bytes_cached=2048)]},
-                                            URI, T1)
-    assert listed == []
+    _, conds, _, _ = download.decide([], {0: [fetching(5, 10)]}, URI, T0)
+    listed, conds, events, downloaded = download.decide(conds, {0: [fetching(10, 10, done=True, bytes_cached=2048)]},
+                                                        URI, T1)
+    assert listed == [] and downloaded == {0}
     (cond,) = conds
     assert (cond["status"], cond["reason"], cond["lastTransitionTime"]) == ("False", "Done", T1)
     assert [(e.type, e.reason, e.message) for e in events] == [
@@ -59,15 +61,56 @@ def test_a_replica_done_leaves_status_with_an_event_and_downloading_turns_false(
 
 
 def test_a_model_that_never_downloads_gets_no_condition():
-    assert download.decide({}, [{"type": "Ready", "status": "True"}], {}, URI, T0)[1] == [
+    assert download.decide([{"type": "Ready", "status": "True"}], {}, URI, T0).conditions == [
         {"type": "Ready", "status": "True"}]
 
 
 def test_the_condition_names_a_few_replicas_and_counts_the_rest():
     reports = {r: [fetching(r, 100)] for r in range(500)}
-    listed, conds, _ = download.decide({}, [], reports, URI, T0)
+    listed, conds, _, _ = download.decide([], reports, URI, T0)
     assert len(listed) == 256, "status.download is bounded"
     assert conds[0]["message"].endswith("; 496 more") and conds[0]["message"].count("replica") == 4
+
+
+# ---------------------------------------------------------------- one Downloaded Event per replica attempt
+
+def _group(attempt=0, ready_for=10.0, downloaded=None):
+    from datetime import timedelta
+    from shardwise.crds.status import GroupPhase, ReplicaGroupStatus
+    from shardwise.operator.decide.recovery import iso
+    return ReplicaGroupStatus(replica=0, attempt=attempt, phase=GroupPhase.READY, downloaded=downloaded,
+                              ready_since=iso(NOW - timedelta(seconds=ready_for)))
+
+
+def _ready_pod(attempt=0, stage=0):
+    return {"metadata": {"name": f"m-r0-s{stage}-a{attempt}", "labels": {names.LABEL_ATTEMPT: str(attempt)}},
+            "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}}
+
+
+def test_a_replica_ready_before_any_read_gets_one_downloaded_event_saying_what_it_fetched_and_reused():
+    groups = {0: _group(attempt=1)}
+    pods = {0: [_ready_pod(1, 0), _ready_pod(1, 1), _ready_pod(0, 0)]}    # the last: an older attempt's
+    (asked,) = download.pods_to_ask(groups, pods, NOW)
+    assert [p["metadata"]["name"] for p in asked.pods] == ["m-r0-s0-a1", "m-r0-s1-a1"] and not asked.starting
+    final = [fetching(0, 0, done=True, bytes_cached=3 << 20), fetching(1 << 20, 1 << 20, done=True, bytes_cached=0)]
+    out = download.decide([], {0: final}, URI, T0)
+    assert [(e.type, e.reason, e.message) for e in out.events] == [
+        ("Normal", "Downloaded", f"replica 0 has {URI} in its caches: fetched 1.0 MiB, 3.0 MiB already cached")]
+    assert out.downloaded == {0} and out.listed == [] and out.conditions == []
+    groups[0].downloaded = groups[0].attempt          # what the pass writes to the group's record
+    assert download.pods_to_ask(groups, pods, NOW) == [], "its Event is posted: never asked again"
+    assert len(download.pods_to_ask({0: _group(attempt=2, downloaded=1)}, {0: [_ready_pod(2)]}, NOW)) == 1, \
+        "a new attempt fetches again and has its own Event"
+
+
+def test_a_ready_replica_is_asked_for_its_final_report_for_a_bounded_time():
+    pods = {0: [_ready_pod()]}
+    assert download.pods_to_ask({0: _group(ready_for=download.READY_ASK_SECONDS - 1)}, pods, NOW)
+    assert download.pods_to_ask({0: _group(ready_for=download.READY_ASK_SECONDS + 1)}, pods, NOW) == [], \
+        "a pod that never answers (an older worker image) costs no pass once its group has been Ready a while"
+    starting = {0: [{**_ready_pod(), "status": {"phase": "Running"}}]}
+    from shardwise.crds.status import ReplicaGroupStatus
+    assert download.pods_to_ask({0: ReplicaGroupStatus(replica=0)}, starting, NOW)[0].starting
 
 
 # ---------------------------------------------------------------- the pods' reports, over HTTP
@@ -110,15 +153,29 @@ def test_a_hostile_report_is_none_and_read_within_the_deadline(pod, body):
 
 # ---------------------------------------------------------------- a pass of the reconciler
 
-def test_passes_over_an_s3_model_show_its_pods_fetching_then_done():
+def _s3_model(pipeline: int = 2):
     from tests.operator.builders import k8s_node
     from tests.operator.test_decide import LLAMA_8B, Cluster
-    from shardwise.operator.decide.state import parse_state
+    c = Cluster({"model": {**LLAMA_8B, "uri": URI}, "parallelism": {"tensor": 8, "pipeline": pipeline, "replicas": 1},
+                 "recovery": {"backoffSeconds": 1}}, [k8s_node(f"n{i}") for i in range(2 * pipeline)])
+    c.reconcile()
+    c.reconcile()
+    return c
 
-    c = Cluster({"model": {**LLAMA_8B, "uri": URI}, "parallelism": {"tensor": 8, "pipeline": 2, "replicas": 1}},
-                [k8s_node("n0"), k8s_node("n1")])
-    c.reconcile()
-    c.reconcile()
+
+def _pass(c, fetch):
+    """One reconciler pass whose download part reads the pods with `fetch`; its Downloaded Events."""
+    d = c.reconcile()
+    new = {"conditions": c.status.get("conditions")}
+    events = reader.apply(new, _state(c), d, fetch, c.now)
+    c.body["status"].update({k: v for k, v in new.items() if v is not None})
+    if new["download"] is None:
+        c.body["status"].pop("download", None)
+    return events
+
+
+def test_passes_over_an_s3_model_show_its_pods_fetching_then_done():
+    c = _s3_model()
     pods = c.replica_pods(0)
     assert len(pods) == 2
     for p in pods:   # running, fetching, not Ready
@@ -126,14 +183,7 @@ def test_passes_over_an_s3_model_show_its_pods_fetching_then_done():
         p["status"] = {"phase": "Running", "podIP": "10.0.0.1"}
 
     def pass_with(report):
-        d = c.reconcile()
-        state = parse_state(c.body, list(c.pods.values()), c.configmap, "img:1", c.read_model)
-        new = {"conditions": c.status.get("conditions")}
-        events = reader.apply(new, state, d, lambda pod: report, c.now)
-        c.body["status"].update({k: v for k, v in new.items() if v is not None})
-        if new["download"] is None:
-            c.body["status"].pop("download", None)
-        return events
+        return _pass(c, lambda pod: report)
 
     assert pass_with(fetching(1 << 30, 4 << 30, 64 << 20)) == []
     assert c.status["download"] == [{"replica": 0, "bytesFetched": 2 << 30, "bytesTotal": 8 << 30, "percent": 25,
@@ -145,6 +195,58 @@ def test_passes_over_an_s3_model_show_its_pods_fetching_then_done():
     assert "download" not in c.status and c.condition("Downloading")["status"] == "False"
     assert [e.reason for e in events] == ["Downloaded"]
     assert metric("shardwise_download_bytes_per_second", c) == 0
+    assert pass_with(fetching(4 << 30, 4 << 30, done=True)) == [], "one Event: its pods still answer once done"
+
+
+def test_a_download_over_before_any_read_gets_its_event_once_per_attempt():
+    c = _s3_model()
+    c.run_all()       # fetched from a warm cache and loaded between two passes: Ready at the first read
+    asked = []
+
+    def warm(pod):
+        asked.append(pod["metadata"]["name"])
+        return fetching(0, 0, done=True, bytes_cached=5 << 20)
+    events = _pass(c, warm)
+    assert c.group(0)["phase"] == "Ready" and len(asked) == 2
+    assert [e.message for e in events] == [f"replica 0 has {URI} in its caches: fetched 0 B, 10.0 MiB already cached"]
+    first = c.group(0)["attempt"]
+    assert c.group(0)["downloaded"] == first
+    assert "download" not in c.status and all(x["type"] != "Downloading" for x in c.status["conditions"])
+    for _ in range(3):
+        assert _pass(c, warm) == [] and len(asked) == 2, "posted once, then its pods are not asked again"
+    c.fail(c.replica_pods(0)[0]["metadata"]["name"])     # the group is re-planned: attempt 1 fetches again
+    events = []
+    for _ in range(6):
+        events += _pass(c, lambda pod: fetching(7 << 20, 7 << 20, done=True))
+        c.run_all()
+    assert c.group(0)["attempt"] == c.group(0)["downloaded"] == first + 1
+    assert [e.message for e in events] == [f"replica 0 has {URI} in its caches: fetched 14.0 MiB, 0 B already cached"]
+
+
+def test_a_downloaded_event_is_posted_once_the_status_recording_it_is_written():
+    from shardwise.operator.controller import apply, reconciler
+    c = _s3_model(pipeline=1)
+    c.run_all()
+    done = fetching(0, 0, done=True, bytes_cached=1)
+
+    class Writer:
+        def __init__(self, fails):
+            self.fails, self.written = fails, []
+
+        def patch(self, new):
+            if self.fails:
+                raise apply.StaleStatus("changed since it was read")
+            self.written.append(new)
+
+    refused, out = Writer(fails=True), reconciler.Outcome()
+    with pytest.raises(apply.StaleStatus):
+        reconciler._report(refused, _state(c), c.reconcile(), (lambda p: None, lambda p: done), c.now, out)
+    assert "Downloaded" not in [e.reason for e in out.events], "not written: the next pass posts it"
+    written, out = Writer(fails=False), reconciler.Outcome()
+    reconciler._report(written, _state(c), c.reconcile(), (lambda p: None, lambda p: done), c.now, out)
+    assert [e.reason for e in out.events].count("Downloaded") == 1
+    record = written.written[-1]["groups"][0]
+    assert record["downloaded"] == record["attempt"]
 
 
 def metric(name, c):

@@ -7,7 +7,10 @@
 
 A remote model (the contract's `source`: hf://, s3://, oci://) is fetched first, only this stage's
 files, into the contract's cache folder, with GET /download (crds/download.py DownloadReport) on the
-port meanwhile (worker/cli/pod_fetch.py); the ranks then load that folder as a model in a path.
+port meanwhile (worker/cli/pod_fetch.py); the ranks then load that folder as a model in a path, and
+whichever server holds the port next (rank 0's API, or the pod's own /healthz server) answers GET
+/download with the fetch's final report for the pod's life: the operator reads it however short the
+fetch was (it posts one Downloaded Event per replica attempt).
 
 The contract (crds/contract.py, written by the operator into the model's ConfigMap) is everything
 the pods of a model share: the plan, the model's path and dtype, the workload, the serving port and
@@ -138,10 +141,10 @@ def _run(args) -> int:
         if not os.environ.get(var):
             raise WorkerError(f"${var} is not set (the address of the replica's stage-0 pod)")
     host = args.host or names.bind_address(os.environ.get(names.ENV_POD_IP, ""))
-    model_path = contract.model.path
+    model_path, download = contract.model.path, None
     if contract.source is not None:    # a remote model: this stage's files into the cache first
         from shardwise.worker.cli.pod_fetch import fetch_model
-        model_path = fetch_model(contract, placement, host)
+        model_path, download = fetch_model(contract, placement, host)
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -159,17 +162,17 @@ def _run(args) -> int:
     if master.startswith("127.") or master == "localhost":
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if contract.workload == Workload.TRAINING:
-        return _run_training(contract, replica, stage, device, spec.dtype, host)
+        return _run_training(contract, replica, stage, device, spec.dtype, host, download)
     layout = RankLayout(plan.tensor, plan.pipeline)   # an inference replica is its own world
     world, ranks = layout.world_size, layout.stage_ranks(stage)
     _say(f"replica {replica} stage {stage}: layers [{placement.layer_start}, {placement.layer_end}), "
          f"ranks {ranks[0]}..{ranks[-1]} of {world}, {device} {spec.dtype}")
-    api = _api_options(args, contract, spec)
+    api = _api_options(args, contract, spec, download)
     start, loaded_q = _rank_starter(plan.tensor, _rank_main, lambda local, q: (
         spec, ranks[local], world, local, host, api, q, dict(os.environ)))
     health = None
     if stage != 0:
-        health = StageHealth(plan.tensor, host, contract.serving.port)
+        health = StageHealth(plan.tensor, host, contract.serving.port, download=download)
     # graceful: SIGTERM goes on to the ranks; rank 0 drains its requests (server.run_engine) and
     # then stops the pipeline, whose other ranks exit when the stop reaches them. The pod waits
     # for them all (its grace period bounds the wait).
@@ -202,14 +205,16 @@ def contract_settings(serving) -> dict:
 @dataclass(frozen=True)
 class ApiOptions:
     """What rank 0 of stage 0 serves the API with: the contract's port, the model's name, the
-    waiting queue's bound, and the API keys' file (None: the API is open)."""
+    waiting queue's bound, the API keys' file (None: the API is open), and a remote model's final
+    download report (answered at DOWNLOAD_PROGRESS_PATH; None: 404 there)."""
     port: int
     model_name: str
     max_waiting: int
     api_key_file: str | None = None
+    download: bytes | None = None
 
 
-def _api_options(args, contract, spec) -> ApiOptions:
+def _api_options(args, contract, spec, download: bytes | None = None) -> ApiOptions:
     """The API's options from the contract and the flags, the API key file checked; says what the
     pod serves with."""
     _check_api_key_file(args.api_key_file)
@@ -217,7 +222,7 @@ def _api_options(args, contract, spec) -> ApiOptions:
     cache = f"{spec.kv_tokens} tokens" if spec.kv_tokens else "a whole context per sequence"
     _say(f"serving {spec.max_batch} sequences at once, {waiting} waiting at most; KV cache {cache} in blocks "
          f"of {spec.kv_block}; decode {spec.decode}")
-    return ApiOptions(contract.serving.port, contract.serving.model_name, waiting, args.api_key_file)
+    return ApiOptions(contract.serving.port, contract.serving.model_name, waiting, args.api_key_file, download)
 
 
 def _check_api_key_file(path: str | None) -> None:
@@ -274,7 +279,8 @@ def _supervise(start, loaded_q, health, stopped_code: int = Exit.OK,
     return Exit.OK
 
 
-def _run_training(contract, replica: int, stage: int, device: str, dtype: str, host: str) -> int:
+def _run_training(contract, replica: int, stage: int, device: str, dtype: str, host: str,
+                  download: bytes | None = None) -> int:
     from shardwise.worker.cli.train import check_inputs
     from shardwise.worker.training.trainer import options_from_contract, pod_rank
     plan = contract.plan
@@ -286,7 +292,8 @@ def _run_training(contract, replica: int, stage: int, device: str, dtype: str, h
          f"{opts.world_size}, {device} {dtype}, {opts.steps} steps, checkpoints in {opts.checkpoint_dir}")
     start, started_q = _rank_starter(plan.tensor, _train_rank_main, lambda local, q: (
         opts, plan, replica, stage, local, dict(os.environ), q))
-    health = StageHealth(plan.tensor, host, contract.serving.port, progress_dir=opts.checkpoint_dir)
+    health = StageHealth(plan.tensor, host, contract.serving.port, progress_dir=opts.checkpoint_dir,
+                         download=download)
     # Stopped by a signal before the last step, the pod must not look finished (exit 0 = Succeeded).
     code = _supervise(start, started_q, health, stopped_code=Exit.TERMINATED)
     if code == Exit.OK:
@@ -344,6 +351,7 @@ def _rank_main(spec, rank, world, local_rank, host, api: ApiOptions, loaded_q, e
         # The API reports the ShardedModel's name (the contract's serving.model_name).
         keys = ApiKeys.from_file(api.api_key_file) if api.api_key_file else None
         app = App(api.model_name, load_tokenizer(open_model(spec.model)), api_keys=keys, max_waiting=api.max_waiting)
+        app.download = api.download
         server = Server(app, host, api.port, workers=workers_for(spec.max_batch + api.max_waiting)).start()
         stop = stop_on_signals()
         ctx = setup_rank(spec, 0, world, local_rank, "env://", spec.tensor)

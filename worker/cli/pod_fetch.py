@@ -2,8 +2,9 @@
 stage loads (config, tokenizer, and the weight files holding its layers: worker/fetch/select.py by the
 plan's layer split; of a GGUF model, the byte ranges of its header and its tensors) into the contract's cache folder (the node's cache under its byte budget, or the
 pod's own emptyDir), serving the download's progress at DOWNLOAD_PROGRESS_PATH on the pod's port
-meanwhile. The entry stays in use (never evicted) for the pod's life, and the ranks load its folder
-exactly as a model in a path.
+meanwhile; its final report goes on to the servers that take the port next (worker/cli/pod.py), which
+answer it there for the pod's life. The entry stays in use (never evicted) for the pod's life, and
+the ranks load its folder exactly as a model in a path.
 """
 from __future__ import annotations
 
@@ -21,8 +22,10 @@ POD_CACHE_BUDGET = 1 << 60
 _HELD: list[ExitStack] = []
 
 
-def fetch_model(contract, placement, host: str) -> str:
-    """The folder of the pod's stage files, fetched or found in the cache; one line says which."""
+def fetch_model(contract, placement, host: str) -> tuple[str, bytes]:
+    """(the folder of the pod's stage files, fetched or found in the cache; the fetch's final
+    DownloadReport as JSON, which the pod's servers answer at DOWNLOAD_PROGRESS_PATH from then on).
+    One line says what was fetched and what was found."""
     from shardwise.crds.modelsource import parse_model_uri
     from shardwise.worker.fetch.cache import ModelCache, reused_words
     from shardwise.worker.fetch.progress import DownloadTracker, ProgressServer
@@ -42,7 +45,6 @@ def fetch_model(contract, placement, host: str) -> str:
             (placement.layer_start, placement.layer_end), progress=tracker.phase(),
             metadata_progress=tracker.phase()))
         tracker.finished()
-        server.linger()
     except BaseException as e:
         tracker.failed(str(e))
         held.close()
@@ -56,7 +58,7 @@ def fetch_model(contract, placement, host: str) -> str:
           f"{reused_words(report)} from {where} ({_files(len(report.files))} of stage "
           f"{placement.stage}) in {time.monotonic() - began:.1f}s over {cache.config.streams} streams",
           file=sys.stderr, flush=True)
-    return str(report.files_dir)
+    return str(report.files_dir), tracker.final_body()
 
 
 def cache_config(source):

@@ -1,11 +1,14 @@
 """/healthz, /metrics and /progress of a pod that does not serve the API (a pipeline stage after
-the first, every training pod). The metrics go out through prometheus-client, as the API server's
-do (worker/serving/http/server.py), under the same names for what both report (the ranks' weight
-bytes, readiness), so one dashboard reads every pod."""
+the first, every training pod), and a remote model's final download report at
+DOWNLOAD_PROGRESS_PATH (worker/cli/pod_fetch.py). The metrics go out through prometheus-client, as
+the API server's do (worker/serving/http/server.py), under the same names for what both report (the
+ranks' weight bytes, readiness), so one dashboard reads every pod."""
 from __future__ import annotations
 
 import json
 import threading
+
+from shardwise.crds import names
 
 
 class PodMetrics:
@@ -47,10 +50,12 @@ class PodMetrics:
 
 
 class StageHealth:
-    """/healthz (200 once every rank of the pod has loaded, or joined and resumed), /metrics, and
-    /progress of a training job when `progress_dir` (its checkpoint directory) is given."""
+    """/healthz (200 once every rank of the pod has loaded, or joined and resumed), /metrics,
+    /progress of a training job when `progress_dir` (its checkpoint directory) is given, and
+    DOWNLOAD_PROGRESS_PATH answering `download` (a remote model's final report) when given."""
 
-    def __init__(self, ranks: int, host: str, port: int, progress_dir: str | None = None):
+    def __init__(self, ranks: int, host: str, port: int, progress_dir: str | None = None,
+                 download: bytes | None = None):
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
         from prometheus_client import CollectorRegistry, generate_latest
@@ -70,6 +75,8 @@ class StageHealth:
                     self._send(200 if health.ready else 503, body, "application/json")
                 elif self.path == "/metrics":
                     self._send(200, generate_latest(registry), "text/plain; version=0.0.4")
+                elif self.path == names.DOWNLOAD_PROGRESS_PATH and download is not None:
+                    self._send(200, download, "application/json")
                 elif self.path == "/progress" and progress_dir is not None:
                     from shardwise.worker.training.trainer import read_progress
                     progress = read_progress(progress_dir)

@@ -1,6 +1,9 @@
 """A fetching pod's progress as the operator reads it: the DownloadReport (crds/download.py) kept up to
 date from the cache's callbacks, and a small HTTP server answering it at DOWNLOAD_PROGRESS_PATH on the
-pod's port while the pod fetches (the model's own server takes the port once the files are in).
+pod's port while the pod fetches. The model's own server takes the port once the files are in, and
+answers the same path with the fetch's final report (`done`, what was fetched and what the cache
+held) for as long as the pod runs (worker/cli/pod.py): so the operator reads how a download ended,
+and posts its Downloaded Event, however short the download was, without the pod waiting for it.
 """
 from __future__ import annotations
 
@@ -13,10 +16,6 @@ from shardwise.crds import names
 from shardwise.crds.download import DownloadReport
 
 RATE_WINDOW_S = 5.0            # the rate is over the last few seconds, not the whole download
-# A pod whose progress was read while it fetched keeps answering, once done, until its done report
-# has been read (the operator posts its Downloaded Event on that), at most this long: a few of the
-# operator's poll periods (10 s).
-LINGER_S = 30.0
 _MAX_SAMPLES = 256             # bounded history for the rate, whatever the chunk size
 
 
@@ -69,6 +68,10 @@ class DownloadTracker:
         with self._lock:
             self._error = reason
 
+    def final_body(self) -> bytes:
+        """The done report as the port's next server answers it (the fetch has ended: no rate)."""
+        return self.report().model_copy(update={"rate": 0.0}).model_dump_json().encode()
+
     def report(self) -> DownloadReport:
         now = self._clock()
         with self._lock:
@@ -85,23 +88,16 @@ class DownloadTracker:
 
 class ProgressServer:
     """GET DOWNLOAD_PROGRESS_PATH: the tracker's report as JSON; GET /healthz: 503 (not ready: the
-    model is still being fetched); anything else 404. Closed before the model's server starts."""
+    model is still being fetched); anything else 404. Closed as soon as the fetch ends, before the
+    model's server starts."""
 
     def __init__(self, tracker: DownloadTracker, host: str, port: int):
-        self.read_while_fetching = threading.Event()     # someone watched the fetch
-        self.done_read = threading.Event()               # ... and has read its done report
-        handler = _handler(tracker, self)
+        handler = _handler(tracker)
         self._server = http.server.ThreadingHTTPServer((host, port), handler)
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
                                         daemon=True)
         self._thread.start()
-
-    def linger(self, timeout_s: float = LINGER_S) -> None:
-        """Once the fetch is done: if its progress was read meanwhile, wait (bounded) until the done
-        report has been read too, so the reader sees the download finish."""
-        if self.read_while_fetching.is_set():
-            self.done_read.wait(timeout_s)
 
     def close(self) -> None:
         self._server.shutdown()
@@ -109,13 +105,11 @@ class ProgressServer:
         self._thread.join(timeout=5)
 
 
-def _handler(tracker: DownloadTracker, server: ProgressServer):
+def _handler(tracker: DownloadTracker):
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:   # noqa: N802 (the stdlib's name)
             if self.path == names.DOWNLOAD_PROGRESS_PATH:
-                report = tracker.report()
-                self._send(200, report.model_dump_json().encode())
-                (server.done_read if report.done else server.read_while_fetching).set()
+                self._send(200, tracker.report().model_dump_json().encode())
             elif self.path == "/healthz":
                 self._send(503, b'{"ready": false, "fetching": true}')
             else:

@@ -1,7 +1,9 @@
 """`shardwise worker` with a remote model: a pod whose contract names `s3://models/tiny` fetches its
 stage's files from a real S3 server into its cache folder, answers GET /download with its progress
 while it does, with the stream count its contract gives (spec.model.fetchStreams), then serves the
-API from the fetched folder; a second pod on the same cache fetches nothing. The store is reached
+API from the fetched folder and, on the same port, the fetch's final report; a second pod on the same
+cache fetches nothing, and says so in its final report (what the operator's Downloaded Event
+carries). The store is reached
 through a slow link (a TCP relay that paces the server's bytes), so the fetch lasts long enough to
 be watched."""
 from __future__ import annotations
@@ -58,6 +60,14 @@ def _start_pod(tmp_path, name, endpoint, cache, port, master, env, streams=None)
     return pod, tmp_path / f"{name}.log"
 
 
+def _final(port: int) -> tuple[bool, int, int, int]:
+    """(done, bytes fetched, of, bytes the cache held) of the pod's GET /download."""
+    status, body = _get(f"http://127.0.0.1:{port}{names.DOWNLOAD_PROGRESS_PATH}")
+    assert status == 200, (status, body)
+    r = DownloadReport.model_validate_json(body)
+    return r.done, r.bytes_fetched, r.bytes_total, r.bytes_cached
+
+
 def _stop(pod) -> None:
     pod.send_signal(signal.SIGTERM)
     try:
@@ -76,11 +86,11 @@ def test_a_pod_fetches_its_files_shows_progress_then_serves(s3_server, s3_model,
     try:
         deadline = time.time() + 180
         while time.time() < deadline:
+            if _get(f"http://127.0.0.1:{port}/healthz")[0] == 200:
+                break
             status, body = _get(f"http://127.0.0.1:{port}/download")
             if status == 200:
                 reports.append(DownloadReport.model_validate_json(body))
-            elif _get(f"http://127.0.0.1:{port}/healthz")[0] == 200:
-                break
             assert pod.poll() is None, log.read_text()
             time.sleep(0.1)
         else:
@@ -93,8 +103,8 @@ def test_a_pod_fetches_its_files_shows_progress_then_serves(s3_server, s3_model,
         assert all(r.bytes_cached == 0 and r.bytes_total <= whole and r.error is None for r in reports)
         assert [r.bytes_total for r in reports] == sorted(r.bytes_total for r in reports)
         assert any(r.rate > 0 for r in moving)
-        # watched while it fetched, the pod answers until its done report has been read
-        assert reports[-1].done and reports[-1].bytes_fetched == reports[-1].bytes_total == whole
+        # Ready and serving, the pod answers how its fetch ended on the same port, for its life
+        assert _final(port) == (True, whole, whole, 0)
         fetched = [line for line in log.read_text().splitlines() if "fetched" in line]
         assert len(fetched) == 1 and "reused 0.0 MiB from the node's cache" in fetched[0], fetched
         assert fetched[0].endswith("over 3 streams"), fetched
@@ -112,16 +122,19 @@ def test_a_pod_fetches_its_files_shows_progress_then_serves(s3_server, s3_model,
     finally:
         _stop(pod)
     # the same node's cache: a second pod (a restarted or re-planned group) fetches nothing
-    again, log2 = _start_pod(tmp_path, "second", f"http://127.0.0.1:{link.port}", cache, free_port(),
+    port2 = free_port()
+    again, log2 = _start_pod(tmp_path, "second", f"http://127.0.0.1:{link.port}", cache, port2,
                              free_port(), s3_server.env())
     try:
         deadline = time.time() + 120
-        while time.time() < deadline and "fetched" not in log2.read_text():
+        while time.time() < deadline and _get(f"http://127.0.0.1:{port2}/healthz")[0] != 200:
             assert again.poll() is None, log2.read_text()
             time.sleep(0.2)
         line = next(x for x in log2.read_text().splitlines() if "fetched" in x)
         assert "fetched 0.0 MiB" in line and "reused 0.0 MiB" not in line, line
         assert line.endswith(f"over {names.FETCH_STREAMS} streams"), line     # unset: the default
+        # a start from a warm cache, over before anyone could read it, still says what it reused
+        assert _final(port2) == (True, 0, 0, whole)
     finally:
         _stop(again)
         link.close()

@@ -42,6 +42,8 @@ class App:
         self.api_keys = api_keys                        # None: /v1/* is open
         self.max_waiting = max_waiting                  # choices queued at most (None: defaults.max_waiting)
         self.created = int(time.time())
+        # a pod of a remote model: its fetch's final report (JSON), answered at DOWNLOAD_PROGRESS_PATH
+        self.download: bytes | None = None
         self._token_text: TokenText | None = None
 
     @property

@@ -13,6 +13,7 @@ import time
 from http.server import BaseHTTPRequestHandler
 from urllib.parse import unquote
 
+from shardwise.crds import names
 from shardwise.worker.errors import WorkerError
 from shardwise.worker.serving.http.app import App, refusal
 from shardwise.worker.serving.http.connections import Connection, client_gone
@@ -111,6 +112,8 @@ class Handler(BaseHTTPRequestHandler):
                        "text/plain; version=0.0.4; charset=utf-8", "/metrics")
         elif path == "/v1/models":
             self._json(200, {"object": "list", "data": [self.app.model_card()]}, path)
+        elif path == names.DOWNLOAD_PROGRESS_PATH and self.app.download is not None:
+            self._send(200, self.app.download, endpoint=path)     # what the pod fetched before it loaded
         elif path.startswith("/v1/models/"):
             try:
                 self.app.check_model(unquote(path[len("/v1/models/"):]))

@@ -7,6 +7,7 @@ connections.py, + prometheus-client).
     GET  /v1/models/{id}          that model, or 404 model_not_found
     GET  /healthz                 200 once every rank has loaded its shard, 503 before
     GET  /metrics                 Prometheus text format
+    GET  /download                a remote model's pod: its fetch's final report (crds/download.py)
 
 Request threads validate and tokenize, submit to the engine, and detokenize what it generates;
 one engine thread owns every torch.distributed call and batches whatever requests are running at
