@@ -154,7 +154,7 @@ def _run(args) -> int:
                     quantize=args.quantize or plan.quantization,
                     offload_budget=plan.offload_budget if args.offload_budget is None else parse_bytes(args.offload_budget),
                     **serving_settings(args, contract_settings(contract.serving), contract.serving.speculative))
-    source = validate(spec)
+    source = validate(spec, stages=[stage])     # the weights of this pod's stage, none other's
     if source.config.num_layers != plan.num_layers:
         raise WorkerError(f"plan splits {plan.num_layers} layers but model {contract.model.path} has "
                           f"{source.config.num_layers}")

@@ -31,7 +31,7 @@ from shardwise.worker.distributed import tensor_parallel as parallel
 from shardwise.worker.distributed.placement import place_in_huge_pages
 from shardwise.worker.errors import WorkerError
 from shardwise.worker.model.inference import install_fused_weights
-from shardwise.worker.weights.loader import DTYPES, check_layout, load_stage, open_model
+from shardwise.worker.weights.loader import DTYPES, check_layout, check_stage, load_stage, open_model
 from shardwise.worker.serving import defaults
 from shardwise.worker.serving.pipeline import OP_SETUP, OP_STEP, Stage, StageInfo, decode_mode
 from shardwise.worker.weights.offload import apply_offload
@@ -200,8 +200,9 @@ def forkserver(preload: str = "shardwise.worker.serving.rank"):
     return ctx
 
 
-def validate(spec: RankSpec):
-    """Checks done once before any process starts: model readable, layout fits the model. Resolves
+def validate(spec: RankSpec, stages: list[int] | None = None):
+    """Checks done once before any process starts: model readable, layout fits the model, the
+    weights of the stages this process loads (`stages`; None: all, a local run) at hand. Resolves
     spec.dtype "auto" here, before the spec is handed to the ranks, so that they all load alike."""
     source = open_model(spec.model)
     check_layout(source.config, spec.tensor, spec.pipeline)
@@ -209,6 +210,9 @@ def validate(spec: RankSpec):
         if len(spec.layers) != spec.pipeline or spec.layers[-1][1] != source.config.num_layers:
             raise WorkerError(f"layer ranges {spec.layers} do not cover the model's "
                               f"{source.config.num_layers} layers in {spec.pipeline} stages")
+    layers = spec.layers or split_layers(source.config.facts(), spec.pipeline).ranges
+    for s in range(spec.pipeline) if stages is None else stages:
+        check_stage(source, *layers[s], embedding=s == 0, head=s == spec.pipeline - 1)
     if spec.dtype != "auto" and spec.dtype not in DTYPES:
         raise WorkerError(f"unknown dtype {spec.dtype!r} (use one of: auto, {', '.join(DTYPES)})")
     spec.dtype = in_memory_dtype(spec.dtype, source.dtype, spec.device)

@@ -54,7 +54,8 @@ def detect_format(path: str) -> str:
 
 
 def open_model(spec: str) -> ModelSource:
-    """`--model` value -> a checked source (config parsed, weight files present and complete)."""
+    """`--model` value -> a checked source (config parsed, the weight files present complete; a
+    stage's own files all there is loader.check_stage's check)."""
     path = resolve_model(spec)
     name = detect_format(path)
     if name == "gguf" and os.path.isdir(path):

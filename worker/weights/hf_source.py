@@ -4,6 +4,7 @@ Qwen3-MoE), model.safetensors or sharded files with their index, read slice by s
 from __future__ import annotations
 
 import os
+from typing import Iterable
 
 import torch
 
@@ -169,22 +170,51 @@ class HFSource(ModelSource):
         return sorted(set(self.weight_map.values())) if self.weight_map else [self._single]
 
     def check(self) -> None:
-        for f in self.files():
-            if not os.path.isfile(f):
-                raise WorkerError(f"weight file {f} is missing (listed in the index)")
+        """The weight files present are whole (their headers read). A sharded model's file the
+        index lists may be absent: a pipeline stage fetched from a store holds only the files of
+        its own tensors (fetch/select.py). A stage that reads an absent file is refused by
+        `require` before its ranks start, and by `_file` when it is read."""
+        present = [f for f in self.files() if os.path.isfile(f)]
+        if not present:
+            raise WorkerError(f"weight file {self.files()[0]} is missing (listed in the index), and so is "
+                              f"every other weight file of {self.path}")
+        for f in present:
             names = tensor_names(f)
             if self.weight_map is None:
                 self.weight_map = {n: f for n in names}
         if "lm_head.weight" not in self.weight_map and not self.config.tie_word_embeddings:
             raise WorkerError(f"{self.path}: lm_head.weight is missing and embeddings are not tied")
 
-    def _file(self, hf_name: str):
-        from safetensors import safe_open
+    def require(self, names: Iterable[str]) -> None:
+        """WorkerError (one line, naming the file) if a file holding one of these model.py
+        parameters (a stage's, every expert of a layer) is absent."""
+        arch = self.config.architecture
+        for name in names:
+            experts = _hf_expert_names(name, arch, 0, self.config.num_experts) if self.config.num_experts else None
+            for hf in experts or [self._stored(hf_name(name, arch))]:
+                self._path(hf)
+
+    def _stored(self, hf: str) -> str:
+        """The checkpoint's name for `hf`: a tied LM head stored only as the embedding is that."""
+        if hf == "lm_head.weight" and self.config.tie_word_embeddings and hf not in (self.weight_map or {}):
+            return "model.embed_tokens.weight"
+        return hf
+
+    def _path(self, hf_name: str) -> str:
+        """The file holding tensor `hf_name`, which must be present."""
         if self.weight_map is None:
             self.check()
         if hf_name not in self.weight_map:
             raise WorkerError(f"{self.path}: tensor {hf_name} is missing from the weights")
         fname = self.weight_map[hf_name]
+        if fname not in self._handles and not os.path.isfile(fname):
+            raise WorkerError(f"weight file {fname} is missing (listed in the index for {hf_name}, "
+                              f"which is to be loaded)")
+        return fname
+
+    def _file(self, hf_name: str):
+        from safetensors import safe_open
+        fname = self._path(hf_name)
         if fname not in self._handles:
             self._handles[fname] = safe_open(fname, framework="pt")
         return self._handles[fname]
@@ -197,9 +227,7 @@ class HFSource(ModelSource):
             experts = _hf_expert_names(name, arch, first, stop)
             if experts is not None:
                 return torch.stack([self._file(n).get_tensor(n) for n in experts])
-        hf = hf_name(name, arch)
-        if hf == "lm_head.weight" and self.config.tie_word_embeddings and hf not in (self.weight_map or {}):
-            hf = "model.embed_tokens.weight"
+        hf = self._stored(hf_name(name, arch))
         sl = self._file(hf).get_slice(hf)
         if shard is None:
             return sl[:]

@@ -21,7 +21,8 @@ from shardwise.worker.weights.builtin import builtin_model_path, resolve_model
 from shardwise.worker.weights.formats import open_model
 from shardwise.worker.weights.source import ModelSource
 
-__all__ = ["DTYPES", "builtin_model_path", "check_layout", "load_stage", "open_model", "resolve_model"]
+__all__ = ["DTYPES", "builtin_model_path", "check_layout", "check_stage", "load_stage", "open_model",
+           "resolve_model"]
 
 
 def check_layout(config: ModelConfig, tensor: int, pipeline: int) -> None:
@@ -68,6 +69,15 @@ def _read_blocks(source: ModelSource, model: Transformer, shards: dict) -> tuple
             blocks.update({n.rpartition(".")[0]: got for n in names})    # tied: both keys, one Blocks
             kept.update(names)
     return blocks, kept
+
+
+def check_stage(source: ModelSource, layer_start: int, layer_end: int, embedding: bool, head: bool) -> None:
+    """WorkerError (one line) if a weight the stage loads is not at hand: a file of a sharded HF
+    model that a stage fetched alone lacks because only another stage reads it is no error; one
+    that this stage reads is, said before its ranks start rather than when it reads it."""
+    with torch.device("meta"):
+        model = Transformer(source.config, layer_start, layer_end, embedding, head)
+    source.require(name for name, _ in model.named_parameters())
 
 
 def load_stage(source: ModelSource, layer_start: int, layer_end: int, embedding: bool, head: bool,

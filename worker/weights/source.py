@@ -3,6 +3,8 @@
 share."""
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 
 from shardwise.worker.model.llama import ModelConfig
@@ -20,6 +22,11 @@ class ModelSource:
 
     def check(self) -> None:
         """Raise WorkerError if a weight file is missing or truncated (cheap: headers only)."""
+
+    def require(self, names: Iterable[str]) -> None:
+        """Raise WorkerError (one line) if the weights of these parameters (model.py names: a
+        stage's) are not all at hand: an HF folder fetched for one stage holds only that stage's
+        files (hf_source). By default nothing more than `check` did."""
 
 
 def pad_rows(t: torch.Tensor, shard: Shard | None, full: int) -> torch.Tensor:

@@ -42,11 +42,14 @@ def _copy(src, dst):
     return dst
 
 
-def test_missing_weight_file(capsys, sharded, tmp_path):
+@pytest.mark.parametrize("pipeline", ["1", "2"])
+def test_missing_weight_file(capsys, sharded, tmp_path, pipeline):
+    """A weight file a stage reads is missing: said before any rank starts, one stage or several
+    (a file no stage of this run reads may be absent: a pod's stage fetched alone)."""
     m = _copy(sharded, tmp_path / "m")
     victim = sorted(f for f in os.listdir(m) if f.endswith(".safetensors"))[1]
     os.remove(m / victim)
-    code, err = _generate(capsys, m)
+    code, err = _generate(capsys, m, "--pipeline-parallel", pipeline)
     assert code == 2 and err.count("\n") == 0
     assert victim in err and "missing" in err
 
