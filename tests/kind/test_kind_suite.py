@@ -423,6 +423,16 @@ def _fetched(cluster: KindCluster, namespace: str, pod: str, uri: str) -> tuple[
     return float(found.group(1)), lines[-1]
 
 
+def _namespace_with_secret(cluster: KindCluster, namespace: str, pod_security: str, secret: str,
+                           data: dict[str, str]) -> None:
+    """A model's namespace enforcing `pod_security`, with a Secret of its store's credentials."""
+    cluster.kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "v1", "kind": "Namespace",
+        "metadata": {"name": namespace, "labels": {PSA: pod_security}}}))
+    cluster.kubectl("create", "secret", "generic", secret, "-n", namespace,
+                    *(f"--from-literal={k}={v}" for k, v in data.items()))
+
+
 def _rack_without(cluster: KindCluster, busy: set[str]) -> tuple[str, list[str]]:
     """The first rack none of whose nodes is in `busy` (the demo model's: its two stages pack into one
     rack), so that stopping a node of it leaves the demo running; rack-1 when both are busy."""
@@ -449,11 +459,7 @@ def test_a_model_from_s3_inside_the_cluster_answers_and_a_node_stop_restarts_it_
         _upload(cluster, store, gguf, "models", "smollm2")
         say(f"MinIO in the cluster with {gguf.name} uploaded in {time.monotonic() - start:.0f}s")
         # the node cache is a hostPath volume, which baseline and restricted refuse (docs/operator.md)
-        cluster.kubectl("apply", "-f", "-", input=json.dumps({
-            "apiVersion": "v1", "kind": "Namespace",
-            "metadata": {"name": SOURCES_NS, "labels": {PSA: "privileged"}}}))
-        cluster.kubectl("create", "secret", "generic", "store-creds", "-n", SOURCES_NS,
-                        *(f"--from-literal={k}={v}" for k, v in store.env().items()))
+        _namespace_with_secret(cluster, SOURCES_NS, "privileged", "store-creds", store.env())
         sm = {"apiVersion": "shardwise.dev/v1alpha1", "kind": "ShardedModel",
               "metadata": {"name": name, "namespace": SOURCES_NS},
               "spec": {"model": {"uri": uri, "endpoint": store.endpoint, "pathStyle": True,
@@ -540,11 +546,7 @@ def test_a_model_from_a_plain_http_registry_inside_the_cluster_answers_once_the_
         say(f"the registry in the cluster with {pushed.files} file pushed in {time.monotonic() - start:.0f}s")
         cluster.helm("upgrade", "shardwise", str(CHART), "--namespace", OPERATOR_NS, "--reuse-values",
                      "--set", f"operator.plainHttpRegistries={{{reg.host}}}", "--wait", "--timeout", "300s")
-        cluster.kubectl("apply", "-f", "-", input=json.dumps({
-            "apiVersion": "v1", "kind": "Namespace",
-            "metadata": {"name": namespace, "labels": {PSA: "restricted"}}}))
-        cluster.kubectl("create", "secret", "generic", "registry-pull", "-n", namespace,
-                        *(f"--from-literal={k}={v}" for k, v in reg.env().items()))
+        _namespace_with_secret(cluster, namespace, "restricted", "registry-pull", reg.env())
         sm = {"apiVersion": "shardwise.dev/v1alpha1", "kind": "ShardedModel",
               "metadata": {"name": name, "namespace": namespace},
               "spec": {"model": {"uri": uri, "credentialsRef": {"name": "registry-pull"}, "cache": "pod"},

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import torch
 
 from shardwise.crds.contract import ModelContract, PodContract, ServingContract
 from shardwise.crds.plan import ShardPlan, StagePlacement
+from shardwise.e2e import processes
 from shardwise.worker.serving.rank import free_port
 from shardwise.worker.weights.tokenizer import from_hf_dir
 
@@ -75,10 +75,7 @@ def test_two_stage_pods_serve_the_same_tokens_as_transformers(tmp_path, tiny_mod
         ref = hf.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
         assert text == tok.decode(ref[0, len(ids):].tolist())
     finally:
+        for p in pods:      # all asked at once: a rank may wait on its peers as it stops
+            p.terminate()
         for p in pods:
-            p.send_signal(signal.SIGTERM)
-        for p in pods:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+            processes.stop(p, 30)

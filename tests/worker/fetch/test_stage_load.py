@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -17,6 +16,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from shardwise.e2e import processes
 import torch
 
 from shardwise.crds.contract import ModelContract, PodContract, ServingContract, SourceContract
@@ -113,13 +114,10 @@ def test_two_stage_pods_each_with_only_its_files_answer_the_whole_models_tokens(
         with urllib.request.urlopen(req, timeout=60) as r:
             text = json.loads(r.read())["choices"][0]["text"]
     finally:
+        for p in pods:      # all asked at once: a rank may wait on its peers as it stops
+            p.terminate()
         for p in pods:
-            p.send_signal(signal.SIGTERM)
-        for p in pods:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+            processes.stop(p, 30)
     # the reference: the whole folder's model in one piece, greedy, no cache
     from shardwise.worker.weights.tokenizer import from_hf_dir
     tok = from_hf_dir(str(sharded_model), [])
