@@ -2,8 +2,9 @@
 and how many bytes one GPU of a stage needs under each.
 
 Memory per GPU = weights/TP + KV cache + activations (inference), or the ZeRO-3 training state of
-training_state_bytes + activations (training), + a fixed CUDA overhead, against 90% of the GPU's
-memory. Layouts are tried smallest tensor degree first at pipeline 1, then the fewest stages that fit
+training_state_bytes, the error-feedback residual of gradient compression and the activations of
+activations.py, sized from the sequence length and micro-batches in flight (training), + a fixed
+CUDA overhead, against 90% of the GPU's memory. Layouts are tried smallest tensor degree first at pipeline 1, then the fewest stages that fit
 (largest tensor first); a training job's schedule may rule some out (fit_schedule). Weights are sized
 in the dtype the worker holds them in on a GPU, or as spec.serving.quantization holds them
 (ModelFacts.quantized), and a streaming plan's resident share is offload_budget.
@@ -22,18 +23,19 @@ from shardwise.crds.names import MAX_PIPELINE
 from shardwise.crds.modelshape import ModelFacts
 from shardwise.crds.plan import StagePlacement
 from shardwise.crds.schedules import micro_batches_fit, virtual_stages
+from shardwise.operator.planning.activations import stage_activation_bytes
 from shardwise.operator.planning.inventory import NodeInfo
 
 GiB = 2**30
 CUDA_OVERHEAD = 1 * GiB          # context, cuBLAS workspace, NCCL buffers per GPU
 USABLE_FRACTION = 0.90           # of a GPU's memory the planner fills
 ACTIVATION_FRACTION = 0.10       # inference activations as a share of the rank's weights
-TRAINING_ACTIVATION_FRACTION = 0.25
 # ZeRO-3 (FSDP2) with mixed precision, bytes per parameter, sharded over tensor x shard ranks:
 MASTER_BYTES = 4                 # fp32 master weights (on float32 the weights themselves)
 GRADIENT_BYTES = 4               # fp32 gradients (reduced in fp32)
 ADAM_BYTES = 8                   # the two fp32 AdamW moments
 BLOCKS_IN_FLIGHT = 2             # unsharded: the block FSDP gathered and the next one, prefetched
+RESIDUAL_BYTES = 4               # gradient compression's error feedback: an fp32 gradient shard
 
 
 class PlanError(ValueError):
@@ -71,6 +73,7 @@ class Layout:
     ranges: tuple[tuple[int, int], ...]
     stage_params: tuple[int, ...]
     shard: int = 1                # training: ZeRO-3 shard degree the memory is sized at
+    activations: int = 0          # training: bytes of `memory` that are activations (activations.py)
 
 
 def activation_bytes(facts: ModelFacts) -> float:
@@ -102,14 +105,25 @@ def largest_unit(facts: ModelFacts, embedding: bool, head: bool) -> int:
     return max(facts.layer_params, facts.embedding_params if embedding else 0, facts.head_params if head else 0)
 
 
+def compression_residual_bytes(spec: ShardedModelSpec, params: int, tensor: int, shard: int) -> float:
+    """Gradient compression's error feedback: what was not sent, carried to the next step, an fp32
+    tensor the size of the rank's gradient shard (RESIDUAL_BYTES over tensor x shard ranks). PowerSGD's
+    bases (rank x a matrix's side, per matrix) are small beside it and not counted."""
+    gc = spec.training.gradient_compression if spec.training else None
+    return RESIDUAL_BYTES * params / (tensor * shard) if gc and gc.method != "none" else 0.0
+
+
 def stage_memory(facts: ModelFacts, spec: ShardedModelSpec, tensor: int, params: int, layers: int,
-                 shard: int = 1, block: int = 0) -> int:
+                 shard: int = 1, block: int = 0, stage: int = 0, pipeline: int = 1) -> int:
     """Bytes one GPU of a stage needs: its slice of the weights (training: of the ZeRO-3 state over
-    `shard` replicas, `block` the largest unit it gathers) plus headroom."""
+    `shard` replicas, `block` the largest unit it gathers, and the activations of stage `stage` of
+    `pipeline`; a stage past the last has the fewest micro-batches in flight and no loss) plus headroom."""
     weights = weight_bytes(facts, params, tensor)
     if spec.workload == Workload.TRAINING:
         state = training_state_bytes(facts, params, tensor, shard, block or facts.layer_params)
-        need = state + TRAINING_ACTIVATION_FRACTION * weights
+        residual = compression_residual_bytes(spec, params, tensor, shard)
+        acts = stage_activation_bytes(facts, spec, activation_bytes(facts), tensor, layers, stage, pipeline)
+        need = state + residual + acts
     else:
         kv = spec.serving.kv_cache_tokens * layers * facts.kv_bytes_per_token_per_layer(activation_bytes(facts))
         if spec.serving.offload:
@@ -155,7 +169,7 @@ def _divisors(n: int) -> list[int]:
 def _worst_stage(facts: ModelFacts, spec: ShardedModelSpec, tensor: int, ranges: Sequence[tuple[int, int]],
                  params: Sequence[int], shard: int) -> int:
     last = len(ranges) - 1
-    return max(stage_memory(facts, spec, tensor, p, e - s, shard, largest_unit(facts, i == 0, i == last))
+    return max(stage_memory(facts, spec, tensor, p, e - s, shard, largest_unit(facts, i == 0, i == last), i, last + 1)
                for i, (p, (s, e)) in enumerate(zip(params, ranges)))
 
 
@@ -177,7 +191,14 @@ def make_layout(facts: ModelFacts, spec: ShardedModelSpec, tensor: int, pipeline
         else:
             lo = mid + 1
     memory = _worst_stage(facts, spec, tensor, ranges, params, degrees[lo])
-    return Layout(tensor, pipeline, memory, ranges, params, degrees[lo])
+    return Layout(tensor, pipeline, memory, ranges, params, degrees[lo], _worst_activations(facts, spec, tensor, ranges))
+
+
+def _worst_activations(facts: ModelFacts, spec: ShardedModelSpec, tensor: int, ranges: Sequence[tuple[int, int]]) -> int:
+    if spec.workload != Workload.TRAINING:
+        return 0
+    return int(max(stage_activation_bytes(facts, spec, activation_bytes(facts), tensor, e - s, i, len(ranges))
+                   for i, (s, e) in enumerate(ranges)))
 
 
 def fits(memory: int, node: NodeInfo) -> bool:
@@ -186,14 +207,15 @@ def fits(memory: int, node: NodeInfo) -> bool:
 
 def stage_memory_floor(facts: ModelFacts, spec: ShardedModelSpec, tensor: int, pipeline: int) -> int:
     """A lower bound of make_layout(...).memory, in O(1): some stage holds at least ceil(layers /
-    pipeline) layers (their parameters and KV cache), the first stage the embedding and a layer, the
-    last the LM head and a layer; training at the most sharded ZeRO-3 degree. stage_memory grows with
+    pipeline) layers (their parameters and KV cache; training: sized as a stage past the last, with
+    the fewest micro-batches in flight), the first stage the embedding and a layer, the last the LM
+    head and a layer; training at the most sharded ZeRO-3 degree. stage_memory grows with
     a stage's parameters and layers, so each is at most the worst stage's memory."""
     per, most = facts.layer_params, -(-facts.layers // pipeline)
     shard = shard_degrees(spec)[-1]
-    return max(stage_memory(facts, spec, tensor, params, layers, shard, per)
-               for params, layers in ((most * per, most), (facts.embedding_params + per, 1),
-                                      (facts.head_params + per, 1)))
+    return max(stage_memory(facts, spec, tensor, params, layers, shard, per, stage, pipeline)
+               for params, layers, stage in ((most * per, most, pipeline), (facts.embedding_params + per, 1, 0),
+                                             (facts.head_params + per, 1, pipeline - 1)))
 
 
 def _first_depth(facts: ModelFacts, spec: ShardedModelSpec, tensor: int, deepest: int,

@@ -322,9 +322,11 @@ def _no_block_reason(layout: Layout, nodes: Sequence[NodeInfo], used: dict[str, 
     roomy = [n for n in nodes if fits(layout.memory, n)]
     if not roomy:
         biggest = max(nodes, key=lambda n: (n.gpu_memory, n.name))
+        acts = (f"; {layout.activations / GiB:.1f} GiB of it are training activations (training.seqLength; "
+                f"activationCheckpointing or contextParallel cut them)") if layout.activations * 4 > layout.memory else ""
         return (f"needs {layout.memory / GiB:.1f} GiB per GPU at tensor {layout.tensor} × pipeline "
                 f"{layout.pipeline}; the largest GPUs have {biggest.gpu_memory / GiB:.0f} GiB "
-                f"({biggest.name}, {USABLE_FRACTION:.0%} usable)")
+                f"({biggest.name}, {USABLE_FRACTION:.0%} usable){acts}")
     best = max(roomy, key=lambda n: (n.free - used.get(n.name, 0), n.name))
     return (f"needs {layout.tensor} GPUs in one NVLink domain; the largest free block is "
             f"{best.free - used.get(best.name, 0)} on {best.name}")

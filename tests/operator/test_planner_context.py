@@ -25,7 +25,7 @@ def test_the_ranks_of_a_sequence_always_shard_among_themselves():
     for context in (2, 4):
         result = plan(training_spec(8, contextParallel=context), LLAMA_8B, nodes(1, 10_000))
         assert (result.context, result.data_shard, result.data_replicate) == (context, context, 8 // context)
-        assert result.memory_per_gpu == expected_memory(LLAMA_8B, 1, 1, context)
+        assert result.memory_per_gpu == expected_memory(LLAMA_8B, 1, 1, context, training_spec(8, contextParallel=context))
         assert len(result.placements) == 8 and {p.gpus for p in result.placements} == {1}
         assert any(n.startswith(f"context parallel: each sequence split over {context} replicas "
                                 f"({64 // context} of its 64 tokens each") for n in result.notes), result.notes
@@ -39,15 +39,15 @@ def test_the_chosen_shard_is_the_smallest_multiple_of_c_dividing_the_replicas_th
     replicas = sequences * context
     inventory = nodes(replicas * pipeline // 8 + 1, memory_gib)
     degrees = [d for d in range(context, replicas + 1, context) if replicas % d == 0]     # brute force
-    fitting = [d for d in degrees if expected_memory(LLAMA_8B, 1, pipeline, d) <= 0.9 * memory_gib * GiB]
     spec = training_spec(replicas, 1, pipeline, contextParallel=context)
+    fitting = [d for d in degrees if expected_memory(LLAMA_8B, 1, pipeline, d, spec) <= 0.9 * memory_gib * GiB]
     if not fitting:
         with pytest.raises(PlanError):
             plan(spec, LLAMA_8B, inventory)
         return
     result = plan(spec, LLAMA_8B, inventory)
     assert (result.data_shard, result.context) == (fitting[0], context)
-    assert result.memory_per_gpu == expected_memory(LLAMA_8B, 1, pipeline, fitting[0])
+    assert result.memory_per_gpu == expected_memory(LLAMA_8B, 1, pipeline, fitting[0], spec)
 
 
 @pytest.mark.parametrize("data_parallel, shard", [({"shard": 2}, 4), ({"replicate": 2}, 4), ({"shard": 1}, 2),

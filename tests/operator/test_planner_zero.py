@@ -10,8 +10,9 @@ from shardwise.crds.models import ShardedModelSpec
 from shardwise.crds.modelshape import from_hf_config
 from shardwise.operator.planning import groups as planning
 from shardwise.operator.planning.inventory import NodeInfo
-from shardwise.operator.planning.layouts import (CUDA_OVERHEAD, GiB, LayoutError, TRAINING_ACTIVATION_FRACTION,
-                                                PlanError, largest_unit, training_state_bytes)
+from shardwise.operator.planning.activations import stage_activation_bytes
+from shardwise.operator.planning.layouts import (CUDA_OVERHEAD, GiB, LayoutError, PlanError, largest_unit,
+                                                training_state_bytes)
 from shardwise.operator.planning.planner import plan
 from tests.operator.builders import gpu_node
 
@@ -32,17 +33,19 @@ def nodes(count: int, memory_gib: float, gpus: int = 8) -> list[NodeInfo]:
     return [gpu_node(f"n{i:02d}", gpus, zone="z", rack="r", gpus=gpus, memory_gib=memory_gib) for i in range(count)]
 
 
-def expected_memory(facts, tensor: int, pipeline: int, shard: int) -> int:
+def expected_memory(facts, tensor: int, pipeline: int, shard: int, spec: ShardedModelSpec) -> int:
     """The rule of docs/planner.md, written out here: per GPU of the worst stage, 16 bytes a parameter
-    sharded over tensor x shard, two largest blocks gathered in the compute dtype, activations at a
-    quarter of the stage's weights, 1 GiB of CUDA overhead."""
-    _, params = split_layers(facts, pipeline)
+    sharded over tensor x shard, two largest blocks gathered in the compute dtype, the stage's
+    activations (activations.py, sized from the spec's seqLength; tested in test_planner_activations.py),
+    1 GiB of CUDA overhead."""
+    ranges, params = split_layers(facts, pipeline)
     worst = 0
     for i, p in enumerate(params):
         block = max(facts.layer_params, facts.embedding_params if i == 0 else 0,
                     facts.head_params if i == pipeline - 1 else 0)
         b = facts.bytes_per_param
-        need = 16 * p / (tensor * shard) + 2 * block * b / tensor + TRAINING_ACTIVATION_FRACTION * p * b / tensor
+        acts = stage_activation_bytes(facts, spec, max(2, b), tensor, ranges[i][1] - ranges[i][0], i, pipeline)
+        need = 16 * p / (tensor * shard) + 2 * block * b / tensor + acts
         worst = max(worst, int(need + CUDA_OVERHEAD))
     return worst
 
@@ -76,10 +79,10 @@ def test_a_worked_number_llama_8b_on_80_gib():
     """docs/planner.md's example: Llama 3 8B in bfloat16, 8 replicas of one GPU each on 80 GiB GPUs."""
     result = plan(training_spec(8), LLAMA_8B, nodes(1, 80))
     assert result.data_shard == 2 and result.data_replicate == 4
-    assert result.memory_per_gpu == expected_memory(LLAMA_8B, 1, 1, 2)
-    assert f"{result.memory_per_gpu / GiB:.1f}" == "66.5"
-    assert "ZeRO-3 over 2 replica(s) (chosen) × 4 replicated: 66.5 GiB per GPU" in result.notes
-    assert expected_memory(LLAMA_8B, 1, 1, 1) > 0.9 * 80 * GiB      # unsharded it would not fit
+    assert result.memory_per_gpu == expected_memory(LLAMA_8B, 1, 1, 2, training_spec(8))
+    assert f"{result.memory_per_gpu / GiB:.1f}" == "63.2"
+    assert "ZeRO-3 over 2 replica(s) (chosen) × 4 replicated: 63.2 GiB per GPU" in result.notes
+    assert expected_memory(LLAMA_8B, 1, 1, 1, training_spec(8)) > 0.9 * 80 * GiB      # unsharded it would not fit
 
 
 # ------------------------------------------------------------------ the shard degree
@@ -91,16 +94,17 @@ def test_a_worked_number_llama_8b_on_80_gib():
        dtype=st.sampled_from(["bfloat16", "float32"]))
 def test_the_chosen_shard_is_the_smallest_divisor_that_fits(replicas, memory_gib, tensor, pipeline, dtype):
     facts = LLAMA_8B.for_dtype(dtype)
+    spec = training_spec(replicas, tensor, pipeline, dtype)
     inventory = nodes(replicas * pipeline * tensor // 8 + 1, memory_gib)
     divisors = [d for d in range(1, replicas + 1) if replicas % d == 0]       # brute force: every one
-    fitting = [d for d in divisors if expected_memory(facts, tensor, pipeline, d) <= 0.9 * memory_gib * GiB]
+    fitting = [d for d in divisors if expected_memory(facts, tensor, pipeline, d, spec) <= 0.9 * memory_gib * GiB]
     if not fitting:   # not even sharded over every replica: the plan says how much it would need
-        with pytest.raises(PlanError, match=f"{expected_memory(facts, tensor, pipeline, replicas) / GiB:.1f} GiB per GPU"):
+        with pytest.raises(PlanError, match=f"{expected_memory(facts, tensor, pipeline, replicas, spec) / GiB:.1f} GiB per GPU"):
             plan(training_spec(replicas, tensor, pipeline, dtype), facts, inventory)
         return
     result = plan(training_spec(replicas, tensor, pipeline, dtype), facts, inventory)
     assert result.data_shard == fitting[0]
-    assert result.memory_per_gpu == expected_memory(facts, tensor, pipeline, result.data_shard)
+    assert result.memory_per_gpu == expected_memory(facts, tensor, pipeline, result.data_shard, spec)
     assert result.data_shard * result.data_replicate == result.replicas == replicas
 
 
@@ -139,7 +143,7 @@ def test_the_shard_degree_must_fit_enough_gpus_for_every_replica_not_just_the_la
 
 
 def test_when_nothing_fits_the_refusal_is_sized_at_sharding_over_every_replica():
-    at_4 = expected_memory(LLAMA_8B, 1, 1, 4) / GiB                      # 36.6 GiB: the least it could need
+    at_4 = expected_memory(LLAMA_8B, 1, 1, 4, training_spec(4)) / GiB                      # 36.6 GiB: the least it could need
     with pytest.raises(PlanError, match=f"needs {at_4:.1f} GiB per GPU at tensor 1 × pipeline 1; the largest GPUs have 24 GiB"):
         plan(training_spec(4, tensor=1, pipeline=1), LLAMA_8B, nodes(1, 24))
 
@@ -158,11 +162,12 @@ def test_a_shrunk_training_plan_shards_over_a_divisor_of_what_fits():
     result = plan(spec, LLAMA_8B, inventory)
     assert result.shrunk and result.replicas == 3
     assert result.replicas % result.data_shard == 0 and result.data_shard == 3
-    assert result.memory_per_gpu == expected_memory(LLAMA_8B, 1, 1, 3)
+    assert result.memory_per_gpu == expected_memory(LLAMA_8B, 1, 1, 3, spec)
 
 
 def test_compression_with_nothing_replicated_is_noted():
-    result = plan(training_spec(2, gradientCompression={"method": "int8"}), LLAMA_8B, nodes(1, 80))
+    # (80 GiB would not do: the error-feedback residual, 4 bytes a parameter over the 2 shards, is counted)
+    result = plan(training_spec(2, gradientCompression={"method": "int8"}), LLAMA_8B, nodes(1, 141))
     assert result.data_replicate == 1
     assert any("training.gradientCompression int8 has nothing to compress" in n for n in result.notes)
 
