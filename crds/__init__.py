@@ -10,5 +10,5 @@ models (schema). The operator image,
 the worker image and the CLI all import it, so it needs only pydantic and pyyaml.
 
 May import: nothing outside shardwise.crds
-Never imports: torch, numpy, kopf, kubernetes
+Never imports: torch, torchao, numpy, kopf, kubernetes
 """

@@ -7,6 +7,7 @@ Importable from crds/models.py as well, with the rest of the API.
 """
 from __future__ import annotations
 
+from enum import Enum
 from typing import Literal, Optional
 
 from pydantic import ConfigDict, Field, model_serializer, model_validator
@@ -36,6 +37,31 @@ def sequence_problem(seq_len: int, degree: int) -> str | None:
         return None
     return (f"context parallelism splits each sequence into 2 x {degree} = {2 * degree} chunks: "
             f"sequence length {seq_len} is not a multiple of {2 * degree}")
+
+
+class Precision(str, Enum):
+    """The precision of the decoder blocks' matrix multiplications in training."""
+
+    DEFAULT = "default"   # in the compute dtype (spec.dtype / --dtype): bf16 on GPU, what ran before fp8
+    FP8 = "fp8"           # float8 (torchao, dynamic tensorwise scales); embedding, head, norms as DEFAULT
+
+
+DEFAULT_PRECISION = Precision.DEFAULT
+# float8 matmuls (torch._scaled_mm on CUDA) need both dimensions of every weight a multiple of 16,
+# and so the tokens each rank multiplies (the inner dimension of the weight gradient's matmul).
+FP8_MULTIPLE = 16
+
+
+def float8_problem(matrices: dict[str, int], tokens: int) -> str | None:
+    """Why fp8 cannot train these per-rank matrix dimensions (name -> size, after any tensor
+    split) and `tokens` per micro-batch and rank (one line), or None."""
+    bad = [f"{name} {size}" for name, size in matrices.items() if size % FP8_MULTIPLE]
+    if tokens % FP8_MULTIPLE:
+        bad.append(f"tokens per micro-batch {tokens}")
+    if not bad:
+        return None
+    return (f"precision fp8 needs every matrix dimension a multiple of {FP8_MULTIPLE} (float8 matmuls): "
+            f"{', '.join(bad)} per rank")
 
 
 class DataParallel(ApiModel):
@@ -104,6 +130,11 @@ class Training(ApiModel):
         "pipeline group) holds 1/C of a sequence, so parallelism.replicas = dataParallel.shard x "
         "dataParallel.replicate x contextParallel, and C must divide the replicas. seqLength must be "
         "a multiple of 2 x C. 1: none."))
+    precision: Precision = Field(DEFAULT_PRECISION, description=(
+        "Precision of the decoder blocks' linear layers: default (the compute dtype, spec.dtype) or fp8 "
+        "(float8 matmuls with dynamic tensorwise scales, float8 all-gather under FSDP; the embedding, head "
+        "and norms stay in the compute dtype, master weights and optimizer state in fp32). fp8 needs the "
+        "model's matrix dimensions (per tensor-parallel rank) and the tokens per micro-batch to be multiples of 16."))
     gradient_compression: Optional[GradientCompression] = Field(None, description=(
         "Compress the gradients averaged between replicated copies (dataParallel.replicate > 1)."))
     min_replicas: Optional[int] = Field(None, ge=1, le=10000, description=(
@@ -123,13 +154,15 @@ class Training(ApiModel):
         return self
 
     @model_serializer(mode="wrap")
-    def _no_default_context(self, handler):
-        # Left out at 1, so that a spec without it hashes as before (its pods do not roll) and a
+    def _defaults_left_out(self, handler):
+        # contextParallel left out at 1 (precision at its default likewise), so that a spec without it hashes as before (its pods do not roll) and a
         # worker image older than it still reads the pod contract.
         out = handler(self)
         if isinstance(out, dict) and self.context_parallel == 1:
             out.pop("context_parallel", None)
             out.pop("contextParallel", None)
+        if isinstance(out, dict) and self.precision == DEFAULT_PRECISION:   # likewise
+            out.pop("precision", None)
         return out
 
 

@@ -10,5 +10,5 @@
     cli/         `shardwise operator run` and `shardwise plan`
 
 May import: shardwise.crds
-Never imports: torch, numpy
+Never imports: torch, torchao, numpy
 """

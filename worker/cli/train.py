@@ -17,6 +17,7 @@ import os
 import sys
 
 from shardwise.crds import names
+from shardwise.crds.training import DEFAULT_PRECISION, Precision
 from shardwise.worker.cli.flags import add_device_argument, add_layout_arguments
 from shardwise.worker.fetch.s3 import S3Config
 from shardwise.worker.distributed.launch import Ending, Exit, Outcome, Policy, stopped_by, supervise
@@ -63,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_device_argument(p)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: float32 on cpu; on cuda the model's own dtype (bfloat16 for a quantized GGUF)")
+    p.add_argument("--precision", default=DEFAULT_PRECISION.value, choices=[x.value for x in Precision],
+                   help="the decoder blocks' linear layers: default (in --dtype) or fp8 (float8 matmuls, torchao's "
+                        "tensorwise recipe; embedding, head and norms stay in --dtype; use with --dtype bfloat16)")
     p.add_argument("--sync-checkpoint", action="store_true",
                    help="write checkpoints in the training thread (default: in the background)")
     p.add_argument("--json", action="store_true", help="one JSON object per step on stdout")
@@ -123,7 +127,7 @@ def options(args):
         local_every=args.local_checkpoint_every, local_keep=args.local_keep, seed=args.seed, lr=args.lr,
         warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
         batch_size=args.batch_size, seq_len=args.seq_len, micro_batches=args.micro_batches,
-        device=args.device, dtype=args.dtype, async_checkpoint=not args.sync_checkpoint, json=args.json)
+        device=args.device, dtype=args.dtype, precision=args.precision, async_checkpoint=not args.sync_checkpoint, json=args.json)
 
 
 def check_inputs(opts, local_dir_name: str = "--local-checkpoint-dir") -> None:
@@ -132,7 +136,7 @@ def check_inputs(opts, local_dir_name: str = "--local-checkpoint-dir") -> None:
     from shardwise.worker.fetch.remote import RemoteError
     from shardwise.worker.training import checkpoint as ckpt
     from shardwise.worker.training.data import TokenDataset
-    from shardwise.worker.training.options import shared_store
+    from shardwise.worker.training.options import precision_problem, shared_store
     from shardwise.worker.errors import WorkerError
     from shardwise.worker.weights.loader import check_layout, open_model
     from shardwise.worker.weights.tokenizer import load_tokenizer
@@ -157,7 +161,7 @@ def check_inputs(opts, local_dir_name: str = "--local-checkpoint-dir") -> None:
                               f"{e.strerror or e}") from None
     source = open_model(opts.model)
     check_layout(source.config, opts.tensor, opts.pipeline)
-    problem = opts.problem(source.config.num_layers)
+    problem = opts.problem(source.config.num_layers) or precision_problem(opts, source.config)
     if problem:
         raise WorkerError(problem)
     if opts.compression != "none" and opts.shard == opts.data_parallel:

@@ -63,7 +63,7 @@ from shardwise.worker.training.frozen_adam import frozen_variance_step_
 from shardwise.worker.training.data import StepBatches, TokenDataset
 from shardwise.worker.training.model_state import build_stage, init_optimizer_state, model_files, optimizer_slices, param_slices
 from shardwise.worker.training.options import (TrainOptions, layout_record, options_from_contract, pod_rank,  # noqa: F401
-                                              shared_store)
+                                              precision_problem, shared_store)
 from shardwise.worker.training.progress import announce, emitter, read_progress, write_progress  # noqa: F401
 from shardwise.worker.weights.loader import DTYPES, check_layout, open_model
 from shardwise.worker.weights.tokenizer import load_tokenizer
@@ -97,7 +97,7 @@ class Trainer:
             raise WorkerError(f"{opts.model}: training mixture-of-experts models is not supported yet "
                               f"(serving them is: shardwise generate / serve)")
         check_layout(self.config, opts.tensor, opts.pipeline)
-        problem = opts.problem(self.config.num_layers)
+        problem = opts.problem(self.config.num_layers) or precision_problem(opts, self.config)
         if problem:
             raise WorkerError(problem)
         # "auto" (the ShardedModel default): the rule the planner sized the job by
