@@ -23,6 +23,7 @@ from shardwise.crds.names import MAX_PIPELINE
 from shardwise.crds.modelshape import ModelFacts
 from shardwise.crds.plan import StagePlacement
 from shardwise.crds.schedules import micro_batches_fit, virtual_stages
+from shardwise.crds.training import Precision
 from shardwise.operator.planning.activations import stage_activation_bytes
 from shardwise.operator.planning.inventory import NodeInfo
 
@@ -35,6 +36,7 @@ MASTER_BYTES = 4                 # fp32 master weights (on float32 the weights t
 GRADIENT_BYTES = 4               # fp32 gradients (reduced in fp32)
 ADAM_BYTES = 8                   # the two fp32 AdamW moments
 BLOCKS_IN_FLIGHT = 2             # unsharded: the block FSDP gathered and the next one, prefetched
+FP8_GATHERED_BYTES = 1           # training.precision fp8: a decoder layer all-gathered in float8
 RESIDUAL_BYTES = 4               # gradient compression's error feedback: an fp32 gradient shard
 
 
@@ -86,7 +88,8 @@ def weight_bytes(facts: ModelFacts, params: int, tensor: int) -> float:
     return params * facts.bytes_per_param / tensor
 
 
-def training_state_bytes(facts: ModelFacts, params: int, tensor: int, shard: int, block: int) -> float:
+def training_state_bytes(facts: ModelFacts, params: int, tensor: int, shard: int, block: int,
+                         fp8: bool = False) -> float:
     """Bytes of training state one GPU of a stage holding `params` parameters keeps under ZeRO-3.
 
     Sharded over its `tensor` ranks and the `shard` data-parallel replicas: fp32 master weights,
@@ -94,9 +97,22 @@ def training_state_bytes(facts: ModelFacts, params: int, tensor: int, shard: int
     dtype (bytes_per_param): the blocks in flight - FSDP all-gathers one block (a decoder layer,
     or the embedding or LM head, `block` parameters) while prefetching the next, and frees them
     after use. On float32 the master weights are the weights: no other copy is kept or counted.
+
+    `fp8` (training.precision fp8, torchao's tensorwise recipe): the sharded state is unchanged (fp32
+    master weights, gradients and moments: float8 is only the matmuls' operands). What shrinks is the
+    gathered buffer when the largest unit is a decoder layer and FSDP shards (shard > 1): FSDP2 then
+    all-gathers the layer's weights already in float8, FP8_GATHERED_BYTES a parameter instead of the
+    compute dtype's (the norms' few weights stay in it and are not told apart). Not counted: with
+    shard 1 no float8 all-gather runs (the bf16 gathered copy stays, plus a transient float8 cast per
+    matmul, small beside it, left to the headroom); an embedding or head unit, never converted, keeps
+    the compute dtype; activations are unchanged (Float8Linear keeps its high-precision input for
+    backward, so no saving is claimed).
     """
     sharded = (MASTER_BYTES + GRADIENT_BYTES + ADAM_BYTES) * params / (tensor * shard)
-    gathered = BLOCKS_IN_FLIGHT * block * facts.bytes_per_param / tensor
+    per_param = facts.bytes_per_param
+    if fp8 and shard > 1 and block <= facts.layer_params:
+        per_param = min(per_param, FP8_GATHERED_BYTES)
+    gathered = BLOCKS_IN_FLIGHT * block * per_param / tensor
     return sharded + gathered
 
 
@@ -120,7 +136,8 @@ def stage_memory(facts: ModelFacts, spec: ShardedModelSpec, tensor: int, params:
     `pipeline`; a stage past the last has the fewest micro-batches in flight and no loss) plus headroom."""
     weights = weight_bytes(facts, params, tensor)
     if spec.workload == Workload.TRAINING:
-        state = training_state_bytes(facts, params, tensor, shard, block or facts.layer_params)
+        fp8 = spec.training is not None and spec.training.precision == Precision.FP8
+        state = training_state_bytes(facts, params, tensor, shard, block or facts.layer_params, fp8)
         residual = compression_residual_bytes(spec, params, tensor, shard)
         acts = stage_activation_bytes(facts, spec, activation_bytes(facts), tensor, layers, stage, pipeline)
         need = state + residual + acts
