@@ -127,7 +127,7 @@ def options(args):
         local_every=args.local_checkpoint_every, local_keep=args.local_keep, seed=args.seed, lr=args.lr,
         warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
         batch_size=args.batch_size, seq_len=args.seq_len, micro_batches=args.micro_batches,
-        device=args.device, dtype=args.dtype, precision=args.precision, async_checkpoint=not args.sync_checkpoint, json=args.json)
+        device=args.device, dtype=args.dtype, precision=Precision(args.precision), async_checkpoint=not args.sync_checkpoint, json=args.json)
 
 
 def check_inputs(opts, local_dir_name: str = "--local-checkpoint-dir") -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from shardwise.crds.training import Precision
 from shardwise.worker.errors import WorkerError
 from shardwise.worker.model.llama import Transformer
 from shardwise.worker.training import checkpoint as ckpt
@@ -60,7 +61,7 @@ def build_stage(source, start: int, end: int, first: bool, last: bool, mesh, opt
     checkpointing, FSDP2), then materialized with only this rank's shards read from the model."""
     with torch.device("meta"):
         model = Transformer(source.config, start, end, first, last)
-    if opts.precision == "fp8":   # torchtitan's order: float8 first, then TP, AC, FSDP
+    if opts.precision == Precision.FP8:   # torchtitan's order: float8 first, then TP, AC, FSDP
         par.apply_float8(model, fsdp_all_gather=par.sharding_mesh(mesh, replicate=False).size() > 1)
     par.apply_tensor_parallel(model, mesh["tp"], opts.sequence_parallel)
     apply_context_parallel(model, mesh["cp"])

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from shardwise.crds import names
 from shardwise.crds.layout import RankLayout
 from shardwise.crds.modelsource import ModelUriError, parse_s3_uri
-from shardwise.crds.training import DEFAULT_PRECISION, float8_problem, sequence_problem
+from shardwise.crds.training import DEFAULT_PRECISION, Precision, float8_problem, sequence_problem
 
 from shardwise.worker.errors import WorkerError
 from shardwise.worker.fetch.s3 import S3Config
@@ -57,8 +57,8 @@ class TrainOptions:
     micro_batches: int = 0             # per replica; 0: stages.default_micro_batches
     device: str = "cpu"
     dtype: str = "float32"             # compute dtype; master weights and optimizer state are fp32
-    # the decoder blocks' matmuls: "default" (in `dtype`) or "fp8" (torchao float8; parallelize.apply_float8)
-    precision: str = DEFAULT_PRECISION.value
+    # the decoder blocks' matmuls: in `dtype`, or fp8 (torchao float8; parallelize.apply_float8)
+    precision: Precision = DEFAULT_PRECISION
     async_checkpoint: bool = True
     json: bool = False
     stage_layers: list[tuple[int, int]] | None = None   # from a ShardPlan; None: the planner's split
@@ -125,7 +125,7 @@ def precision_problem(opts: TrainOptions, config) -> str | None:
     """Why `opts.precision` cannot train a model of `config` (a ModelConfig) in this layout (one
     line), or None: fp8's float8 matmuls need each rank's matrix dimensions (the column-split ones
     divided by the tensor degree) and tokens per micro-batch to be multiples of 16."""
-    if opts.precision == DEFAULT_PRECISION.value:
+    if opts.precision != Precision.FP8:
         return None
     T, head = opts.tensor, config.head_dim
     matrices = {"hidden size": config.hidden_size, "attention width": config.num_heads * head // T,
@@ -191,7 +191,7 @@ def options_from_contract(contract, *, device: str, dtype: str) -> TrainOptions:
         contract.plan, model=contract.model.path, data=t.data, steps=t.steps, checkpoint_dir=c.path,
         checkpoint_every=c.interval_steps, keep=c.keep, seed=t.seed, lr=t.learning_rate,
         warmup=t.warmup_steps, weight_decay=t.weight_decay, batch_size=t.batch_size, seq_len=t.seq_length,
-        micro_batches=t.micro_batches or 0, schedule=t.schedule.value, precision=t.precision.value,
+        micro_batches=t.micro_batches or 0, schedule=t.schedule.value, precision=t.precision,
         activation_checkpointing=t.activation_checkpointing, sequence_parallel=t.sequence_parallel,
         compression=t.gradient_compression.method if t.gradient_compression else "none",
         compression_density=t.gradient_compression.density if t.gradient_compression else 0.01,
