@@ -234,7 +234,7 @@ def test_a_stage_pods_log_line_counts_its_ranges(s3_server, gguf_model, tmp_path
         serving=ServingContract(port=free_port(), model_name="tiny"), termination_log=str(tmp_path / "log"),
         source=SourceContract(uri="s3://ggufs/tiny", scheme="s3", endpoint=s3_server.endpoint, path_style=True,
                               cache="node", cache_dir=str(tmp_path / "cache"), cache_budget=1 << 30))
-    folder = fetch_model(contract, placements[1], "127.0.0.1")
+    folder, _ = fetch_model(contract, placements[1], "127.0.0.1")
     line = capsys.readouterr().err.strip().splitlines()[-1]
     header, size = read_header(gguf_model), gguf_model.stat().st_size
     ranges = gguf_stage_ranges(header, size, gguf_share(gguf_model, 1, 2, (3, 6)))
