@@ -104,9 +104,10 @@ def test_a_model_with_a_router_answers_through_it_and_a_lost_replica_loses_no_st
         kubectl("apply", "-f", "-", input=json.dumps(sm))
         wait(lambda: cluster.client.get(f"{api}/services/{NAME}")["spec"]["selector"].get("shardwise.dev/stage") == "0",
              30, "the serving Service back on the replicas")
-        wait(lambda: not cluster.client.exists(f"/apis/apps/v1/namespaces/{namespace}/deployments/{NAME}-router"),
-             30, "the router's Deployment deleted")
-        assert not cluster.client.exists(f"{api}/configmaps/{NAME}-router")
+        # the Deployment goes first and its ConfigMap after it, in the same pass: wait for both
+        wait(lambda: not cluster.client.exists(f"/apis/apps/v1/namespaces/{namespace}/deployments/{NAME}-router")
+             and not cluster.client.exists(f"{api}/configmaps/{NAME}-router"),
+             30, "the router's Deployment and ConfigMap deleted")
 
 
 def _prefix_routing_against_round_robin(router: str, replicas: list[str]) -> None:
