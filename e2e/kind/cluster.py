@@ -189,6 +189,14 @@ class KindCluster:
         for node in self.nodes():
             self.kubectl("patch", "node", node, "--subresource=status", "--type=json", "-p", patch)
 
+    def node_serves_gpus(self, node: str, count: int = FAKE_GPUS) -> bool:
+        """Whether `node` is Ready with `count` GPUs allocatable: what a pod of a model needs of it.
+        A node container just started again is listed (its Node object never went away) well
+        before its kubelet is back."""
+        status = json.loads(self.kubectl("get", "node", node, "-o", "json")).get("status") or {}
+        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions", []))
+        return ready and (status.get("allocatable") or {}).get("nvidia.com/gpu") == str(count)
+
     def push_product(self, names, say=print):
         """Push the operator and worker images to the registry the nodes pull from; returns the
         names to give the chart (`localhost:5001/...`)."""
@@ -252,6 +260,29 @@ class KindCluster:
                         time.sleep(1)
             if time.monotonic() > deadline:
                 raise DockerError(f"no completion from svc/{service} within {timeout:.0f}s: {last}")
+
+    def diagnose(self, namespaces: list[str], operator_namespace: str = "shardwise-system") -> str:
+        """What a failed wait leaves to read before the cluster is deleted: every ShardedModel's
+        status, the nodes' GPUs, and the pods and recent Events of `namespaces`, with the operator's
+        last log lines. Each part is best-effort: a failing kubectl names its error in place."""
+        def run(*args: str) -> str:
+            try:
+                return self.kubectl(*args, timeout=60, check=False).rstrip()
+            except (OSError, subprocess.TimeoutExpired) as e:
+                return f"({' '.join(args[:3])}: {e})"
+        parts = [("ShardedModels", run("get", "sm", "-A", "-o", "wide")),
+                 ("statuses", run("get", "sm", "-A", "-o",
+                                  "jsonpath={range .items[*]}{.metadata.namespace}/{.metadata.name}: "
+                                  "{.status.phase} {.status.message}{'\\n'}{end}")),
+                 ("GPUs", run("get", "nodes", "-o", "custom-columns=NODE:.metadata.name,"
+                              "READY:.status.conditions[?(@.type=='Ready')].status,GPUS:.status.allocatable.nvidia\\.com/gpu"))]
+        for ns in dict.fromkeys([*namespaces, operator_namespace]):
+            parts += [(f"pods in {ns}", run("get", "pods", "-n", ns, "-o", "wide")),
+                      (f"events in {ns}", "\n".join(run("get", "events", "-n", ns,
+                                                         "--sort-by=.lastTimestamp").splitlines()[-25:]))]
+        parts.append(("operator log", run("logs", "-n", operator_namespace, "-l",
+                                          "app.kubernetes.io/name=shardwise", "--tail=60")))
+        return "\n".join(f"--- {title}\n{text or '(none)'}" for title, text in parts)
 
     def stop_node(self, node: str) -> None:
         docker("stop", node)

@@ -106,6 +106,21 @@ def kind_cluster():
             cluster.delete()
 
 
+@pytest.fixture(autouse=True)
+def diagnosis_on_failure(request):
+    """A test that failed prints what the cluster looked like before the next test (or the end of
+    the suite, which deletes the cluster) changes it: models, GPUs, pods, Events, operator log."""
+    failed = request.session.testsfailed
+    yield
+    if request.session.testsfailed == failed or "kind_cluster" not in request.fixturenames:
+        return
+    cluster = request.getfixturevalue("kind_cluster")
+    namespaces = [MODEL_NS, *getattr(request.node, "diagnose_namespaces", [])]
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+        print(f"\n=== the cluster after {request.node.name} failed\n{cluster.diagnose(namespaces)}", flush=True)
+
+
 def _chart_values() -> list[str]:
     """The image values of the README's `helm install`."""
     names = images.product_images("dev")
@@ -167,10 +182,7 @@ def test_sharded_model_spans_nodes_answers_and_recovers_from_a_node_stop(kind_cl
         assert (model(cluster).get("status") or {}).get("restarts", 0) > restarts
         assert complete(cluster) == before
     finally:
-        cluster.start_node(victim)
-        wait_until(lambda: victim in cluster.nodes(), 120, f"{victim} back", interval=5,
-                   retry_on=(DockerError,))
-        cluster.advertise_gpus()
+        _restore(cluster, victim)
 
 
 def _model_spec(model_dir: Path, claim_path: str) -> dict:
@@ -269,10 +281,7 @@ def test_streams_through_the_router_survive_a_node_stop_with_zero_failed_request
         assert on_victim >= 1, "no request went to the stopped replica: the test showed nothing"
     finally:
         if victim is not None:
-            cluster.start_node(victim)
-            wait_until(lambda: victim in cluster.nodes(), 120, f"{victim} back", interval=5,
-                       retry_on=(DockerError,))
-            cluster.advertise_gpus()
+            _restore(cluster, victim)
         cluster.kubectl("delete", "sm", name, "-n", MODEL_NS, "--wait=false")
 
 
@@ -382,11 +391,17 @@ def test_training_job_survives_a_node_stop_and_succeeds_from_its_checkpoint(kind
 
 
 def _restore(cluster: KindCluster, node: str) -> None:
-    """Start a stopped node and wait for it, with its fake GPUs advertised again: the tests after
-    this one get all four workers."""
+    """Start a stopped node and wait until it is Ready with its fake GPUs advertised again: the
+    tests after this one get all four workers (a node only listed again may still be NotReady, and
+    a model planned then would wait on it)."""
     cluster.start_node(node)
-    wait_until(lambda: node in cluster.nodes(), 120, f"{node} back", interval=5, retry_on=(DockerError,))
-    cluster.advertise_gpus()
+
+    def back() -> bool:
+        if cluster.node_serves_gpus(node):
+            return True
+        cluster.advertise_gpus()     # again until its kubelet, back, shows them allocatable
+        return False
+    wait_until(back, 180, f"{node} Ready with its GPUs", interval=5, retry_on=(DockerError,))
 
 
 def _smollm2_gguf() -> Path:
@@ -441,7 +456,7 @@ def _rack_without(cluster: KindCluster, busy: set[str]) -> tuple[str, list[str]]
 
 
 def test_a_model_from_s3_inside_the_cluster_answers_and_a_node_stop_restarts_it_from_a_nodes_cache(
-        kind_cluster):
+        kind_cluster, request):
     """MinIO inside the cluster; a ShardedModel of two replicas on the two nodes of one rack with only
     the s3:// source (no shape hints) is probed, planned, fetched by both nodes and answers as the
     demo; scaled to one replica and its node stopped, the replica is re-planned onto the rack's other
@@ -449,6 +464,7 @@ def test_a_model_from_s3_inside_the_cluster_answers_and_a_node_stop_restarts_it_
     pytest.importorskip("boto3")
     gguf = _smollm2_gguf()
     cluster, name, uri = kind_cluster, "smol", "s3://models/smollm2"
+    request.node.diagnose_namespaces = [SOURCES_NS]
     wait_until(lambda: phase(cluster) == "Ready", 900, f"{MODEL} Ready", interval=5, retry_on=(DockerError,))
     expected = complete(cluster)    # the demo model's greedy text: the same GGUF
     rack_name, rack = _rack_without(cluster, {p["spec"]["nodeName"] for p in ready_pods(cluster)})
@@ -514,12 +530,8 @@ def test_a_model_from_s3_inside_the_cluster_answers_and_a_node_stop_restarts_it_
         objectstore.remove(cluster)
 
 
-# Opt-in until understood: it passed alone (79 s after the README block), but in the whole suite, after
-# the node-stop tests, the model never became Ready within 600 s and the run kept no diagnosis.
-@pytest.mark.skipif(not os.environ.get("SHARDWISE_KIND_OCI"), reason=(
-    "set SHARDWISE_KIND_OCI=1: not yet Ready in the whole suite after the node-stop tests (passes alone)"))
 def test_a_model_from_a_plain_http_registry_inside_the_cluster_answers_once_the_chart_lists_it(
-        kind_cluster, tmp_path):
+        kind_cluster, tmp_path, request):
     """A registry inside the cluster (htpasswd users, plain HTTP); the SmolLM2 GGUF pushed to it as an
     OCI artifact with `shardwise push`'s client; the chart's operator.plainHttpRegistries lists it
     (`helm upgrade --reuse-values`); a ShardedModel with only the oci:// uri and a Secret of the
@@ -533,6 +545,7 @@ def test_a_model_from_a_plain_http_registry_inside_the_cluster_answers_once_the_
     from shardwise.worker.fetch.remote import RemoteError
 
     cluster, name, namespace = kind_cluster, "smol-oci", f"oci-models-{os.urandom(3).hex()}"
+    request.node.diagnose_namespaces = [namespace, "model-registry", SOURCES_NS]
     folder = tmp_path / "smollm2"
     folder.mkdir()
     shutil.copy2(_smollm2_gguf(), folder)
