@@ -114,7 +114,10 @@ def diagnosis_on_failure(request):
     yield
     if request.session.testsfailed == failed or "kind_cluster" not in request.fixturenames:
         return
-    cluster = request.getfixturevalue("kind_cluster")
+    try:
+        cluster = request.getfixturevalue("kind_cluster")     # raises again if it failed to start
+    except Exception:
+        return                                                # then there is no cluster to read
     namespaces = [MODEL_NS, *getattr(request.node, "diagnose_namespaces", [])]
     capture = request.config.pluginmanager.getplugin("capturemanager")
     with capture.global_and_fixture_disabled():
