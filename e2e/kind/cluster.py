@@ -264,7 +264,8 @@ class KindCluster:
     def diagnose(self, namespaces: list[str], operator_namespace: str = "shardwise-system") -> str:
         """What a failed wait leaves to read before the cluster is deleted: every ShardedModel's
         status, the nodes' GPUs, and the pods and recent Events of `namespaces`, with the operator's
-        last log lines. Each part is best-effort: a failing kubectl names its error in place."""
+        last log lines. Each part is best-effort: one whose kubectl printed nothing (or failed) reads
+        "(none)", one whose kubectl could not run names why."""
         def run(*args: str) -> str:
             try:
                 return self.kubectl(*args, timeout=60, check=False).rstrip()

