@@ -166,6 +166,11 @@ ENV_AWS_SESSION_TOKEN = "AWS_SESSION_TOKEN"
 ENV_HF_TOKEN = "HF_TOKEN"
 ENV_OCI_USERNAME = "OCI_USERNAME"
 ENV_OCI_PASSWORD = "OCI_PASSWORD"
+# `shardwise inspect` (the model-shape probe) exits with this status when the store could not be
+# reached or was busy (sysexits' EX_TEMPFAIL), and with 2 when its answer is final (refused, not
+# found, not a model): the operator probes again later after the first, and fails the spec after the
+# second.
+EXIT_UNREACHABLE = 75
 # scheme (the uri's prefix before "://") -> the Secret keys its pods get
 CREDENTIAL_ENV: dict[str, tuple[str, ...]] = {
     "s3": (ENV_AWS_ACCESS_KEY_ID, ENV_AWS_SECRET_ACCESS_KEY, ENV_AWS_SESSION_TOKEN),

@@ -201,13 +201,21 @@ def group_records(groups: Iterable[ReplicaGroupStatus]) -> list[dict[str, Any]]:
 
 class ModelFactsStatus(ApiModel):
     """What the operator read of the model itself, cached so that it is read once per uri: by a probe
-    pod that mounts the claim of a pvc:// uri (only pods can), or from a path the operator can read."""
+    pod that reads it where it lives (a pvc:// claim, a store), or from a path the operator can read.
+    A read that could not reach the store is kept apart from an answer that is final: it is tried
+    again at retryAt, with a backoff (operator/decide/decisions.py _probe)."""
 
     uri: str = Field(description="the spec.model.uri these facts are of")
     facts: Optional[dict[str, Any]] = Field(None, description="the model's shape: layers, heads, sizes, parameters")
-    error: Optional[str] = Field(None, description="why the model could not be read")
+    error: Optional[str] = Field(None, description="why the model could not be read (final until the spec changes)")
     generation: Optional[int] = Field(None, description="the spec generation a failed read belongs to; "
                                                          "a changed spec reads the model again")
+    unreachable: Optional[str] = Field(None, description=(
+        "why the last read could not reach the model's store (no connection, a timeout, HTTP 5xx or "
+        "429): not the spec's error; the model is read again at retryAt"))
+    failures: Optional[int] = Field(None, ge=0, description="reads in a row that could not reach the store")
+    retry_at: Optional[str] = Field(None, json_schema_extra={"format": "date-time"},
+                                    description="when the model is read again after an unreachable store")
 
 
 # status.nodeCache lists at most this many nodes (the most recently seen first)

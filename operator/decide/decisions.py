@@ -519,12 +519,20 @@ def _model_facts(d: _Draft) -> ModelFacts | None:
         cached = None          # written by another version, or out of bounds: read the model again
     if cached is not None and cached.error and cached.generation == d.state.generation:
         raise planning.InvalidSpec(cached.error)
-    return _probe(d, uri)
+    return _probe(d, uri, cached)
 
 
-def _probe(d: _Draft, uri: str) -> ModelFacts | None:
+def _probe(d: _Draft, uri: str, cached: ModelFactsStatus | None) -> ModelFacts | None:
+    """Read the model by a probe pod; None while it runs, or while the backoff after a transient
+    failure (the store unreachable or busy) runs: such a failure is never the spec's error."""
     pod = d.state.probe_pod
     name = probe.pod_name(d.state.name, uri)
+    if pod is not None and pod["metadata"].get("deletionTimestamp"):
+        return None      # the last probe is going: its result is already recorded
+    if probe.retry_pending(cached, d.state.generation, d.now):
+        if pod is not None:
+            d.act(DeletePods((pod["metadata"]["name"],)))
+        return None
     if pod is None or pod["metadata"]["name"] != name:
         if pod is not None:
             d.act(DeletePods((pod["metadata"]["name"],)))
@@ -537,12 +545,17 @@ def _probe(d: _Draft, uri: str) -> ModelFacts | None:
     if isinstance(result, ModelFacts):
         d.facts = ModelFactsStatus(uri=uri, facts=result.to_dict())
         return result.for_dtype(d.spec.dtype)
-    d.facts = ModelFactsStatus(uri=uri, error=result, generation=d.state.generation)
-    raise planning.InvalidSpec(result)
+    if result.transient:
+        d.facts = probe.unreached(uri, result.reason, cached, d.state.generation, d.now)
+        d.event("Warning", "ModelUnreachable", f"{result.reason}; reading it again at {d.facts.retry_at}")
+        return None
+    d.facts = ModelFactsStatus(uri=uri, error=result.reason, generation=d.state.generation)
+    raise planning.InvalidSpec(result.reason)
 
 
 def _waiting_for_facts(d: _Draft) -> None:
-    why = probe.waiting_message(d.state.probe_pod, d.state.name, d.spec.model.uri)
+    waiting = probe.retry_pending(d.facts, d.state.generation, d.now)   # the last probe is done with
+    why = probe.waiting_message(None if waiting else d.state.probe_pod, d.state.name, d.spec.model.uri, d.facts)
     for r in d.replan:
         d.groups[r].phase, d.groups[r].last_failure = GroupPhase.PENDING, why
     d.requeue_in(NOT_READY_REQUEUE)

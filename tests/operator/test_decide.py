@@ -410,6 +410,64 @@ def test_a_pvc_model_the_probe_cannot_read_fails_with_the_probes_reason():
     assert c.reconcile().actions == [], "not probed again until the spec changes"
 
 
+def _probes(c: Cluster) -> list[dict]:
+    return [p for p in c.pods.values() if probe.is_probe(p)]
+
+
+def _probe_failed(pod: dict, exit_code: int, message: str, reason: str = "Error") -> None:
+    pod["status"] = {"phase": "Failed", "reason": reason, "containerStatuses": [{"state": {"terminated": {
+        "exitCode": exit_code, "message": message}}}]}
+
+
+def test_a_store_that_cannot_be_reached_is_read_again_with_a_backoff_never_failing_the_spec():
+    # one moment when a node's pods cannot reach the registry (a restarted node) must not fail the
+    # model for good: `shardwise inspect` exits EXIT_UNREACHABLE, and the operator tries again later
+    c = Cluster(serving(model={"uri": "oci://registry.example:5000/models/llama:v1"}), rack("n0 n1", "a"))
+    c.reconcile()
+    unreachable = "shardwise inspect: oci://registry.example:5000/models/llama:v1: cannot reach the registry (ConnectError)"
+    waits = []
+    for failures in (1, 2, 3):
+        [pod] = _probes(c)
+        _probe_failed(pod, names.EXIT_UNREACHABLE, unreachable)
+        c.reconcile()
+        assert c.status["phase"] == "Pending" and c.group(0)["phase"] == "Pending"
+        assert "InvalidSpec" not in c.reasons() and c.reasons().count("ModelUnreachable") == failures
+        facts = c.status["modelFacts"]
+        assert facts["unreachable"].endswith("cannot reach the registry (ConnectError)") and "error" not in facts
+        assert facts["failures"] == failures
+        assert f"reading the model again at {facts['retryAt']} ({failures} in a row): cannot" in c.status["message"]
+        waited = 0
+        while not _probes(c):
+            c.reconcile(seconds=1)
+            waited += 1
+            assert waited < 400
+        waits.append(waited)
+    assert waits == [5, 10, 20], "5 s, doubled per failure in a row"
+    c.reconcile()
+    assert "reading the model's shape from oci://registry.example:5000/models/llama:v1 again" in c.status["message"]
+    [pod] = _probes(c)
+    pod["status"] = {"phase": "Succeeded", "containerStatuses": [
+        {"state": {"terminated": {"exitCode": 0, "message": _facts_json()}}}]}
+    c.reconcile()
+    assert c.status["modelFacts"].get("facts") and "unreachable" not in c.status["modelFacts"]
+    c.run_all()
+    c.reconcile()
+    assert c.status["phase"] == "Ready"
+
+
+def test_the_probes_backoff_is_capped_and_a_changed_spec_reads_at_once():
+    assert [probe.retry_delay(n) for n in (1, 2, 3, 7, 50)] == [5, 10, 20, 300, 300]
+    c = Cluster(serving(model={"uri": "s3://models/llama"}), rack("n0", "a"))
+    c.reconcile()
+    [pod] = _probes(c)     # a pod out of its deadline (a stalled store) is a transient failure too
+    pod["status"] = {"phase": "Failed", "reason": "DeadlineExceeded", "message": "Pod was active too long"}
+    c.reconcile()
+    assert c.status["modelFacts"]["failures"] == 1 and not _probes(c) and c.status["phase"] == "Pending"
+    c.edit(model={"uri": "s3://models/llama", "endpoint": "http://other-store:9000"})
+    c.reconcile()
+    assert len(_probes(c)) == 1, "the new spec is read without waiting out the old one's backoff"
+
+
 def test_a_probe_that_reports_deeply_nested_json_fails_with_one_line():
     # a probe pod writes its own termination message: 4,000 "[" made the parser raise RecursionError
     c = Cluster(serving(model={"uri": "pvc://weights/deep"}), rack("n0", "a"))

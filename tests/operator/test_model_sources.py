@@ -93,5 +93,5 @@ def test_a_probe_reporting_absurd_facts_is_refused_in_one_line():
     assert probe.result(_probe_pod(sane)).layers == 32
     for field, value in (("layers", 10**6), ("params", 9 * 10**18), ("heads", 10**5), ("hidden", 2**40)):
         reason = probe.result(_probe_pod({**sane, field: value}))
-        assert isinstance(reason, str) and "\n" not in reason, reason
-        assert field in reason and str(MODEL_FACT_LIMITS[field]) in reason, reason
+        assert isinstance(reason, probe.Unread) and not reason.transient and "\n" not in reason.reason, reason
+        assert field in reason.reason and str(MODEL_FACT_LIMITS[field]) in reason.reason, reason

@@ -4,7 +4,9 @@ The command is crds/cli/inspect.py's (the same options and output); the CLI hand
 a store here, since only the worker reads stores. What is read is bounded and small: config.json
 (the stored size is the listing's safetensors bytes), or a GGUF file's header by byte ranges, the
 rest of the file never travelling. The credentials are the environment's (crds/names.py
-CREDENTIAL_ENV), as a pod gets them from its spec's Secret. Errors are one line and exit status 2.
+CREDENTIAL_ENV), as a pod gets them from its spec's Secret. Errors are one line and exit status 2,
+or crds/names.py EXIT_UNREACHABLE (75) when the store could not be reached or was busy (asking again
+later may succeed: the operator's probe does).
 
 The bytes read here are not checksummed (only the cache checks files, cache.py): config.json is
 parsed with bounds and the facts are checked against MODEL_FACT_LIMITS by the operator, and a pod
@@ -32,11 +34,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from shardwise.crds import names
     from shardwise.crds.cli.inspect import describe, write_output
     from shardwise.crds.modelshape import ModelFactsError, in_memory_dtype
     from shardwise.crds.modelsource import ModelUriError
     from shardwise.worker.errors import WorkerError
-    from shardwise.worker.fetch.remote import RemoteError
+    from shardwise.worker.fetch.remote import RemoteError, Unreachable
     from shardwise.worker.fetch.stores import options_from_args
     try:
         facts = remote_facts(args.model, args.dtype, options_from_args(args))
@@ -45,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
             write_output(args.output, document)
     except (ModelFactsError, ModelUriError, RemoteError, WorkerError) as e:
         print(f"shardwise inspect: {e}", file=sys.stderr)
-        return 2
+        return names.EXIT_UNREACHABLE if isinstance(e, Unreachable) else 2
     print(document if args.json else describe(facts, in_memory_dtype(args.dtype, facts.dtype, "cuda")))
     return 0
 

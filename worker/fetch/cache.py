@@ -46,7 +46,7 @@ from typing import Callable, Iterator
 from shardwise.worker.errors import WorkerError
 from shardwise.worker.fetch import checksums, present
 from shardwise.worker.fetch.remote import (MAX_NAME_BYTES, NotFound, Remote, RemoteError,
-                                           RemoteFile, Unauthorized)
+                                           RemoteFile, Unauthorized, Unreachable)
 from shardwise.worker.fetch.streams import MIN_PART_BYTES, STREAMS, Cancelled, Streams, Tally, plan_parts
 
 # (bytes done, bytes in all), reused bytes counted as done; called once before any byte is fetched
@@ -440,7 +440,7 @@ def _stall_bounded(chunks: Iterator[bytes], stall_s: float, what: str,
                     break
                 except queue.Empty:
                     if time.monotonic() >= deadline:
-                        raise RemoteError(f"{what}: no bytes for {stall_s:.0f}s (stalled)") from None
+                        raise Unreachable(f"{what}: no bytes for {stall_s:.0f}s (stalled)") from None
             if kind == "end":
                 return
             if kind == "error":

@@ -33,7 +33,7 @@ from shardwise.crds import boundedjson
 from shardwise.worker.fetch import trust
 from shardwise.worker.fetch.ranged import body_slice, range_header, read_bounded
 from shardwise.worker.fetch.remote import (
-    Checksum, ChecksumKind, NotFound, RemoteError, RemoteFile, Unauthorized,
+    Checksum, ChecksumKind, NotFound, RemoteError, RemoteFile, Unauthorized, Unreachable, busy,
 )
 
 PUBLIC_ENDPOINT = "https://huggingface.co"
@@ -173,12 +173,12 @@ class HubRemote:
             code = e.response.status_code
             if code in (401, 403):
                 return Unauthorized(f"{where}: the Hub refused the token (HTTP {code})")
-            return RemoteError(f"{where}: the Hub answered HTTP {code}")
+            return (Unreachable if busy(code) else RemoteError)(f"{where}: the Hub answered HTTP {code}")
         if isinstance(e, HFValidationError):
             return NotFound(f"{where}: not a valid repository id or revision")
         if isinstance(e, OfflineModeIsEnabled):
             return RemoteError(f"{where}: HF_HUB_OFFLINE is set, so the Hub is not asked")
-        return RemoteError(f"{where}: cannot reach the Hub ({type(e).__name__})")
+        return Unreachable(f"{where}: cannot reach the Hub ({type(e).__name__})")
 
 
 def _raise_for_status(r: httpx2.Response, limit: int) -> bytes:

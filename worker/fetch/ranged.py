@@ -14,7 +14,7 @@ from typing import Iterator
 
 import httpx2
 
-from shardwise.worker.fetch.remote import READ_CHUNK, RemoteError
+from shardwise.worker.fetch.remote import READ_CHUNK, RemoteError, Unreachable, busy
 
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 
@@ -34,7 +34,8 @@ def body_slice(response: httpx2.Response, start: int, end: int, where: str) -> I
                               f"({response.headers.get('Content-Range', 'none')[:60]})")
         skip = 0
     elif response.status_code != 200:
-        raise RemoteError(f"{where}: unexpected HTTP {response.status_code} reading the file")
+        error = Unreachable if busy(response.status_code) else RemoteError
+        raise error(f"{where}: unexpected HTTP {response.status_code} reading the file")
     want = end - start
     for chunk in response.iter_bytes(READ_CHUNK):
         if skip:

@@ -25,7 +25,7 @@ import httpx2
 
 from shardwise.crds import boundedjson
 from shardwise.worker.fetch.ranged import read_bounded
-from shardwise.worker.fetch.remote import NotFound, RemoteError, Unauthorized
+from shardwise.worker.fetch.remote import NotFound, RemoteError, Unauthorized, Unreachable, busy
 
 MANIFEST_TYPES = ("application/vnd.oci.image.manifest.v1+json",
                   "application/vnd.docker.distribution.manifest.v2+json")
@@ -141,7 +141,7 @@ class Registry:
                     yield r
                     return
             except httpx2.HTTPError as e:
-                raise RemoteError(f"{self.where()}: cannot reach the registry ({type(e).__name__})") from None
+                raise Unreachable(f"{self.where()}: cannot reach the registry ({type(e).__name__})") from None
 
     def _negotiate(self, r: httpx2.Response) -> bool:
         """Answer a 401's challenge; False when there is nothing more to try."""
@@ -174,11 +174,11 @@ class Registry:
                     raise Unauthorized(f"{self.where()}: the registry's token service refused "
                                        f"{creds} (HTTP {r.status_code})")
                 if r.status_code != 200:
-                    raise RemoteError(f"{self.where()}: the registry's token service answered "
-                                      f"HTTP {r.status_code}")
+                    error = Unreachable if busy(r.status_code) else RemoteError
+                    raise error(f"{self.where()}: the registry's token service answered HTTP {r.status_code}")
                 body = read_bounded(r, MAX_TOKEN_BYTES, f"{self.where()}: the token")
         except httpx2.HTTPError as e:
-            raise RemoteError(f"{self.where()}: cannot reach the registry's token service "
+            raise Unreachable(f"{self.where()}: cannot reach the registry's token service "
                               f"({type(e).__name__})") from None
         try:
             answer = boundedjson.loads(body, _JSON_DEPTH)
@@ -202,7 +202,8 @@ class Registry:
             return NotFound(f"{where}: no such repository in the registry")
         if r.status_code == 404 or code.endswith("_UNKNOWN"):
             return NotFound(f"{where}: no {what}" if what else f"{where}: not found")
-        return RemoteError(f"{where}: the registry answered HTTP {r.status_code} for {what}"
+        error = Unreachable if busy(r.status_code) else RemoteError
+        return error(f"{where}: the registry answered HTTP {r.status_code} for {what}"
                            + (f" ({code})" if code else ""))
 
     def where(self) -> str:

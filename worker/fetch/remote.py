@@ -65,6 +65,16 @@ class Unauthorized(RemoteError):
     """The store refused the credentials (or asked for some and none were given)."""
 
 
+class Unreachable(RemoteError):
+    """The store could not be asked, or said it is busy: no connection, a timeout, HTTP 5xx or 429.
+    Unlike the others, asking again later may succeed (the operator's probe retries these)."""
+
+
+# The HTTP statuses that say "later": the server's own trouble, or too many requests.
+def busy(status: int) -> bool:
+    return status == 429 or 500 <= status <= 599
+
+
 class Remote(Protocol):
     """A model's files in one store at one pinned revision."""
 

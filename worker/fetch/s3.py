@@ -20,7 +20,7 @@ from typing import Any, Iterator
 from shardwise.crds.modelsource import S3Uri
 from shardwise.worker.fetch.remote import (MAX_LISTED_FILES, MAX_MULTIPART_PARTS, MAX_NAME_BYTES,
                                            MAX_STREAMS, READ_CHUNK, Checksum, ChecksumKind, NotFound,
-                                           RemoteError, RemoteFile, Unauthorized)
+                                           RemoteError, RemoteFile, Unauthorized, Unreachable, busy)
 
 ENV_ACCESS_KEY = "AWS_ACCESS_KEY_ID"
 ENV_SECRET_KEY = "AWS_SECRET_ACCESS_KEY"
@@ -28,6 +28,8 @@ ENV_SESSION_TOKEN = "AWS_SESSION_TOKEN"
 
 MULTIPART_ETAG = re.compile(r"([0-9a-f]{32})-([1-9][0-9]{0,4})")
 _NOT_FOUND = {"NoSuchBucket", "NoSuchKey", "NotFound", "404"}
+# S3's own codes for "later" (its 5xx and 503 SlowDown); any 5xx or 429 status says the same
+_BUSY = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "RequestTimeTooSkewed"}
 _UNAUTHORIZED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403", "401",
                  "InvalidToken", "ExpiredToken", "AllAccessDisabled"}
 
@@ -187,11 +189,15 @@ class _mapped_errors:
             if code in _UNAUTHORIZED or status in ("401", "403"):
                 raise Unauthorized(f"{self.what}: access denied ({code or status}); check the "
                                    f"credentials in {ENV_ACCESS_KEY} / {ENV_SECRET_KEY}") from None
-            raise RemoteError(f"{self.what}: the store answered {code or status or 'an error'}") from None
+            later = code in _BUSY or (status.isdigit() and busy(int(status)))
+            raise (Unreachable if later else RemoteError)(
+                f"{self.what}: the store answered {code or status or 'an error'}") from None
         if isinstance(error, (bx.ConnectTimeoutError, bx.ReadTimeoutError)):
-            raise RemoteError(f"{self.what}: timed out waiting for the store") from None
+            raise Unreachable(f"{self.what}: timed out waiting for the store") from None
         if isinstance(error, bx.EndpointConnectionError):
-            raise RemoteError(f"{self.what}: cannot reach the endpoint") from None
+            raise Unreachable(f"{self.what}: cannot reach the endpoint") from None
+        if isinstance(error, (bx.ConnectionError, ConnectionError, TimeoutError)):
+            raise Unreachable(f"{self.what}: {type(error).__name__} talking to the store") from None
         if isinstance(error, (bx.BotoCoreError, OSError)):
             raise RemoteError(f"{self.what}: {type(error).__name__} talking to the store") from None
         return False

@@ -61,3 +61,24 @@ def test_inspect_reads_a_gguf_header_by_byte_ranges(s3_server, s3_client, s3_mod
     size = SMOL_GGUF.stat().st_size
     print(f"SmolLM2 Q4_1, stage 1 of 2: fetched {json.loads(fetched.stdout)['fetched_bytes']} of {size} bytes")
     assert 0.6 * size < json.loads(fetched.stdout)["fetched_bytes"] < 0.7 * size   # its tied head: the embedding too
+
+
+def _closed_port() -> int:
+    import socket
+    with socket.socket() as s:        # bound, never listening: a connection is refused
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_store_that_cannot_be_reached_exits_with_its_own_status_for_the_operator_to_retry(tmp_path):
+    # the operator's probe tells "try later" (EXIT_UNREACHABLE) from a final answer (2) by this status
+    from shardwise.crds.names import EXIT_UNREACHABLE
+    port = _closed_port()
+    for argv in (["s3://models/tiny", "--endpoint", f"http://127.0.0.1:{port}", "--path-style"],
+                 [f"oci://127.0.0.1:{port}/models/tiny:v1"]):
+        out = inspect(*argv, env={"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s",
+                                  "AWS_MAX_ATTEMPTS": "1"})
+        assert out.returncode == EXIT_UNREACHABLE, out.stderr
+        assert out.stderr.count("\n") == 1 and "cannot reach" in out.stderr, out.stderr
+    bad = inspect("oci://127.0.0.1/models/tiny")       # no tag: the uri itself is wrong, final
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
