@@ -99,7 +99,8 @@ def _spawn(fn, args: tuple, world: int = WORLD) -> None:
     with torch and the trainer imported, so that a rank starts in a fraction of a second)."""
     import torch.multiprocessing as mp
 
-    from shardwise.worker.serving.rank import forkserver, free_port
+    from shardwise.worker.distributed.launch import forkserver
+    from shardwise.worker.serving.rank import free_port
     forkserver("shardwise.worker.training.trainer")
     mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, join=True,
                        start_method="forkserver")

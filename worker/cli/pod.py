@@ -237,7 +237,7 @@ def _rank_starter(count: int, target, args_of):
     """What starts one process per local rank (from the fork server), each given
     `args_of(local_rank, queue)`, the queue being where ranks report that they have loaded.
     Returns (start, queue)."""
-    from shardwise.worker.serving.rank import forkserver
+    from shardwise.worker.distributed.launch import forkserver
     mp = forkserver()
     queue = mp.Queue()
 

@@ -20,7 +20,8 @@ from shardwise.crds import names
 from shardwise.crds.training import DEFAULT_PRECISION, Precision
 from shardwise.worker.cli.flags import add_device_argument, add_layout_arguments
 from shardwise.worker.fetch.s3 import S3Config
-from shardwise.worker.distributed.launch import Ending, Exit, Outcome, Policy, stopped_by, supervise
+from shardwise.worker.distributed.launch import (Ending, Exit, Outcome, Policy, forkserver, stop_forkserver,
+                                                 stopped_by, supervise)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -218,15 +219,15 @@ def _rank_main(opts, rank: int, world: int, port: int, threads: int | None = Non
 LOCAL_GROUP = Policy(second_signal_aborts=True, settle_s=0.5, poll_s=0.05)
 
 
-def launch(opts, world: int, threads: int | None = None) -> int:
+def launch(opts, world: int, threads: int | None = None, ctx=None) -> int:
     """Run `world` local ranks of `opts`; if one fails, stop the others (the group is one unit).
 
     SIGINT/SIGTERM are forwarded to the ranks, which stop together after a shared checkpoint:
     the launcher waits for all of them and returns their status (130/143). A second signal
     stops them at once."""
-    from shardwise.worker.serving.rank import forkserver, free_port
+    from shardwise.worker.serving.rank import free_port
     port = free_port()
-    ctx = forkserver("shardwise.worker.training.trainer")   # ranks start with the training code imported
+    ctx = ctx or rank_server()
 
     def start() -> list:
         procs = [ctx.Process(target=_rank_main, args=(opts, rank, world, port, threads), name=f"rank{rank}")
@@ -235,6 +236,11 @@ def launch(opts, world: int, threads: int | None = None) -> int:
             p.start()
         return procs
     return status_of(supervise(start, LOCAL_GROUP))
+
+
+def rank_server(start: bool = False):
+    """The fork server the local ranks start from, with the training code imported."""
+    return forkserver("shardwise.worker.training.trainer", start)
 
 
 def status_of(outcome: Outcome) -> int:
@@ -254,22 +260,27 @@ def status_of(outcome: Outcome) -> int:
 
 
 def run(args) -> int:
+    in_group = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    # The ranks' fork server first: its seconds of importing torch and the training code overlap
+    # this process's own imports and checks.
+    ctx = rank_server(start=True) if not in_group and (args.threads is None or args.threads >= 1) else None
     from shardwise.worker.training import checkpoint as ckpt
     from shardwise.worker.training.data import DataError
     from shardwise.worker.errors import WorkerError
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")   # ranks are forked after tokenizing
     opts = options(args)
-    in_group = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     try:
         if not in_group:
             if args.threads is not None and args.threads < 1:
                 raise WorkerError("--threads must be at least 1")
             check_inputs(opts)
-            return launch(opts, opts.world_size, args.threads)
+            return launch(opts, opts.world_size, args.threads, ctx)
         from shardwise.worker.training.trainer import run_training
         return run_training(opts)
     except (WorkerError, DataError, ckpt.CheckpointError) as e:
         if not in_group or os.environ.get("RANK") == "0":
             print(f"shardwise train: {e}", file=sys.stderr)
+        if ctx is not None:
+            stop_forkserver()      # no rank will come: the answer is not held up by its import
         return Exit.BAD_INPUT

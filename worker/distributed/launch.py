@@ -174,3 +174,32 @@ def _stop_leftovers(procs: list, grace_s: float | None) -> None:
     if grace_s is None:
         for p in procs:
             p.join()
+
+
+def forkserver(preload: str = "shardwise.worker.serving.rank", start: bool = False):
+    """A fork server with torch and `preload` imported: children skip the multi-second import.
+    The preload takes effect when the server starts: at the first child, or now with `start`, so
+    that its import (seconds of torch) runs while this process imports and checks its inputs. A
+    server started for inputs that turn out bad goes when this process exits. (Here, torch-free,
+    so that a command can start it before importing anything heavy.)"""
+    import multiprocessing as mp
+    import multiprocessing.forkserver
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([preload])
+    if start:
+        multiprocessing.forkserver.ensure_running()
+    return ctx
+
+
+def stop_forkserver() -> None:
+    """Stop the fork server started early for ranks that will not come (the inputs were bad), so
+    that a caller reading this process's output to its end is not held up by the server's import
+    (it shares the output). multiprocessing has no public call for it: its pid is read where the
+    module keeps it, and nothing is done when that is gone."""
+    import multiprocessing.forkserver
+    pid = getattr(getattr(multiprocessing.forkserver, "_forkserver", None), "_forkserver_pid", None)
+    if isinstance(pid, int) and pid > 0:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

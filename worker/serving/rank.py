@@ -28,6 +28,7 @@ from shardwise.crds.layout import RankLayout, split_layers
 from shardwise.crds.modelshape import in_memory_dtype
 
 from shardwise.worker.distributed import tensor_parallel as parallel
+from shardwise.worker.distributed.launch import forkserver
 from shardwise.worker.distributed.placement import place_in_huge_pages
 from shardwise.worker.errors import WorkerError
 from shardwise.worker.model.inference import install_fused_weights
@@ -191,15 +192,6 @@ def _child(spec: RankSpec, rank: int, world: int, init_method: str, errors) -> N
         raise SystemExit(1)
 
 
-def forkserver(preload: str = "shardwise.worker.serving.rank"):
-    """A fork server with torch and `preload` imported: children skip the multi-second import.
-    The preload takes effect when the server first starts, i.e. at the first child."""
-    import multiprocessing as mp
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([preload])
-    return ctx
-
-
 def validate(spec: RankSpec, stages: list[int] | None = None):
     """Checks done once before any process starts: model readable, layout fits the model, the
     weights of the stages this process loads (`stages`; None: all, a local run) at hand. Resolves
@@ -246,8 +238,10 @@ class LocalRuntime:
 
     def __init__(self, spec: RankSpec, source=None):
         self.spec = spec
-        self.source = source or validate(spec)
         self.world = RankLayout(spec.tensor, spec.pipeline).world_size
+        if self.world > 1 and source is None:
+            forkserver(start=True)      # the ranks' server imports torch while the model is checked
+        self.source = source or validate(spec)
         self.procs: list = []
         self.ctx: RankContext | None = None
         self.final: list[dict] | None = None
