@@ -29,8 +29,11 @@ from shardwise.crds.sourcespec import ModelCache
 # A serving pod's terminationGracePeriodSeconds, and how long of it the worker spends draining: on
 # SIGTERM it turns unready and finishes its in-flight requests for up to DRAIN_SECONDS, then ends
 # what is left and exits, inside the grace period (worker/serving/http/server.py run_engine).
+# After the engine is done, the answers still being written get up to FLUSH_SECONDS more (their
+# last tokens, or the error that ends them), inside the same grace period (server.py Server.close).
 SERVING_GRACE_SECONDS = 10
 DRAIN_SECONDS = SERVING_GRACE_SECONDS - 2
+FLUSH_SECONDS = 1.5
 
 # The spec's own types: the contract accepts exactly the values the API accepts.
 Dtype = ShardedModelSpec.model_fields["dtype"].annotation

@@ -106,3 +106,34 @@ def test_a_request_whose_client_hung_up_is_cancelled(stream):
         assert engine.seen[0].cancelled and len(engine.seen[0].token_ids) < 3000
     finally:
         srv.close()
+
+
+def test_closing_the_server_lets_an_answer_being_written_finish():
+    """The engine can be done with a stream while its thread still writes the last chunks; the pod
+    exits right after closing the server, so closing waits for them (up to FLUSH_SECONDS): without
+    that, a drained replica's stream ended without its last tokens, error or [DONE]."""
+    from shardwise.worker.serving.http.connections import ConnectionServer
+    writing = threading.Event()
+
+    def serve_one(conn) -> bool:
+        conn.sock.recv(4096)
+        writing.set()
+        time.sleep(0.5)                 # a thread that is behind with its writes
+        conn.sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\nConnection: close\r\n\r\ndone")
+        return False
+
+    srv = ConnectionServer("127.0.0.1", 0, serve_one, workers=2, timeouts=FAST)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    with socket.create_connection(srv.address, timeout=5) as s:
+        s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert writing.wait(5)
+        began = time.monotonic()
+        srv.shutdown()
+        assert srv.pool.wait_quiet(5) and time.monotonic() - began >= 0.4
+        got = b""
+        while not got.endswith(b"done"):
+            chunk = s.recv(4096)
+            assert chunk, got
+            got += chunk
+    assert got.startswith(b"HTTP/1.1 200 OK")
+    assert srv.pool.wait_quiet(0), "nothing runs once the answer is written"

@@ -158,6 +158,8 @@ class WorkerPool:
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.lock = threading.Lock()
         self.threads = self.idle = self.pending = 0
+        self.busy = 0                              # jobs running now
+        self.quiet = threading.Condition(self.lock)  # notified when busy drops to 0
 
     def submit(self, fn: Callable, arg) -> None:
         with self.lock:
@@ -178,7 +180,15 @@ class WorkerPool:
             if job is None:
                 return
             fn, arg = job
-            fn(arg)
+            with self.lock:
+                self.busy += 1
+            try:
+                fn(arg)
+            finally:
+                with self.lock:
+                    self.busy -= 1
+                    if not self.busy:
+                        self.quiet.notify_all()
 
     def shutdown(self) -> None:
         """Idle threads end; busy ones end after their job."""
@@ -188,6 +198,11 @@ class WorkerPool:
             self.jobs.put(None)
             with self.lock:
                 self.pending += 1
+
+    def wait_quiet(self, timeout: float) -> bool:
+        """Wait up to `timeout` s for the running jobs to end; whether none runs."""
+        with self.lock:
+            return self.quiet.wait_for(lambda: not self.busy, timeout)
 
 
 # serve(conn) answers one request on `conn` and says whether the connection stays open

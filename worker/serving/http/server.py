@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 import time
 
-from shardwise.crds.contract import DRAIN_SECONDS
+from shardwise.crds.contract import DRAIN_SECONDS, FLUSH_SECONDS
 
 from shardwise.worker.errors import WorkerError
 from shardwise.worker.serving.http.app import App
@@ -48,8 +48,13 @@ class Server:
         self.thread.start()
         return self
 
-    def close(self) -> None:
+    def close(self, flush_seconds: float = FLUSH_SECONDS) -> None:
+        """Stop accepting, then give the requests being answered up to `flush_seconds` to finish
+        writing: the engine may have generated a stream's last tokens while its thread still
+        writes the earlier ones, and the process exiting would cut the stream short without an
+        error or its [DONE]."""
         self.connections.shutdown()
+        self.connections.pool.wait_quiet(flush_seconds)
 
     def _serve_one(self, conn: Connection) -> bool:
         """One request on `conn` (a pool thread); whether the connection stays open after it."""
