@@ -137,8 +137,9 @@ def out_of_bounds(facts: ModelFacts) -> str:
 
 
 def retry_delay(failures: int) -> float:
-    """Seconds before reading the model again after `failures` transient failures in a row."""
-    return min(recovery.MAX_BACKOFF_SECONDS, RETRY_SECONDS * 2 ** max(0, failures - 1))
+    """Seconds before reading the model again after `failures` transient failures in a row: the
+    group restarts' doubling and cap (recovery.Policy.backoff), from RETRY_SECONDS."""
+    return recovery.Policy(backoff_seconds=RETRY_SECONDS).backoff(failures)
 
 
 def unreached(uri: str, reason: str, before: ModelFactsStatus | None, generation: int,
