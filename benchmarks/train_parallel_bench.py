@@ -49,6 +49,7 @@ WORLD = 4
 # The memory part's model, and the compression part's by default: 6.6M parameters, 35x the tiny
 # model's, which is smaller than one layer of a real model (top-k's gap depends on the size).
 SMALL = dict(layers=8, hidden=256, heads=8, kv_heads=4, intermediate=768, vocab=2000)
+SMALL_SHAPE = f"{SMALL['layers']} layers, hidden {SMALL['hidden']}, intermediate {SMALL['intermediate']}"
 
 
 def _text(n_lines: int = 300) -> str:
@@ -218,7 +219,7 @@ def part_memory(work: Path, args) -> None:
     data = work / "data.txt"
     model = write_tiny_model(work / "mem-model", _text(3000), **SMALL)
     config = open_model(str(model)).config
-    print(f"\n1. memory per rank: {WORLD} ranks, model of 8 layers, hidden 256, intermediate 768, "
+    print(f"\n1. memory per rank: {WORLD} ranks, model of {SMALL_SHAPE}, "
           f"vocab {config.vocab_size} ({config.num_params / 1e6:.2f}M parameters), fp32, AdamW, "
           f"after 2 train steps")
     layouts = (("DP=4 replicated (--data-shard 1)", 1), ("FSDP=4 (--data-shard 4)", WORLD))
@@ -410,8 +411,7 @@ def part_compression(work: Path, args) -> None:
     data = work / f"cmp-data-{args.corpus}.txt"
     data.write_text(text)
     steps, tail = args.steps, min(10, args.steps)
-    described = ("tiny model (write_tiny_model defaults)" if not shape else
-                 "small model (8 layers, hidden 256, intermediate 768)")
+    described = f"small model ({SMALL_SHAPE})" if shape else "tiny model (write_tiny_model defaults)"
     print(f"\n3. gradient compression on the replicate axis: DP=2, --data-shard 1 (2 replicate groups), "
           f"{described}, {open_model(str(model)).config.num_params / 1e6:.2f}M parameters, "
           f"corpus {args.corpus}, batch 8 x 64 tokens, lr {args.lr:g}, seed 7, {steps} steps; "
