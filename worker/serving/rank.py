@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.crds.layout import RankLayout, split_layers
-from shardwise.crds.modelshape import in_memory_dtype
+from shardwise.crds.modelshape import BLOCK_ACTIVATIONS, BlockActivations, in_memory_dtype
 
 from shardwise.worker.distributed import tensor_parallel as parallel
 from shardwise.worker.distributed.launch import forkserver
@@ -55,6 +55,7 @@ class RankSpec:
     threads: int = 0              # torch intra-op threads per rank; 0: cores / local ranks
     decode: str = "auto"          # pipeline.py decode_mode: auto, eager, graphs, compile
     quantize: str = "none"        # quantize.py: none, int8 (weight-only, decoder layers), gguf (the file's blocks)
+    block_activations: str = BLOCK_ACTIVATIONS.value   # gguf on a CPU: weights/block_dot.py
     offload_budget: int = 0       # offload.py: bytes of weights kept on the device, the other layers streamed; 0: all
     # The KV cache (scheduler.py, kv_blocks.py): its size in tokens (0: max_batch whole contexts),
     # tokens per block, prompt tokens of one request per step, and tokens per step in all.
@@ -123,7 +124,8 @@ def setup_rank(spec: RankSpec, rank: int, world: int, local_rank: int, init_meth
     install_fused_weights(model)
     if spec.quantize == "none":
         place_in_huge_pages(model)                         # quantize_weights places what it builds
-    quantize_weights(model, spec.quantize, device)         # this rank's slices only
+    quantize_weights(model, spec.quantize, device,         # this rank's slices only
+                     BlockActivations(spec.block_activations))
     if spec.offload_budget:
         apply_offload(model, spec.offload_budget, device)
     stats = {"rank": rank, "stage": stage_idx, "tp_rank": tp_rank, "layers": [start, end],

@@ -11,6 +11,11 @@ weight is w = (v - 8) * scale + zero for 4-bit v and a scale and zero per block 
         (hi = q >> 4 in -8..7,           scale 16d, zero 0, and lo with scale d, zero 8d; the
          lo = q & 15 in 0..15)           matmul runs over [hi plane | lo plane] with x twice
 
+On a CPU where the block-dot kernel builds (block_dot.py: `--block-activations`, default fine),
+a GGUF file's matrices run on it instead: the 4-bit values repacked in tiles of 8 rows, the
+file's float16 scales as they are (Q8_0 as the same two planes), the activations quantized per
+block of 32 inside the product. What follows describes torch's int4 kernel, the path elsewhere.
+
 Every value is exact; the scales and zeros are held in bfloat16 (the kernel's fast dtype: its
 float32 and float16 variants run 30-45x slower on the development machine), so they round from
 the file's float16 like a bfloat16 model's weights do. Activations go through the kernel in
@@ -43,8 +48,9 @@ from torch import nn
 
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from shardwise.crds.modelshape import GGUF_NATIVE_BYTES
+from shardwise.crds.modelshape import GGUF_NATIVE_BYTES, BlockActivations
 from shardwise.worker.model.inference import InferenceMatrix
+from shardwise.worker.weights import block_dot
 
 NATIVE = tuple(GGUF_NATIVE_BYTES)   # the types kept as stored: Q8_0, Q4_0, Q4_1
 # (values, bytes) per block of each, from the gguf package's table of ggml types
@@ -206,17 +212,35 @@ class BlockLinear(InferenceMatrix):
     offload.py packs them."""
 
     def __init__(self, blocks: "Blocks | Planes", device: str | torch.device = "cpu", bias: torch.Tensor | None = None,
-                 rows: bool = False):
+                 rows: bool = False, activations: BlockActivations | None = None):
         """bias: kept beside the blocks in its own dtype (the fused q/k/v of a model with
         attention biases), added after the matmul. rows: the matrix is also read by rows (an
-        embedding table: see rows())."""
+        embedding table: see rows()). activations: a GGUF file's blocks on a CPU run on the
+        block-dot kernel (block_dot.py) with activations quantized so, where it builds; None:
+        torch's int4 kernel."""
         super().__init__()
         planes = blocks if isinstance(blocks, Planes) else Planes(blocks.qtype, *int4_planes(blocks))
         self.qtype, self.group = planes.qtype, planes.group
         self.twice = planes.twice                   # the input runs once per plane
         values, scale, zero = planes.values, planes.scale, planes.zero
         self.out_features, self.in_features = values.shape[0], values.shape[1] // (2 if self.twice else 1)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(device), requires_grad=False)
         v = torch.from_numpy(values)
+        # the file's own float16 scales (Q8_0, Q4_0, Q4_1; not quantize.py's INT8, whose float32
+        # scales may not fit float16) on a CPU, in whole tiles of rows
+        self.activations = activations if (
+            activations is not None and planes.qtype in NATIVE and planes.group == BLOCK
+            and torch.device(device).type == "cpu" and self.out_features % block_dot.TILE == 0
+            and block_dot.available()) else None
+        self.kernel = False
+        if self.activations is not None:
+            scale_t = torch.from_numpy(scale)
+            packed, dot_scale, dot_low = block_dot.pack(v, scale_t, torch.from_numpy(zero) - 8 * scale_t)
+            self.packed = nn.Parameter(packed, requires_grad=False)
+            self.dot_scale = nn.Parameter(dot_scale, requires_grad=False)
+            self.dot_low = nn.Parameter(dot_low, requires_grad=False)
+            self.layout = self.row_copy = None
+            return
         # [blocks, rows, 2]: the kernel's layout of the scales and zeros
         sz = torch.stack([torch.from_numpy(scale).t(), torch.from_numpy(zero).t()], dim=-1)
         self.kernel = (torch.device(device).type == "cpu" and self.out_features % KERNEL_ROWS == 0
@@ -228,7 +252,6 @@ class BlockLinear(InferenceMatrix):
         self.packed = nn.Parameter(packed, requires_grad=False)
         self.scales_and_zeros = nn.Parameter(sz.to(device=device, dtype=torch.bfloat16).contiguous(),
                                              requires_grad=False)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().to(device), requires_grad=False)
         # rows=True (an embedding table, tied to the head or not): where its rows cannot be read
         # from the kernel's packing, a copy in our own layout serves the lookups
         self.layout = self._row_layout(values) if self.kernel and rows else None
@@ -261,6 +284,13 @@ class BlockLinear(InferenceMatrix):
         """Rows `ids` (int64, any shape) of the matrix, dequantized: [*ids.shape, in] in `dtype`.
         An embedding lookup reads only these rows' blocks (needs rows=True where the kernel runs)."""
         flat = ids.reshape(-1)
+        if self.activations is not None:
+            v = block_dot.unpack_rows(self.packed, flat).to(dtype).view(flat.numel(), -1, BLOCK)
+            scale, low = (block_dot.by_rows(t, flat).to(dtype)[..., None] for t in (self.dot_scale, self.dot_low))
+            w = (v * scale + low).view(flat.numel(), -1)
+            if self.twice:
+                w = w[:, :self.in_features] + w[:, self.in_features:]
+            return w.view(*ids.shape, self.in_features)
         v = self._values(flat).to(dtype)
         sz = self.scales_and_zeros[:, flat].to(dtype)                     # [blocks, n, 2]
         w = (v.view(flat.numel(), -1, self.group) - 8) * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None]
@@ -271,7 +301,7 @@ class BlockLinear(InferenceMatrix):
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The [out, in] matrix these blocks stand for (the fallback path; tests)."""
-        if self.kernel:
+        if self.kernel and self.activations is None:
             eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.packed.device)
             return self._matmul(eye).t().to(dtype)
         return self.rows(torch.arange(self.out_features, device=self.packed.device), dtype)
@@ -282,6 +312,14 @@ class BlockLinear(InferenceMatrix):
         return y if self.bias is None else y.add_(self.bias.to(x.dtype))
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activations is not None:
+            x2 = x.reshape(x.shape[0], -1)
+            if x2.dtype not in (torch.float32, torch.bfloat16):
+                x2 = x2.float()
+            if self.twice:
+                x2 = torch.cat([x2, x2], dim=1)
+            return block_dot.mm(x2, self.packed, self.dot_scale, self.dot_low,
+                                self.activations is BlockActivations.FINE).to(x.dtype)
         if not self.kernel:
             return F.linear(x, self.dequantized(x.dtype))
         xb = x.to(torch.bfloat16)

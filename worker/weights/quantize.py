@@ -136,7 +136,7 @@ class Int8Linear(InferenceMatrix):
         return self.mm(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
 
 
-def quantize_weights(model: nn.Module, method: str, device: str = "cpu") -> int:
+def quantize_weights(model: nn.Module, method: str, device: str = "cpu", activations=None) -> int:
     """Quantize a fused model's decoder-layer matrices in place (see the module docstring), then
     place the CPU matrices in huge pages; returns how many matrices were quantized. Call it after
     inference.install_fused_weights, before placing anything: placing the float matrices first
@@ -144,14 +144,15 @@ def quantize_weights(model: nn.Module, method: str, device: str = "cpu") -> int:
 
     gguf: the matrices loader.load_stage(keep_blocks=True) kept as the file's blocks become
     gguf_blocks.BlockLinear, laid out for `device` (where they will run; a streamed model is
-    built in host memory first); the others stay as loaded."""
+    built in host memory first); the others stay as loaded. activations: the block-dot kernel's
+    (crds/modelshape.py BlockActivations) for those blocks on a CPU; None: torch's int4 kernel."""
     check_method(method)
     if method == "none":
         return 0
     if not getattr(model, "fused", False):
         raise WorkerError("quantize the model after install_fused_weights (inference only)")
     if method == "gguf":
-        return _build_block_matrices(model, device)
+        return _build_block_matrices(model, device, activations)
     count = 0
     for layer in model.layers.values():
         for parent in (layer.attention, layer.feed_forward):
@@ -164,10 +165,10 @@ def quantize_weights(model: nn.Module, method: str, device: str = "cpu") -> int:
     return count
 
 
-def _build_block_matrices(model: nn.Module, device: str) -> int:
+def _build_block_matrices(model: nn.Module, device: str, activations) -> int:
     from shardwise.worker.weights.gguf_blocks import BlockLinear
     blocks = getattr(model, "gguf_blocks", {})
-    count = _build_vocab_blocks(model, blocks, device) + len(blocks)
+    count = _build_vocab_blocks(model, blocks, device, activations) + len(blocks)
     for key in list(blocks):        # popped one at a time: each file copy is freed once built
         _, i, fused = key.split(".", 2)
         layer = model.layers[i]
@@ -177,12 +178,12 @@ def _build_block_matrices(model: nn.Module, device: str) -> int:
         # the fused matrix it replaces (built on meta from the kept parameters) may carry real
         # biases, read like any other parameter: they stay beside the blocks
         bias = getattr(getattr(parent, name), "bias", None)
-        setattr(parent, name, BlockLinear(blocks.pop(key), device, bias).to(placed))
+        setattr(parent, name, BlockLinear(blocks.pop(key), device, bias, activations=activations).to(placed))
     place_in_huge_pages(model)
     return count
 
 
-def _build_vocab_blocks(model: nn.Module, blocks: dict, device: str) -> int:
+def _build_vocab_blocks(model: nn.Module, blocks: dict, device: str, activations) -> int:
     """The embedding and the LM head kept in blocks (loader._read_blocks), popped from `blocks`:
     the head a BlockLinear, the embedding a BlockEmbedding reading rows of its own BlockLinear or,
     tied, of the head's (one tensor for both). Under tensor parallelism they are the rank's
@@ -195,13 +196,13 @@ def _build_vocab_blocks(model: nn.Module, blocks: dict, device: str) -> int:
     dtype = next(p.dtype for p in model.parameters() if p.device.type != "meta")
     table = None
     if head is not None:
-        table = BlockLinear(head, device, rows=head is emb).to(placed)
+        table = BlockLinear(head, device, rows=head is emb, activations=activations).to(placed)
         if hasattr(model.output, "use_matrix"):
             model.output.use_matrix(table)
         else:
             model.output = table
     if emb is not None:
-        table = table if head is emb else BlockLinear(emb, device, rows=True).to(placed)
+        table = table if head is emb else BlockLinear(emb, device, rows=True, activations=activations).to(placed)
         lookup = BlockEmbedding(table, dtype)
         module = model.tok_embeddings
         if hasattr(module, "use_lookup"):
