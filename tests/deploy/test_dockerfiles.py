@@ -31,7 +31,10 @@ def test_images_copy_every_package_folder_and_the_files_the_build_reads():
         text = dockerfile(name)
         assert folders | {"pyproject.toml", "README.md"} <= copied(text), name
         for path in copied(text) - {"pyproject.toml", "README.md"}:
-            assert f"!{path}/" in ignore or f"!{path}" in ignore, (name, path)
+            # `!folder/` lets everything under it through (the worker's kernels stage copies two
+            # files of worker/weights/ alone)
+            allowed = [line[1:].rstrip("/") for line in ignore if line.startswith("!")]
+            assert any(path == a or path.startswith(a + "/") for a in allowed), (name, path)
 
 
 def test_operator_image_installs_the_operator_extra_which_has_no_torch():
