@@ -120,7 +120,8 @@ def available() -> bool:
     why = _supported_machine()
     if why is None:
         try:
-            path = next((d / library_name() for d in search_dirs() if (d / library_name()).exists()), None)
+            name = library_name()                            # hashes the source: once
+            path = next((d / name for d in search_dirs() if (d / name).exists()), None)
             if path is None:
                 path = build(search_dirs()[-1])
             torch.ops.load_library(str(path))

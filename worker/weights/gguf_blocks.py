@@ -287,13 +287,11 @@ class BlockLinear(InferenceMatrix):
         if self.activations is not None:
             v = block_dot.unpack_rows(self.packed, flat).to(dtype).view(flat.numel(), -1, BLOCK)
             scale, low = (block_dot.by_rows(t, flat).to(dtype)[..., None] for t in (self.dot_scale, self.dot_low))
-            w = (v * scale + low).view(flat.numel(), -1)
-            if self.twice:
-                w = w[:, :self.in_features] + w[:, self.in_features:]
-            return w.view(*ids.shape, self.in_features)
-        v = self._values(flat).to(dtype)
-        sz = self.scales_and_zeros[:, flat].to(dtype)                     # [blocks, n, 2]
-        w = (v.view(flat.numel(), -1, self.group) - 8) * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None]
+            w = v * scale + low
+        else:
+            v = self._values(flat).to(dtype)
+            sz = self.scales_and_zeros[:, flat].to(dtype)                     # [blocks, n, 2]
+            w = (v.view(flat.numel(), -1, self.group) - 8) * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None]
         w = w.view(flat.numel(), -1)
         if self.twice:
             w = w[:, :self.in_features] + w[:, self.in_features:]
@@ -301,7 +299,7 @@ class BlockLinear(InferenceMatrix):
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The [out, in] matrix these blocks stand for (the fallback path; tests)."""
-        if self.kernel and self.activations is None:
+        if self.kernel:
             eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.packed.device)
             return self._matmul(eye).t().to(dtype)
         return self.rows(torch.arange(self.out_features, device=self.packed.device), dtype)
@@ -313,9 +311,7 @@ class BlockLinear(InferenceMatrix):
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.activations is not None:
-            x2 = x.reshape(x.shape[0], -1)
-            if x2.dtype not in (torch.float32, torch.bfloat16):
-                x2 = x2.float()
+            x2 = x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
             if self.twice:
                 x2 = torch.cat([x2, x2], dim=1)
             return block_dot.mm(x2, self.packed, self.dot_scale, self.dot_low,
